@@ -1,0 +1,49 @@
+"""DSA latent cache in fixed-size pages: the 512-d MLA latent per token and the indexer's pooled key per pool.
+
+Pooled keys are computed once, when a pool's last token arrives, so decode never re-pools the past.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from engine.config import ModelConfig
+
+
+class PagedLatents:
+    def __init__(self, cfg: ModelConfig, num_pages: int, page_size: int, device: torch.device,
+                 dtype: torch.dtype) -> None:
+        if page_size % cfg.index_kpool:
+            raise ValueError(f"page_size {page_size} must be a multiple of index_kpool {cfg.index_kpool}")
+        n_dsa = len(cfg.dsa_layers)
+        self.page_size, self.num_pages, self.kpool = page_size, num_pages, cfg.index_kpool
+        self.latents = torch.zeros(n_dsa, num_pages * page_size, cfg.kv_lora_rank, dtype=dtype, device=device)
+        self.pool_keys = torch.zeros(n_dsa, num_pages * page_size // cfg.index_kpool, cfg.index_head_dim,
+                                     dtype=dtype, device=device)
+        self._free = list(range(num_pages - 1, -1, -1))
+
+    @property
+    def free_pages(self) -> int:
+        return len(self._free)
+
+    def pages_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.page_size)
+
+    def allocate(self, count: int) -> list[int]:
+        if count > len(self._free):
+            raise RuntimeError(f"need {count} cache pages, {len(self._free)} free")
+        return [self._free.pop() for _ in range(count)]
+
+    def release(self, pages: list[int]) -> None:
+        self._free.extend(reversed(pages))
+
+    def token_rows(self, page_table: torch.Tensor, start: int, end: int) -> torch.Tensor:
+        """Flat row index of token positions [start, end) for a request with this page table."""
+        pos = torch.arange(start, end, device=page_table.device)
+        return page_table[pos // self.page_size] * self.page_size + pos % self.page_size
+
+    def pool_rows(self, page_table: torch.Tensor, start: int, end: int) -> torch.Tensor:
+        """Flat row index of pools [start, end) (pool p covers tokens p*kpool .. p*kpool+kpool-1)."""
+        per_page = self.page_size // self.kpool
+        pool = torch.arange(start, end, device=page_table.device)
+        return page_table[pool // per_page] * per_page + pool % per_page

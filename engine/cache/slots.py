@@ -1,0 +1,42 @@
+"""Fixed-size state per request, one slot each: KDA recurrent + conv state and the indexer's open pool.
+
+A KDA layer's state does not grow with the sequence (4 MiB fp32 per layer on the real model), so
+it lives in slots rather than pages; a request takes a slot on admission and frees it on exit.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from engine.config import ModelConfig
+
+
+class RequestSlots:
+    def __init__(self, cfg: ModelConfig, num_slots: int, device: torch.device, dtype: torch.dtype) -> None:
+        h, d, k = cfg.linear_num_heads, cfg.linear_head_dim, cfg.conv_kernel
+        n_kda, n_dsa = len(cfg.kda_layers), len(cfg.dsa_layers)
+        self.num_slots = num_slots
+        self.recurrent = torch.zeros(n_kda, num_slots, h, d, d, dtype=torch.float32, device=device)
+        self.conv = torch.zeros(n_kda, num_slots, 3 * cfg.linear_dim, k - 1, dtype=dtype, device=device)
+        # Keys and gate logits of the tokens of the pool that is not complete yet, per DSA layer.
+        self.open_pool = torch.zeros(n_dsa, num_slots, cfg.index_kpool, 2 * cfg.index_head_dim, dtype=dtype,
+                                     device=device)
+        self._free = list(range(num_slots - 1, -1, -1))
+
+    @property
+    def free_count(self) -> int:
+        return len(self._free)
+
+    def allocate(self) -> int:
+        if not self._free:
+            raise RuntimeError("no free request slot")
+        slot = self._free.pop()
+        self.recurrent[:, slot].zero_()
+        self.conv[:, slot].zero_()
+        return slot
+
+    def release(self, slot: int) -> None:
+        self._free.append(slot)
+
+    def nbytes_per_slot(self) -> int:
+        return sum(t[0, 0].numel() * t.element_size() * t.shape[0] for t in (self.recurrent, self.conv, self.open_pool))

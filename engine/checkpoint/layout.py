@@ -1,0 +1,132 @@
+"""The official checkpoint layout: every text tensor's name, shape and storage rule, from the config.
+
+One table serves three users: the loader (what must be present, with which shape), the tiny
+model factory (what to write) and synthetic benchmarks (what to build). Names are the official
+keys without the `model.language_model.` prefix; linear weights are named without `.weight`
+because their format decides the suffixes (`weight`, `weight_scale_inv`, `weight_packed`, ...).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Iterator, Literal
+
+from engine.config import ModelConfig
+
+TensorRole = Literal["linear", "fp32", "param"]
+TEXT_PREFIX = "model.language_model."
+EXPERT_KEY = re.compile(r"^layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)$")
+EXPERT_PROJS = ("gate_proj", "up_proj", "down_proj")
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """One checkpoint entry: `linear` may be quantized; `fp32` is kept fp32; `param` follows the compute dtype."""
+
+    name: str
+    shape: tuple[int, ...]
+    role: TensorRole
+
+    @property
+    def is_expert(self) -> bool:
+        return EXPERT_KEY.match(self.name) is not None
+
+
+def text_specs(cfg: ModelConfig) -> Iterator[TensorSpec]:
+    """All tensors of the text model, in checkpoint order (layer by layer)."""
+    d = cfg.hidden_size
+    yield TensorSpec("embed_tokens.weight", (cfg.vocab_size, d), "param")
+    for i in range(cfg.num_layers):
+        yield from _layer_specs(cfg, i)
+    yield TensorSpec("norm.weight", (d,), "param")
+    yield TensorSpec("lm_head", (cfg.vocab_size, d), "linear")
+
+
+def _layer_specs(cfg: ModelConfig, i: int) -> Iterator[TensorSpec]:
+    d, s = cfg.hidden_size, cfg.hc_mult
+    p = f"layers.{i}."
+    for site in ("attn", "ffn"):
+        yield TensorSpec(f"{p}hc_{site}_fn", ((2 + s) * s, s * d), "param")
+        yield TensorSpec(f"{p}hc_{site}_base", ((2 + s) * s,), "fp32")
+        yield TensorSpec(f"{p}hc_{site}_scale", (3,), "fp32")
+    yield TensorSpec(f"{p}input_layernorm.weight", (d,), "param")
+    yield TensorSpec(f"{p}post_attention_layernorm.weight", (d,), "param")
+    yield from (_kda_specs if cfg.layer_kinds[i] == "kda" else _dsa_specs)(cfg, p + "self_attn.")
+    yield from (_dense_specs if cfg.mlp_kinds[i] == "dense" else _moe_specs)(cfg, p + "mlp.")
+
+
+def _kda_specs(cfg: ModelConfig, p: str) -> Iterator[TensorSpec]:
+    d, dim, hd = cfg.hidden_size, cfg.linear_dim, cfg.linear_head_dim
+    for x in "qkv":
+        yield TensorSpec(f"{p}{x}_proj", (dim, d), "linear")
+    for x in "qkv":
+        yield TensorSpec(f"{p}{x}_conv1d.weight", (dim, 1, cfg.conv_kernel), "fp32")
+    for x in "fg":
+        yield TensorSpec(f"{p}{x}_a_proj", (hd, d), "linear")
+        yield TensorSpec(f"{p}{x}_b_proj", (dim, hd), "linear")
+    yield TensorSpec(f"{p}b_proj", (cfg.linear_num_heads, d), "linear")
+    yield TensorSpec(f"{p}A_log", (cfg.linear_num_heads,), "fp32")
+    yield TensorSpec(f"{p}dt_bias", (dim,), "fp32")
+    yield TensorSpec(f"{p}o_norm.weight", (hd,), "param")
+    yield TensorSpec(f"{p}o_proj", (d, dim), "linear")
+
+
+def _dsa_specs(cfg: ModelConfig, p: str) -> Iterator[TensorSpec]:
+    d, h = cfg.hidden_size, cfg.num_attention_heads
+    yield TensorSpec(f"{p}q_a_proj", (cfg.q_lora_rank, d), "linear")
+    yield TensorSpec(f"{p}q_a_layernorm.weight", (cfg.q_lora_rank,), "param")
+    yield TensorSpec(f"{p}q_b_proj", (h * cfg.qk_nope_head_dim, cfg.q_lora_rank), "linear")
+    yield TensorSpec(f"{p}kv_a_proj_with_mqa", (cfg.kv_lora_rank, d), "linear")
+    yield TensorSpec(f"{p}kv_a_layernorm.weight", (cfg.kv_lora_rank,), "param")
+    yield TensorSpec(f"{p}kv_b_proj", (h * (cfg.qk_nope_head_dim + cfg.v_head_dim), cfg.kv_lora_rank), "linear")
+    yield TensorSpec(f"{p}o_proj", (d, h * cfg.v_head_dim), "linear")
+    ih, ihd = cfg.index_n_heads, cfg.index_head_dim
+    yield TensorSpec(f"{p}indexer.wq_b", (ih * ihd, cfg.q_lora_rank), "linear")
+    yield TensorSpec(f"{p}indexer.wk", (ihd, d), "linear")
+    yield TensorSpec(f"{p}indexer.k_norm.weight", (ihd,), "param")
+    yield TensorSpec(f"{p}indexer.k_norm.bias", (ihd,), "param")
+    yield TensorSpec(f"{p}indexer.weights_proj", (ih, d), "linear")
+    yield TensorSpec(f"{p}indexer.index_kpool_compress_gate", (ihd, d), "param")
+    yield TensorSpec(f"{p}indexer.index_kpool_compress_ape", (cfg.index_kpool, ihd), "fp32")
+
+
+def _dense_specs(cfg: ModelConfig, p: str, inter: int | None = None) -> Iterator[TensorSpec]:
+    d, inter = cfg.hidden_size, inter or cfg.intermediate_size
+    yield TensorSpec(f"{p}gate_proj", (inter, d), "linear")
+    yield TensorSpec(f"{p}up_proj", (inter, d), "linear")
+    yield TensorSpec(f"{p}down_proj", (d, inter), "linear")
+
+
+def _moe_specs(cfg: ModelConfig, p: str) -> Iterator[TensorSpec]:
+    d, inter = cfg.hidden_size, cfg.moe_intermediate_size
+    yield TensorSpec(f"{p}gate.weight", (cfg.n_routed_experts, d), "fp32")
+    yield TensorSpec(f"{p}gate.e_score_correction_bias", (cfg.n_routed_experts,), "fp32")
+    yield from _dense_specs(cfg, f"{p}shared_experts.", inter * cfg.n_shared_experts)
+    for e in range(cfg.n_routed_experts):
+        yield from _dense_specs(cfg, f"{p}experts.{e}.", inter)
+
+
+def quantized_in_release(cfg: ModelConfig, spec: TensorSpec) -> bool:
+    """Which linears each released checkpoint flavour stores quantized (the factory and benchmarks follow this).
+
+    Official FP8: routed and shared experts, dense MLPs and the DSA projections except kv_b.
+    NVFP4 (both flavours): routed experts only. Norms, routers, KDA, indexers and lm_head stay BF16.
+    """
+    method = cfg.quant.method
+    if spec.role != "linear" or method == "none":
+        return False
+    if method in ("nvfp4_ct", "nvfp4_modelopt"):
+        return spec.is_expert
+    layer = re.match(r"^layers\.(\d+)\.", spec.name)
+    if layer is None:
+        return False
+    if ".mlp." in spec.name:
+        return True
+    dsa = cfg.layer_kinds[int(layer.group(1))] == "dsa"
+    return dsa and re.search(r"self_attn\.(q_a_proj|q_b_proj|kv_a_proj_with_mqa|o_proj)$", spec.name) is not None
+
+
+def stacked_expert_name(layer: int, proj: str) -> str:
+    """Name under which the loader holds one layer's projection for all experts, stacked on dim 0."""
+    return f"layers.{layer}.mlp.experts.{proj}"

@@ -1,0 +1,263 @@
+"""Read a glm5_next snapshot directory into the engine's weight objects, shard by shard.
+
+Every key is first mapped to the layout table (engine.checkpoint.layout) from the safetensors
+headers alone, so a missing, extra or malformed tensor fails before any data is read. Data is then
+read one shard at a time; routed experts are copied into per-layer stacks as they arrive, so peak
+host memory stays near the model's own size. Vision tower and MTP tensors are recognised and skipped.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from collections import defaultdict
+from dataclasses import dataclass, field
+from pathlib import Path
+import torch
+from safetensors import safe_open
+
+from engine.checkpoint.layout import EXPERT_KEY, TEXT_PREFIX, TensorSpec, stacked_expert_name, text_specs
+from engine.config import ModelConfig
+from engine.weights import DenseWeight, Fp8BlockWeight, Nvfp4Weight, Weight
+
+LoadedWeights = dict[str, "Weight | torch.Tensor"]
+
+# Linear suffix sets that identify each stored format; `input_scale`-style activation scales are
+# carried by some NVFP4 exports and unused by W4A16 math.
+FORMATS: dict[str, frozenset[str]] = {
+    "dense": frozenset({"weight"}),
+    "fp8_block": frozenset({"weight", "weight_scale_inv"}),
+    "nvfp4_ct": frozenset({"weight_packed", "weight_scale", "weight_global_scale"}),
+    "nvfp4_modelopt": frozenset({"weight", "weight_scale", "weight_scale_2"}),
+}
+IGNORED_SUFFIXES = frozenset({"input_scale", "input_global_scale"})
+LINEAR_SUFFIXES = frozenset().union(*FORMATS.values(), IGNORED_SUFFIXES)
+SKIPPED = re.compile(r"^(model\.visual\.|visual\.|model\.vision_tower\.|.*\.shared_head\.|.*hc_head)")
+
+
+class CheckpointError(ValueError):
+    """A snapshot cannot be loaded; the message names the file or tensor and what was expected."""
+
+
+@dataclass
+class _Group:
+    """The checkpoint keys that together make one logical tensor."""
+
+    spec: TensorSpec
+    keys: dict[str, str] = field(default_factory=dict)  # suffix ("" for plain tensors) -> checkpoint key
+    tensors: dict[str, torch.Tensor] = field(default_factory=dict)
+
+    @property
+    def complete(self) -> bool:
+        return len(self.tensors) == len(self.keys)
+
+
+def shard_files(snapshot: Path) -> list[Path]:
+    """The safetensors files of a snapshot: from its index when there is one, else every *.safetensors."""
+    index = snapshot / "model.safetensors.index.json"
+    if index.exists():
+        weight_map = json.loads(index.read_text()).get("weight_map") or {}
+        names = sorted(set(weight_map.values()))
+    else:
+        names = sorted(p.name for p in snapshot.glob("*.safetensors"))
+    if not names:
+        raise CheckpointError(f"{snapshot}: no safetensors files and no model.safetensors.index.json")
+    missing = [n for n in names if not (snapshot / n).exists()]
+    if missing:
+        raise CheckpointError(f"{snapshot}: shard file {missing[0]} listed in the index is missing")
+    return [snapshot / n for n in names]
+
+
+def logical_name(key: str, num_layers: int) -> str | None:
+    """The layout name for a checkpoint key, or None for tensors the text model does not use."""
+    if SKIPPED.match(key):
+        return None
+    if key.startswith(TEXT_PREFIX):
+        name = key[len(TEXT_PREFIX):]
+    elif key.startswith("model."):
+        name = key[len("model."):]
+    else:
+        name = key
+    layer = re.match(r"^layers\.(\d+)\.", name)
+    if layer and int(layer.group(1)) >= num_layers:  # MTP layer(s), loaded by the speculative path later
+        return None
+    return name
+
+
+def load_weights(snapshot: Path | str, cfg: ModelConfig, device: torch.device | str = "cpu",
+                 dtype: torch.dtype = torch.bfloat16) -> LoadedWeights:
+    """Load the text model's tensors; see the module docstring for the guarantees."""
+    snapshot = Path(snapshot)
+    files = shard_files(snapshot)
+    groups, key_file = _plan(files, cfg)
+    out: LoadedWeights = {}
+    stacks = _ExpertStacks(cfg)
+    builder = _Builder(cfg, torch.device(device), dtype)
+    by_file: dict[Path, list[tuple[str, _Group, str]]] = defaultdict(list)
+    for group in groups.values():
+        for suffix, key in group.keys.items():
+            by_file[key_file[key]].append((key, group, suffix))
+    for path in files:
+        with _open(path) as f:
+            for key, group, suffix in by_file[path]:
+                group.tensors[suffix] = _read(f, key, path)
+                if group.complete:
+                    weight = builder.build(group)
+                    group.tensors.clear()
+                    expert = EXPERT_KEY.match(group.spec.name)
+                    if expert:
+                        stacks.put(int(expert.group(1)), int(expert.group(2)), expert.group(3), weight)
+                    else:
+                        out[group.spec.name] = weight
+    out.update(stacks.finish())
+    return out
+
+
+def _plan(files: list[Path], cfg: ModelConfig) -> tuple[dict[str, _Group], dict[str, Path]]:
+    """Map every stored key to its layout entry from the headers; fail on unknown, missing or malformed sets."""
+    specs = {s.name: s for s in text_specs(cfg)}
+    groups: dict[str, _Group] = {}
+    key_file: dict[str, Path] = {}
+    for path in files:
+        with _open(path) as f:
+            keys = list(f.keys())
+        for key in keys:
+            name = logical_name(key, cfg.num_layers)
+            if name is None:
+                continue
+            key_file[key] = path
+            if name in specs and specs[name].role != "linear":
+                groups.setdefault(name, _Group(specs[name])).keys[""] = key
+                continue
+            base, _, suffix = name.rpartition(".")
+            spec = specs.get(base)
+            if spec is None or spec.role != "linear" or suffix not in LINEAR_SUFFIXES:
+                raise CheckpointError(f"{path.name}: unexpected tensor {key!r} (not part of the glm5_next text model)")
+            if suffix not in IGNORED_SUFFIXES:
+                groups.setdefault(base, _Group(spec)).keys[suffix] = key
+    for name, spec in specs.items():
+        if name not in groups:
+            hint = f"{TEXT_PREFIX}{name}" + (".weight" if spec.role == "linear" else "")
+            if name == "lm_head":
+                hint = "lm_head.weight"
+            raise CheckpointError(f"missing tensor {hint!r} (expected shape {list(spec.shape)})")
+        found = frozenset(groups[name].keys)
+        if spec.role == "linear" and found not in FORMATS.values():
+            raise CheckpointError(
+                f"tensor {name!r} has parts {sorted(found)}, which match no known format "
+                f"(expected one of {[sorted(v) for v in FORMATS.values()]})")
+    return groups, key_file
+
+
+class _open:
+    """safe_open that reports a damaged file by name instead of a bare library error."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def __enter__(self):
+        try:
+            self.handle = safe_open(str(self.path), framework="pt", device="cpu")
+            return self.handle.__enter__()
+        except Exception as exc:  # safetensors raises its own error types for truncated/garbled files
+            raise CheckpointError(f"{self.path.name}: cannot read safetensors file ({exc})") from exc
+
+    def __exit__(self, *exc_info) -> None:
+        self.handle.__exit__(*exc_info)
+
+
+def _read(f, key: str, path: Path) -> torch.Tensor:
+    try:
+        return f.get_tensor(key)
+    except Exception as exc:
+        raise CheckpointError(f"{path.name}: cannot read tensor {key!r} ({exc})") from exc
+
+
+class _Builder:
+    """Turns one complete key group into a weight object on the target device, checking shapes and dtypes."""
+
+    def __init__(self, cfg: ModelConfig, device: torch.device, dtype: torch.dtype) -> None:
+        self.cfg, self.device, self.dtype = cfg, device, dtype
+
+    def build(self, group: _Group) -> Weight | torch.Tensor:
+        spec, t = group.spec, group.tensors
+        if spec.role != "linear":
+            tensor = t[""]
+            self._check(spec.name, tensor, spec.shape)
+            return tensor.to(self.device, torch.float32 if spec.role == "fp32" else self.dtype)
+        kind = next(k for k, v in FORMATS.items() if v == frozenset(t))
+        n, k = spec.shape
+        if kind == "dense":
+            self._check(spec.name + ".weight", t["weight"], spec.shape, floating=True)
+            return DenseWeight(t["weight"].to(self.device, self.dtype))
+        if kind == "fp8_block":
+            bn, bk = self.cfg.quant.block_size
+            self._check(spec.name + ".weight", t["weight"], spec.shape, torch.float8_e4m3fn)
+            self._check(spec.name + ".weight_scale_inv", t["weight_scale_inv"], (math.ceil(n / bn), math.ceil(k / bk)))
+            return Fp8BlockWeight(t["weight"].to(self.device), t["weight_scale_inv"].to(self.device, torch.float32),
+                                  (bn, bk))
+        packed_key = "weight_packed" if kind == "nvfp4_ct" else "weight"
+        global_key = "weight_global_scale" if kind == "nvfp4_ct" else "weight_scale_2"
+        if k % 16:
+            raise CheckpointError(f"tensor {spec.name!r}: NVFP4 needs in_features divisible by 16, got {k}")
+        self._check(f"{spec.name}.{packed_key}", t[packed_key], (n, k // 2), torch.uint8)
+        self._check(f"{spec.name}.weight_scale", t["weight_scale"], (n, k // 16), torch.float8_e4m3fn)
+        glob = t[global_key].float().reshape(-1)
+        if glob.numel() != 1:
+            raise CheckpointError(f"tensor {spec.name}.{global_key}: expected one value, found shape {list(t[global_key].shape)}")
+        # compressed-tensors stores a divisor, ModelOpt a multiplier; the engine holds multipliers.
+        glob = glob.reciprocal() if kind == "nvfp4_ct" else glob
+        return Nvfp4Weight(t[packed_key].to(self.device), t["weight_scale"].to(self.device), glob.to(self.device))
+
+    @staticmethod
+    def _check(key: str, tensor: torch.Tensor, shape: tuple[int, ...], dtype: torch.dtype | None = None,
+               floating: bool = False) -> None:
+        if tuple(tensor.shape) != tuple(shape):
+            raise CheckpointError(f"tensor {key!r}: expected shape {list(shape)}, found {list(tensor.shape)}")
+        if dtype is not None and tensor.dtype != dtype:
+            raise CheckpointError(f"tensor {key!r}: expected dtype {dtype}, found {tensor.dtype}")
+        if floating and not tensor.dtype.is_floating_point:
+            raise CheckpointError(f"tensor {key!r}: expected a floating-point weight, found {tensor.dtype}")
+
+
+class _ExpertStacks:
+    """Per-layer, per-projection stacks of all routed experts, filled one expert at a time."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        self.cfg = cfg
+        self.stacks: dict[tuple[int, str], Weight] = {}
+
+    def put(self, layer: int, expert: int, proj: str, weight: Weight) -> None:
+        slot = (layer, proj)
+        if slot not in self.stacks:
+            self.stacks[slot] = _empty_stack(weight, self.cfg.n_routed_experts)
+        stack = self.stacks[slot]
+        if type(stack) is not type(weight):
+            raise CheckpointError(f"layers.{layer}.mlp.experts.{expert}.{proj}: stored as {type(weight).__name__}, "
+                                  f"other experts of this layer as {type(stack).__name__}")
+        _copy_into(stack, expert, weight)
+
+    def finish(self) -> dict[str, Weight]:
+        return {stacked_expert_name(layer, proj): stack for (layer, proj), stack in self.stacks.items()}
+
+
+def _empty_stack(weight: Weight, count: int) -> Weight:
+    def empty(t: torch.Tensor) -> torch.Tensor:
+        return torch.empty((count, *t.shape), dtype=t.dtype, device=t.device)
+
+    if isinstance(weight, DenseWeight):
+        return DenseWeight(empty(weight.data))
+    if isinstance(weight, Fp8BlockWeight):
+        return Fp8BlockWeight(empty(weight.data), empty(weight.scale_inv), weight.block)
+    return Nvfp4Weight(empty(weight.packed), empty(weight.scale), empty(weight.global_scale))
+
+
+def _copy_into(stack: Weight, index: int, weight: Weight) -> None:
+    for name in _tensor_fields(stack):
+        getattr(stack, name)[index].copy_(getattr(weight, name))
+
+
+def _tensor_fields(weight: Weight) -> tuple[str, ...]:
+    return {DenseWeight: ("data",), Fp8BlockWeight: ("data", "scale_inv"),
+            Nvfp4Weight: ("packed", "scale", "global_scale")}[type(weight)]

@@ -1,0 +1,22 @@
+"""Routed-expert execution behind one interface, so placement (GPU, host RAM, PCIe fetch) never touches the model.
+
+An executor gets the tokens of one MoE layer with their top-k expert ids and routing weights and
+returns the weighted sum of the selected experts' outputs. The torch executor is the reference.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+
+from engine.experts.torch_experts import TorchExperts
+
+
+class ExpertExecutor(Protocol):
+    def __call__(self, layer: int, x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """x [T, D]; expert_ids [T, k]; weights [T, k] fp32 -> [T, D] in x's dtype."""
+        ...
+
+
+__all__ = ["ExpertExecutor", "TorchExperts"]

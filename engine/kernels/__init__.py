@@ -1,0 +1,11 @@
+"""Hot ops behind dispatch points; importing this package registers every implementation."""
+
+from engine.kernels import dispatch
+from engine.kernels.indexer import torch_ref as _indexer  # noqa: F401
+from engine.kernels.kda import torch_ref as _kda  # noqa: F401
+from engine.kernels.linear import torch_ref as _linear  # noqa: F401
+from engine.kernels.mhc import torch_ref as _mhc  # noqa: F401
+from engine.kernels.sparse_mla import torch_ref as _sparse_mla  # noqa: F401
+
+kernel = dispatch.kernel
+__all__ = ["kernel"]

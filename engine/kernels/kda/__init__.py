@@ -1,0 +1,1 @@
+"""KDA (Kimi delta attention): short causal convolution, chunked prefill and the recurrent decode step."""

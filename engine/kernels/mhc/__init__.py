@@ -1,0 +1,1 @@
+"""mHC (manifold-constrained hyper-connections): stream mixing weights, collapse and combine."""

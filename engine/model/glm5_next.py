@@ -1,0 +1,73 @@
+"""GLM-5.3-Flash text model: embedding -> 4 mHC streams -> 45 decoder layers -> mean, norm, lm_head."""
+
+from __future__ import annotations
+
+import torch
+
+from engine.cache import PagedLatents, RequestSlots
+from engine.config import ModelConfig
+from engine.experts import ExpertExecutor, TorchExperts
+from engine.model.batch import ForwardBatch
+from engine.model.dsa import DsaMixer
+from engine.model.kda import KdaMixer
+from engine.model.layers import linear, rms_norm
+from engine.model.mhc import HyperConnection
+from engine.model.mlp import DenseMlp
+from engine.model.moe import MoE
+
+
+class DecoderLayer:
+    """Two mHC sites: (mix, input norm, KDA or DSA, combine) then (mix, post norm, MLP or MoE, combine)."""
+
+    def __init__(self, cfg: ModelConfig, w: dict, index: int, experts: ExpertExecutor) -> None:
+        p = f"layers.{index}."
+        self.eps = cfg.rms_norm_eps
+        self.attn_hc = HyperConnection.from_weights(cfg, w, p, "attn")
+        self.ffn_hc = HyperConnection.from_weights(cfg, w, p, "ffn")
+        self.input_norm, self.post_norm = w[p + "input_layernorm.weight"], w[p + "post_attention_layernorm.weight"]
+        self.is_kda = cfg.layer_kinds[index] == "kda"
+        kinds_before = cfg.layer_kinds[:index]
+        self.mixer = (KdaMixer(cfg, w, p, kinds_before.count("kda")) if self.is_kda
+                      else DsaMixer(cfg, w, p, kinds_before.count("dsa")))
+        self.mlp = (MoE(cfg, w, p, index, experts) if cfg.mlp_kinds[index] == "moe"
+                    else DenseMlp.from_weights(w, p + "mlp.", cfg.swiglu_limit))
+
+    def __call__(self, streams: torch.Tensor, batch: ForwardBatch, slots: RequestSlots,
+                 cache: PagedLatents) -> torch.Tensor:
+        x, post, comb = self.attn_hc.collapse(streams)
+        x = rms_norm(x, self.input_norm, self.eps)
+        y = self.mixer(x, batch, slots) if self.is_kda else self.mixer(x, batch, slots, cache)
+        streams = self.attn_hc.expand(streams, y, post, comb)
+        x, post, comb = self.ffn_hc.collapse(streams)
+        y = self.mlp(rms_norm(x, self.post_norm, self.eps))
+        return self.ffn_hc.expand(streams, y, post, comb)
+
+
+class Glm5NextModel:
+    def __init__(self, cfg: ModelConfig, weights: dict, experts: ExpertExecutor | None = None) -> None:
+        self.cfg = cfg
+        experts = experts or TorchExperts.from_weights(weights, cfg.moe_layers, cfg.swiglu_limit)
+        self.embed = weights["embed_tokens.weight"]
+        self.layers = [DecoderLayer(cfg, weights, i, experts) for i in range(cfg.num_layers)]
+        self.norm, self.lm_head = weights["norm.weight"], weights["lm_head"]
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.embed.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.embed.device
+
+    @torch.inference_mode()
+    def forward(self, batch: ForwardBatch, slots: RequestSlots, cache: PagedLatents, logit_rows: torch.Tensor,
+                layer_outputs: list[torch.Tensor] | None = None) -> torch.Tensor:
+        """Runs one step and returns fp32 logits [len(logit_rows), vocab]; fills `layer_outputs` when given."""
+        x = self.embed[batch.token_ids]
+        streams = x.unsqueeze(1).expand(-1, self.cfg.hc_mult, -1).contiguous()
+        for layer in self.layers:
+            streams = layer(streams, batch, slots, cache)
+            if layer_outputs is not None:
+                layer_outputs.append(streams.clone())
+        hidden = rms_norm(streams[logit_rows].mean(dim=1), self.norm, self.cfg.rms_norm_eps)
+        return linear(hidden, self.lm_head).float()

@@ -1,0 +1,35 @@
+"""MoE block: fp32 sigmoid router with bias-for-selection-only, routed experts via an executor, shared expert."""
+
+from __future__ import annotations
+
+import torch
+
+from engine.config import ModelConfig
+from engine.experts import ExpertExecutor
+from engine.model.mlp import DenseMlp
+
+
+class Router:
+    def __init__(self, cfg: ModelConfig, weight: torch.Tensor, bias: torch.Tensor) -> None:
+        self.cfg, self.weight, self.bias = cfg, weight.float(), bias.float()
+
+    def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """-> (expert ids [T, k], weights [T, k] fp32)."""
+        scores = torch.sigmoid(x.float() @ self.weight.t())
+        ids = torch.topk(scores + self.bias, self.cfg.num_experts_per_tok, dim=-1, sorted=False).indices
+        weights = scores.gather(1, ids)
+        if self.cfg.norm_topk_prob:
+            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+        return ids, weights * self.cfg.routed_scaling_factor
+
+
+class MoE:
+    def __init__(self, cfg: ModelConfig, w: dict, prefix: str, layer: int, experts: ExpertExecutor) -> None:
+        p = prefix + "mlp."
+        self.layer, self.experts = layer, experts
+        self.router = Router(cfg, w[p + "gate.weight"], w[p + "gate.e_score_correction_bias"])
+        self.shared = DenseMlp.from_weights(w, p + "shared_experts.", cfg.swiglu_limit)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        ids, weights = self.router(x)
+        return self.experts(self.layer, x, ids, weights) + self.shared(x)

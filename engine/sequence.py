@@ -1,0 +1,46 @@
+"""One request's life: its tokens, its state slot and cache pages, and why it finished."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from engine.sampling_params import SamplingParams
+
+
+@dataclass
+class Sequence:
+    request_id: int
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    output_token_ids: list[int] = field(default_factory=list)
+    slot: int | None = None
+    pages: list[int] = field(default_factory=list)
+    cached: int = 0  # tokens whose state is already in the slot and pages
+    finish_reason: str | None = None
+    generator: torch.Generator | None = None
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    def append(self, token: int, eos_ids: tuple[int, ...]) -> None:
+        self.output_token_ids.append(token)
+        stops = set(self.params.stop_token_ids) | (set() if self.params.ignore_eos else set(eos_ids))
+        if token in stops:
+            self.finish_reason = "stop"
+        elif len(self.output_token_ids) >= self.params.max_tokens:
+            self.finish_reason = "length"
+
+
+@dataclass
+class RequestOutput:
+    request_id: int
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    finish_reason: str

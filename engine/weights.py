@@ -1,0 +1,86 @@
+"""In-memory weight formats: a linear weight is one of these objects, attached to the layer that uses it.
+
+Quantized weights stay packed (a 181 GiB NVFP4 checkpoint must never be expanded to bf16);
+`dequantize` expands only what one op needs. Stacked forms (a leading expert dim) index with
+`weight[e]` so the expert code never branches on the format.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Union
+
+import torch
+
+from engine.checkpoint.quant import FP8_BLOCK, dequantize_fp8_block, dequantize_nvfp4
+
+
+@dataclass
+class DenseWeight:
+    """A plain weight [..., N, K] already in the compute dtype."""
+
+    data: torch.Tensor
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(self.data.shape)
+
+    def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
+        return self.data.to(dtype)
+
+    def __getitem__(self, index: int | torch.Tensor) -> "DenseWeight":
+        return DenseWeight(self.data[index])
+
+    def nbytes(self) -> int:
+        return self.data.numel() * self.data.element_size()
+
+
+@dataclass
+class Fp8BlockWeight:
+    """float8_e4m3fn [..., N, K] with one fp32 multiplier per (bn x bk) block (official FP8 release)."""
+
+    data: torch.Tensor
+    scale_inv: torch.Tensor
+    block: tuple[int, int] = FP8_BLOCK
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(self.data.shape)
+
+    def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
+        return dequantize_fp8_block(self.data, self.scale_inv, self.block, dtype)
+
+    def __getitem__(self, index: int | torch.Tensor) -> "Fp8BlockWeight":
+        return Fp8BlockWeight(self.data[index], self.scale_inv[index], self.block)
+
+    def nbytes(self) -> int:
+        return self.data.numel() + self.scale_inv.numel() * 4
+
+
+@dataclass
+class Nvfp4Weight:
+    """E2M1 codes packed two per byte [..., N, K/2], e4m3 scales per 16 [..., N, K/16], fp32 global multiplier.
+
+    `global_scale` is [..., 1] or [..., N]; compressed-tensors' divisor is inverted at load so every
+    NVFP4 checkpoint flavour reaches the kernels in one convention.
+    """
+
+    packed: torch.Tensor
+    scale: torch.Tensor
+    global_scale: torch.Tensor
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return (*self.packed.shape[:-1], self.packed.shape[-1] * 2)
+
+    def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
+        return dequantize_nvfp4(self.packed, self.scale, self.global_scale, dtype)
+
+    def __getitem__(self, index: int | torch.Tensor) -> "Nvfp4Weight":
+        return Nvfp4Weight(self.packed[index], self.scale[index], self.global_scale[index])
+
+    def nbytes(self) -> int:
+        return self.packed.numel() + self.scale.numel() + self.global_scale.numel() * 4
+
+
+Weight = Union[DenseWeight, Fp8BlockWeight, Nvfp4Weight]
