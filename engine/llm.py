@@ -8,7 +8,7 @@ from pathlib import Path
 import torch
 
 from engine.cache import PagedLatents, RequestSlots
-from engine.checkpoint.loader import load_weights
+from engine.checkpoint.loader import LoadedWeights, load_weights
 from engine.config import ModelConfig
 from engine.model.glm5_next import Glm5NextModel
 from engine.model_runner import ModelRunner
@@ -25,14 +25,26 @@ class LLM:
                  max_model_len: int = 8192, page_size: int = 64) -> None:
         if dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
-        self.config = ModelConfig.from_dir(model)
-        torch_dtype, dev = DTYPES[dtype], torch.device(device)
-        weights = load_weights(model, self.config, dev, torch_dtype)
-        self.model = Glm5NextModel(self.config, weights)
+        config = ModelConfig.from_dir(model)
+        weights = load_weights(model, config, torch.device(device), DTYPES[dtype])
+        self._setup(config, weights, max_num_seqs, max_model_len, page_size)
+
+    @classmethod
+    def from_weights(cls, config: ModelConfig, weights: LoadedWeights, max_num_seqs: int = 8,
+                     max_model_len: int = 8192, page_size: int = 64) -> "LLM":
+        """An engine over weights already in memory (synthetic benchmarks); device and dtype follow them."""
+        llm = cls.__new__(cls)
+        llm._setup(config, weights, max_num_seqs, max_model_len, page_size)
+        return llm
+
+    def _setup(self, config: ModelConfig, weights: LoadedWeights, max_num_seqs: int, max_model_len: int,
+               page_size: int) -> None:
+        self.config = config
+        self.model = Glm5NextModel(config, weights)
+        dev, dtype = self.model.device, self.model.dtype
         self.max_model_len = max_model_len
-        slots = RequestSlots(self.config, max_num_seqs, dev, torch_dtype)
-        pages = max_num_seqs * -(-max_model_len // page_size)
-        cache = PagedLatents(self.config, pages, page_size, dev, torch_dtype)
+        slots = RequestSlots(config, max_num_seqs, dev, dtype)
+        cache = PagedLatents(config, max_num_seqs * -(-max_model_len // page_size), page_size, dev, dtype)
         self.scheduler = Scheduler(slots, cache, max_model_len)
         self.runner = ModelRunner(self.model, slots, cache)
         self._ids = itertools.count()

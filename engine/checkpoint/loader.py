@@ -14,6 +14,7 @@ import re
 from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Iterable, Iterator
 import torch
 from safetensors import safe_open
 
@@ -91,25 +92,39 @@ def load_weights(snapshot: Path | str, cfg: ModelConfig, device: torch.device | 
     snapshot = Path(snapshot)
     files = shard_files(snapshot)
     groups, key_file = _plan(files, cfg)
-    out: LoadedWeights = {}
-    stacks = _ExpertStacks(cfg)
-    builder = _Builder(cfg, torch.device(device), dtype)
     by_file: dict[Path, list[tuple[str, _Group, str]]] = defaultdict(list)
     for group in groups.values():
         for suffix, key in group.keys.items():
             by_file[key_file[key]].append((key, group, suffix))
-    for path in files:
-        with _open(path) as f:
-            for key, group, suffix in by_file[path]:
-                group.tensors[suffix] = _read(f, key, path)
-                if group.complete:
-                    weight = builder.build(group)
-                    group.tensors.clear()
-                    expert = EXPERT_KEY.match(group.spec.name)
-                    if expert:
-                        stacks.put(int(expert.group(1)), int(expert.group(2)), expert.group(3), weight)
-                    else:
-                        out[group.spec.name] = weight
+
+    def complete_groups() -> Iterator[tuple[TensorSpec, dict[str, torch.Tensor]]]:
+        for path in files:
+            with _open(path) as f:
+                for key, group, suffix in by_file[path]:
+                    group.tensors[suffix] = _read(f, key, path)
+                    if group.complete:
+                        yield group.spec, group.tensors
+                        group.tensors = {}
+
+    return assemble(cfg, complete_groups(), device, dtype)
+
+
+def assemble(cfg: ModelConfig, groups: Iterable[tuple[TensorSpec, dict[str, torch.Tensor]]],
+             device: torch.device | str = "cpu", dtype: torch.dtype = torch.bfloat16) -> LoadedWeights:
+    """Turn complete tensor groups (suffix -> tensor; "" for plain tensors) into weight objects.
+
+    Shared by file loading and by synthetic weights built in memory for benchmarks.
+    """
+    out: LoadedWeights = {}
+    stacks = _ExpertStacks(cfg)
+    builder = _Builder(cfg, torch.device(device), dtype)
+    for spec, tensors in groups:
+        weight = builder.build(spec, tensors)
+        expert = EXPERT_KEY.match(spec.name)
+        if expert:
+            stacks.put(int(expert.group(1)), int(expert.group(2)), expert.group(3), weight)
+        else:
+            out[spec.name] = weight
     out.update(stacks.finish())
     return out
 
@@ -180,8 +195,7 @@ class _Builder:
     def __init__(self, cfg: ModelConfig, device: torch.device, dtype: torch.dtype) -> None:
         self.cfg, self.device, self.dtype = cfg, device, dtype
 
-    def build(self, group: _Group) -> Weight | torch.Tensor:
-        spec, t = group.spec, group.tensors
+    def build(self, spec: TensorSpec, t: dict[str, torch.Tensor]) -> Weight | torch.Tensor:
         if spec.role != "linear":
             tensor = t[""]
             self._check(spec.name, tensor, spec.shape)

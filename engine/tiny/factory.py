@@ -16,6 +16,7 @@ from typing import Any
 import torch
 from safetensors.torch import save_file
 
+from engine.checkpoint.loader import LoadedWeights, assemble
 from engine.checkpoint.layout import TEXT_PREFIX, TensorSpec, quantized_in_release, text_specs
 from engine.checkpoint.quant import quantize_fp8_block, quantize_nvfp4
 from engine.config import ModelConfig
@@ -116,7 +117,7 @@ def _quantization_config(fmt: str) -> dict[str, Any]:
 def init_value(spec: TensorSpec, generator: torch.Generator) -> torch.Tensor:
     """A float32 random tensor for a layout entry, scaled so every mechanism is exercised."""
     name, shape = spec.name, spec.shape
-    randn = torch.randn(shape, generator=generator)
+    randn = torch.randn(shape, generator=generator, device=generator.device)
     if spec.role == "linear":
         return randn / math.sqrt(shape[-1])
     if name.endswith(("layernorm.weight", "norm.weight")):
@@ -126,7 +127,7 @@ def init_value(spec: TensorSpec, generator: torch.Generator) -> torch.Tensor:
     if "_fn" in name:  # mHC projection: strong enough that streams mix unevenly
         return 2.0 * randn / math.sqrt(shape[-1])
     if name.endswith("_scale"):
-        return 0.5 + torch.rand(shape, generator=generator)
+        return 0.5 + torch.rand(shape, generator=generator, device=generator.device)
     if name.endswith("gate.weight"):  # router: spread scores so top-k is decisive
         return 3.0 * randn / math.sqrt(shape[-1])
     if name.endswith("index_kpool_compress_gate"):
@@ -152,6 +153,24 @@ def encode(spec: TensorSpec, value: torch.Tensor, fmt: str, cfg: ModelConfig) ->
                 f"{key}.weight_global_scale": multiplier.reciprocal()}
     return {f"{key}.weight": packed, f"{key}.weight_scale": scale, f"{key}.weight_scale_2": multiplier.reshape(()),
             f"{key}.input_scale": torch.ones(())}
+
+
+def synthetic_weights(cfg: ModelConfig, fmt: str, device: torch.device | str, dtype: torch.dtype,
+                      seed: int = 0) -> LoadedWeights:
+    """Random weights in a release format, built directly on `device` (no files): for benchmarks at full width."""
+    generator = torch.Generator(device).manual_seed(seed)
+
+    def groups():
+        for spec in text_specs(cfg):
+            entries = encode(spec, init_value(spec, generator), fmt, cfg)
+            yield spec, {_suffix(spec, key): value for key, value in entries.items() if not key.endswith("input_scale")}
+
+    return assemble(cfg, groups(), device, dtype)
+
+
+def _suffix(spec: TensorSpec, key: str) -> str:
+    base = "lm_head" if spec.name == "lm_head" else TEXT_PREFIX + spec.name
+    return key[len(base) + 1:]
 
 
 def write_tiny_model(out_dir: Path | str, fmt: str = "bf16", seed: int = 0, **text_overrides: Any) -> Path:
