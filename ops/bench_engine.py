@@ -86,9 +86,10 @@ def _nbytes(w: Weight | torch.Tensor) -> int:
     return w.numel() * w.element_size() if isinstance(w, torch.Tensor) else w.nbytes()
 
 
-def time_engine(llm: LLM, prompt: list[int], decode_steps: int, device: torch.device) -> dict[str, float]:
+def time_engine(llm: LLM, prompt: list[int], decode_steps: int, device: torch.device,
+                profile: bool = False) -> dict[str, float]:
     llm.prompt_logits(prompt[:128])  # warm-up: library handles, allocator, kernels
-    seq = Sequence(0, prompt, SamplingParams(max_tokens=decode_steps + 1))
+    seq = Sequence(0, prompt, SamplingParams(max_tokens=decode_steps + 2))
     llm.scheduler.add(seq)
     step = llm.scheduler.schedule()
     sync(device)
@@ -103,6 +104,16 @@ def time_engine(llm: LLM, prompt: list[int], decode_steps: int, device: torch.de
         logits = llm.runner.run([(seq, 1)])
         sync(device)
         times.append(time.perf_counter() - start)
+    if profile:
+        from torch.profiler import ProfilerActivity, profile as torch_profile
+
+        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+        with torch_profile(activities=activities) as prof:
+            seq.output_token_ids.append(int(logits[-1].argmax()))
+            llm.runner.run([(seq, 1)])
+            sync(device)
+        sort = "cuda_time_total" if device.type == "cuda" else "cpu_time_total"
+        print(prof.key_averages().table(sort_by=sort, row_limit=25), flush=True)
     llm.scheduler.finish(seq)
     times = sorted(times[2:])  # the first steps warm allocator and kernels
     return {"prefill_s": prefill_s, "decode_ms": 1e3 * times[len(times) // 2]}
@@ -207,6 +218,7 @@ def main() -> None:
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     parser.add_argument("--tiny", action="store_true", help="the tiny model's shapes (CPU smoke run)")
     parser.add_argument("--skip-reference", action="store_true")
+    parser.add_argument("--profile", action="store_true", help="print a profile of one engine decode step")
     parser.add_argument("--json", help="write the results here as JSON")
     args = parser.parse_args()
 
@@ -234,7 +246,7 @@ def main() -> None:
     llm = LLM.from_weights(cfg, weights, max_num_seqs=1, max_model_len=max(args.prefill, args.parity_prompt) + 64)
     gen = torch.Generator().manual_seed(0)
     prompt = torch.randint(0, min(cfg.vocab_size, 150000), (args.parity_prompt,), generator=gen).tolist()
-    ours = time_engine(llm, prompt[: args.prefill], args.decode_steps, device)
+    ours = time_engine(llm, prompt[: args.prefill], args.decode_steps, device, args.profile)
     moved = decode_bytes(cfg, weights, args.prefill)
     roofline_ms = moved["total"] / (bandwidth * 1e9) * 1e3
     report({
