@@ -1,0 +1,1 @@
+"""glmflash worker: the OpenAI-compatible HTTP server around the engine."""
