@@ -75,3 +75,24 @@ def test_layer_outputs_match_and_divergence_is_named(tiny_dir, reference, prompt
     llm.model.layers[5].post_norm.mul_(1.01)  # a 1% weight error in one layer
     bad = first_divergent_layer(llm.layer_outputs(ids), ref_layers)
     assert bad is not None and bad.layer == 5
+
+
+def test_transformers_loads_the_tiny_snapshot_as_written(tiny_dir, prompt):
+    """The factory's sharded official layout is what transformers' own loader expects."""
+    transformers = pytest.importorskip("transformers")
+    snapshot = tiny_dir("bf16")
+    model = transformers.Glm5NextForConditionalGeneration.from_pretrained(snapshot, dtype=torch.float32).eval()
+    ids = prompt(40, seed=8)
+    assert_close(LLM(snapshot, dtype="float32").prompt_logits(ids), ref_logits(model, ids))
+
+
+def test_tiny_weights_exercise_routing_and_mixing(tiny_dir, prompt):
+    """Routing spreads over experts and mHC mixes streams unevenly, so parity tests see real behaviour."""
+    llm = LLM(tiny_dir("bf16"), dtype="float32")
+    x = llm.model.embed[torch.tensor(prompt(64, seed=9))]
+    streams = x.unsqueeze(1).expand(-1, 4, -1).contiguous()
+    _, post, comb = llm.model.layers[1].ffn_hc.collapse(streams)
+    assert (comb - 0.25).abs().max() > 0.2 and post.std() > 0.1
+    ids, weights = llm.model.layers[1].mlp.router(x)
+    assert ids.unique().numel() >= 12  # of 16 experts
+    assert (weights.max(-1).values / weights.min(-1).values).median() > 1.15
