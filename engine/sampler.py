@@ -1,23 +1,68 @@
-"""Next-token choice from fp32 logits: greedy, or temperature with top-k / top-p and a per-request seed."""
+"""Next-token choice from fp32 logits: penalties, then greedy or temperature / top-k / top-p / min-p.
+
+Each request samples with its own generator, so a seeded request gives the same tokens whatever
+else shares its batch. Logprobs are taken from the model's raw distribution (before penalties and
+temperature), as OpenAI reports them.
+"""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
-from engine.sampling_params import SamplingParams
+from engine.sequence import Sequence
 
 
-def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> int:
-    """logits [V] fp32 for one request."""
+@dataclass
+class TokenLogprobs:
+    logprob: float  # of the chosen token
+    top: list[tuple[int, float]]  # (token id, logprob), best first
+
+
+def sample(logits: torch.Tensor, seq: Sequence) -> tuple[int, TokenLogprobs | None]:
+    """logits [V] fp32 for one request -> (token, logprobs if asked)."""
+    params = seq.params
+    raw = logits
+    if params.penalized:
+        logits = apply_penalties(logits, seq)
     if params.greedy:
-        return int(logits.argmax())
-    logits = logits / params.temperature
-    if params.top_k:
-        kth = torch.topk(logits, min(params.top_k, logits.numel())).values[-1]
+        token = int(logits.argmax())
+    else:
+        token = int(torch.multinomial(_probs(logits, seq).cpu(), 1, generator=seq.generator))
+    if params.logprobs is None:
+        return token, None
+    logprobs = torch.log_softmax(raw, dim=-1)
+    top = torch.topk(logprobs, params.logprobs) if params.logprobs else None
+    ranked = list(zip(top.indices.tolist(), top.values.tolist())) if top is not None else []
+    return token, TokenLogprobs(float(logprobs[token]), ranked)
+
+
+def apply_penalties(logits: torch.Tensor, seq: Sequence) -> torch.Tensor:
+    p = seq.params
+    logits = logits.clone()
+    if p.repetition_penalty != 1.0:
+        seen = torch.tensor(sorted(set(seq.token_ids)), device=logits.device)
+        picked = logits[seen]
+        logits[seen] = torch.where(picked > 0, picked / p.repetition_penalty, picked * p.repetition_penalty)
+    if (p.presence_penalty or p.frequency_penalty) and seq.output_token_ids:
+        out = torch.tensor(seq.output_token_ids, device=logits.device)
+        counts = torch.bincount(out, minlength=logits.numel()).to(logits.dtype)
+        logits -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(logits.dtype)
+    return logits
+
+
+def _probs(logits: torch.Tensor, seq: Sequence) -> torch.Tensor:
+    p = seq.params
+    logits = logits / p.temperature
+    if p.top_k:
+        kth = torch.topk(logits, min(p.top_k, logits.numel())).values[-1]
         logits = logits.masked_fill(logits < kth, float("-inf"))
     probs = torch.softmax(logits, dim=-1)
-    if params.top_p < 1.0:
+    if p.min_p:
+        probs = probs.masked_fill(probs < p.min_p * probs.max(), 0.0)
+    if p.top_p < 1.0:
         sorted_probs, order = probs.sort(descending=True)
-        drop = sorted_probs.cumsum(0) - sorted_probs > params.top_p  # keep the smallest prefix reaching top_p
+        drop = sorted_probs.cumsum(0) - sorted_probs > p.top_p  # keep the smallest prefix reaching top_p
         probs = probs.scatter(0, order, sorted_probs.masked_fill(drop, 0.0))
-    return int(torch.multinomial(probs.cpu(), 1, generator=generator))
+    return probs

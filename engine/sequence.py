@@ -9,9 +9,9 @@ import torch
 from engine.sampling_params import SamplingParams
 
 
-@dataclass
+@dataclass(eq=False)  # identity: a request is itself, whatever its tokens
 class Sequence:
-    request_id: int
+    request_id: str
     prompt_token_ids: list[int]
     params: SamplingParams
     output_token_ids: list[int] = field(default_factory=list)
@@ -21,9 +21,22 @@ class Sequence:
     finish_reason: str | None = None
     generator: torch.Generator | None = None
 
+    def __post_init__(self) -> None:
+        if self.params.seed is not None and self.generator is None:
+            self.generator = torch.Generator().manual_seed(self.params.seed)
+
     @property
     def token_ids(self) -> list[int]:
         return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def pending(self) -> int:
+        """Known tokens not yet run through the model (the prompt remainder, or the last sampled token)."""
+        return self.num_tokens - self.cached
 
     @property
     def finished(self) -> bool:
@@ -40,7 +53,7 @@ class Sequence:
 
 @dataclass
 class RequestOutput:
-    request_id: int
+    request_id: str
     prompt_token_ids: list[int]
     token_ids: list[int]
     finish_reason: str

@@ -1,0 +1,115 @@
+"""The engine loop's body: scheduler + model runner + sampler. One `step()` = one forward pass.
+
+Single-threaded by design; the offline `LLM` drives it directly and `AsyncEngine` drives it from
+its own thread.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from engine.cache import PagedLatents, RequestSlots
+from engine.checkpoint.loader import LoadedWeights, load_weights
+from engine.config import ModelConfig
+from engine.model.glm5_next import Glm5NextModel
+from engine.model_runner import ModelRunner
+from engine.sampler import TokenLogprobs, sample
+from engine.scheduler import Scheduler, SchedulerLimits
+from engine.sequence import Sequence
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class StepOutput:
+    """One new token of one request; `finish_reason` is set on its last token."""
+
+    request_id: str
+    token_id: int
+    logprobs: TokenLogprobs | None
+    finish_reason: str | None
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    running: int
+    waiting: int
+    slots_used: int
+    slots_total: int
+    pages_used: int
+    pages_total: int
+
+
+@dataclass(frozen=True)
+class EngineOptions:
+    max_num_seqs: int = 8
+    max_model_len: int = 8192
+    max_num_batched_tokens: int = 2048
+    max_waiting: int = 256
+    page_size: int = 64
+
+
+class EngineCore:
+    def __init__(self, config: ModelConfig, weights: LoadedWeights, options: EngineOptions = EngineOptions()) -> None:
+        self.config, self.options = config, options
+        self.model = Glm5NextModel(config, weights)
+        dev, dtype = self.model.device, self.model.dtype
+        self.slots = RequestSlots(config, options.max_num_seqs, dev, dtype)
+        pages = options.max_num_seqs * -(-options.max_model_len // options.page_size)
+        self.cache = PagedLatents(config, pages, options.page_size, dev, dtype)
+        limits = SchedulerLimits(options.max_model_len, max(options.max_num_batched_tokens, options.max_num_seqs),
+                                 options.max_waiting)
+        self.scheduler = Scheduler(self.slots, self.cache, limits)
+        self.runner = ModelRunner(self.model, self.slots, self.cache)
+        self._by_id: dict[str, Sequence] = {}
+
+    @classmethod
+    def from_snapshot(cls, model: str | Path, device: str = "cpu", dtype: str = "bfloat16",
+                      options: EngineOptions = EngineOptions()) -> "EngineCore":
+        if dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
+        config = ModelConfig.from_dir(model)
+        return cls(config, load_weights(model, config, torch.device(device), DTYPES[dtype]), options)
+
+    def add(self, seq: Sequence) -> None:
+        if seq.request_id in self._by_id:
+            raise ValueError(f"request id {seq.request_id!r} is already in use")
+        self.scheduler.add(seq)
+        self._by_id[seq.request_id] = seq
+
+    def abort(self, request_id: str) -> bool:
+        """Drop a request now; its slot and pages are free for the next step."""
+        seq = self._by_id.pop(request_id, None)
+        if seq is None:
+            return False
+        seq.finish_reason = seq.finish_reason or "abort"
+        self.scheduler.finish(seq)
+        return True
+
+    @property
+    def has_work(self) -> bool:
+        return self.scheduler.has_work
+
+    def step(self) -> list[StepOutput]:
+        scheduled = self.scheduler.schedule()
+        if not scheduled:
+            return []
+        logits = self.runner.run(scheduled)
+        done = [seq for seq, _ in scheduled if seq.cached == seq.num_tokens]
+        outputs = []
+        for seq, row in zip(done, logits):
+            token, logprobs = sample(row, seq)
+            seq.append(token, self.config.eos_token_ids)
+            outputs.append(StepOutput(seq.request_id, token, logprobs, seq.finish_reason))
+            if seq.finished:
+                self.scheduler.finish(seq)
+                del self._by_id[seq.request_id]
+        return outputs
+
+    def stats(self) -> EngineStats:
+        return EngineStats(len(self.scheduler.running), len(self.scheduler.waiting),
+                           self.slots.num_slots - self.slots.free_count, self.slots.num_slots,
+                           self.cache.num_pages - self.cache.free_pages, self.cache.num_pages)
