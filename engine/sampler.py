@@ -8,10 +8,15 @@ temperature), as OpenAI reports them.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
 from engine.sequence import Sequence
+
+
+# (tokens so far: prompt + output, logits [V]) -> logits; applied before penalties and sampling.
+LogitsProcessor = Callable[[list[int], torch.Tensor], torch.Tensor]
 
 
 @dataclass
@@ -24,6 +29,8 @@ def sample(logits: torch.Tensor, seq: Sequence) -> tuple[int, TokenLogprobs | No
     """logits [V] fp32 for one request -> (token, logprobs if asked)."""
     params = seq.params
     raw = logits
+    for processor in params.logits_processors:
+        logits = processor(seq.token_ids, logits)
     if params.penalized:
         logits = apply_penalties(logits, seq)
     if params.greedy:
@@ -63,6 +70,6 @@ def _probs(logits: torch.Tensor, seq: Sequence) -> torch.Tensor:
         probs = probs.masked_fill(probs < p.min_p * probs.max(), 0.0)
     if p.top_p < 1.0:
         sorted_probs, order = probs.sort(descending=True)
-        drop = sorted_probs.cumsum(0) - sorted_probs > p.top_p  # keep the smallest prefix reaching top_p
+        drop = sorted_probs.cumsum(0) - sorted_probs >= p.top_p  # keep the smallest prefix reaching top_p
         probs = probs.scatter(0, order, sorted_probs.masked_fill(drop, 0.0))
     return probs

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any, Callable
 
 
 @dataclass
@@ -21,6 +22,8 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None  # None: off; k >= 0: the sampled token's logprob plus the top k
     skip_special_tokens: bool = True
+    # Callables (token ids so far, logits [V]) -> logits, applied in order before sampling (constrained output).
+    logits_processors: list[Callable[[list[int], Any], Any]] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         checks = [

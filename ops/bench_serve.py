@@ -1,0 +1,298 @@
+"""Serving benchmark for any OpenAI-compatible server (glmflash, vLLM, SGLang), for side-by-side numbers.
+
+For each concurrency level C it sends N streaming requests with at most C in flight and parses the raw
+SSE stream, so it times exactly what arrives on the wire:
+  - TTFT: request sent -> first chunk carrying generated text (chat: non-empty content, reasoning_content
+    or tool_calls; completions: non-empty text);
+  - ITL: gaps between successive text-bearing chunks, divided by the chunk's tokens when the server sends
+    usage with every chunk, else by the request's mean tokens per chunk (final usage), else per chunk;
+  - E2E latency; completion tokens from the final usage chunk (text chunks counted when the server sends
+    no usage, reported as usage_missing);
+  - failures: non-200, broken streams, error events, missing [DONE], no generated text.
+Per level: ok/failed, TTFT and ITL mean/p50/p90/p99 (ITL pooled over all chunks of the level), E2E p50,
+output tokens/s (sum of completion tokens / level wall time) and ok requests/s, printed as a table and as
+one key=value line per level, after a `bench ...` line and a comment holding the exact command.
+Each request gets its own seeded random word prompt (~1 token per word), so prefix caches do not help.
+Exit status 1 when any request failed.
+
+    python ops/bench_serve.py --base-url http://127.0.0.1:3000/v1 --concurrency 1,4,16 --ignore-eos
+    python ops/bench_serve.py --base-url http://gpu:8000/v1 --model zai-org/GLM-5.3-Flash --json vllm.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import shlex
+import sys
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from typing import Any, AsyncIterator
+
+import aiohttp
+
+WORDS = ("time year people way day man thing woman life child world school state family student group country "
+         "problem hand part place case week company system program question work number night point home water "
+         "room mother area money story fact month lot right study book eye job word business issue side kind "
+         "head house service friend father power hour game line end member law car city name team minute idea "
+         "body back parent face level office door health person art war history party result change morning "
+         "reason research girl moment air teacher force education").split()
+STAT_FIELDS = ("mean", "p50", "p90", "p99")
+
+
+class StreamError(Exception):
+    """The stream carried something other than OpenAI chunks (an error event, a non-object payload)."""
+
+
+@dataclass
+class StreamTrace:
+    """What one response stream delivered."""
+    text_times: list[float] = field(default_factory=list)  # arrival of each text-bearing chunk
+    chunk_tokens: list[int | None] = field(default_factory=list)  # per text chunk, when usage came with it
+    completion_tokens: int | None = None  # last usage seen
+    prompt_tokens: int | None = None
+    done: bool = False
+
+
+@dataclass
+class RequestResult:
+    ok: bool
+    error: str = ""
+    ttft_s: float = 0.0
+    e2e_s: float = 0.0
+    itl_s: list[float] = field(default_factory=list)
+    completion_tokens: int = 0
+    prompt_tokens: int | None = None
+    usage_reported: bool = False
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--base-url", required=True, help="e.g. http://127.0.0.1:3000/v1")
+    p.add_argument("--model", help="default: first id from GET {base-url}/models")
+    p.add_argument("--api-key")
+    p.add_argument("--concurrency", default="1,4,16", help="comma-separated levels")
+    p.add_argument("--requests-per-level", type=int, help="default: max(8, 4 * concurrency)")
+    p.add_argument("--prompt-tokens", type=int, default=128, help="approximate: that many random words")
+    p.add_argument("--prompt-file", help="use this file's text as every prompt instead")
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--endpoint", choices=("chat", "completions"), default="chat")
+    p.add_argument("--ignore-eos", action="store_true", help="send vendor field ignore_eos: true")
+    p.add_argument("--timeout", type=float, default=600.0, help="per-request limit in seconds")
+    p.add_argument("--json", dest="json_out", metavar="OUT.json")
+    p.add_argument("--seed", type=int, default=0, help="seed of the random word prompts")
+    args = p.parse_args(argv)
+    args.levels = [int(c) for c in args.concurrency.split(",")]
+    args.command = shlex.join(["python", "ops/bench_serve.py", *(sys.argv[1:] if argv is None else argv)])
+    return args
+
+
+def make_prompts(args: argparse.Namespace, count: int, rng: random.Random) -> list[str]:
+    if args.prompt_file:
+        with open(args.prompt_file, encoding="utf-8") as f:
+            return [f.read()] * count
+    return [" ".join(rng.choices(WORDS, k=args.prompt_tokens)) for _ in range(count)]
+
+
+def request_body(args: argparse.Namespace, model: str, prompt: str) -> dict[str, Any]:
+    body: dict[str, Any] = {"model": model, "max_tokens": args.max_tokens, "stream": True,
+                            "stream_options": {"include_usage": True}}
+    if args.endpoint == "chat":
+        body["messages"] = [{"role": "user", "content": prompt}]
+    else:
+        body["prompt"] = prompt
+    if args.ignore_eos:
+        body["ignore_eos"] = True
+    return body
+
+
+async def iter_sse(resp: aiohttp.ClientResponse) -> AsyncIterator[tuple[float, str]]:
+    """(arrival time, data) per SSE event, dispatched at the blank line that ends it."""
+    data: list[str] = []
+    async for raw in resp.content:
+        line = raw.decode("utf-8").rstrip("\r\n")
+        if line.startswith("data:"):
+            data.append(line[5:].removeprefix(" "))
+        elif not line and data:
+            yield time.perf_counter(), "\n".join(data)
+            data = []
+    if data:
+        yield time.perf_counter(), "\n".join(data)
+
+
+def has_text(choice: dict[str, Any], endpoint: str) -> bool:
+    if endpoint == "completions":
+        return bool(choice.get("text"))
+    delta = choice.get("delta") or {}
+    return any(delta.get(k) for k in ("content", "reasoning_content", "tool_calls"))
+
+
+async def read_stream(resp: aiohttp.ClientResponse, endpoint: str) -> StreamTrace:
+    trace = StreamTrace()
+    async for arrived, data in iter_sse(resp):
+        if data.strip() == "[DONE]":
+            trace.done = True
+            break
+        chunk = json.loads(data)
+        if not isinstance(chunk, dict) or chunk.get("error"):
+            raise StreamError(f"unexpected event: {data[:200]}")
+        usage = chunk.get("usage") or {}
+        reported, previous = usage.get("completion_tokens"), trace.completion_tokens or 0
+        if reported is not None:
+            trace.completion_tokens, trace.prompt_tokens = reported, usage.get("prompt_tokens")
+        if any(has_text(c, endpoint) for c in chunk.get("choices") or []):
+            trace.text_times.append(arrived)
+            trace.chunk_tokens.append(None if reported is None else reported - previous)
+    return trace
+
+
+def summarize(trace: StreamTrace, start: float, end: float) -> RequestResult:
+    if not trace.done:
+        return RequestResult(ok=False, error="stream ended without [DONE]")
+    if not trace.text_times:
+        return RequestResult(ok=False, error="no generated text")
+    times, n = trace.text_times, len(trace.text_times)
+    tokens = n if trace.completion_tokens is None else trace.completion_tokens
+    per_chunk = trace.chunk_tokens if None not in trace.chunk_tokens else [tokens / n] * n
+    itl = [(b - a) / k for a, b, k in zip(times, times[1:], per_chunk[1:]) if k > 0]
+    return RequestResult(ok=True, ttft_s=times[0] - start, e2e_s=end - start, itl_s=itl,
+                         completion_tokens=tokens, prompt_tokens=trace.prompt_tokens,
+                         usage_reported=trace.completion_tokens is not None)
+
+
+async def send_request(session: aiohttp.ClientSession, url: str, body: dict[str, Any], endpoint: str) -> RequestResult:
+    start = time.perf_counter()
+    try:
+        async with session.post(url, json=body) as resp:
+            if resp.status != 200:
+                return RequestResult(ok=False, error=f"HTTP {resp.status}: {(await resp.text())[:200]}")
+            trace = await read_stream(resp, endpoint)
+    except (aiohttp.ClientError, asyncio.TimeoutError, ValueError, StreamError) as exc:
+        return RequestResult(ok=False, error=f"{type(exc).__name__}: {exc}"[:300])
+    return summarize(trace, start, time.perf_counter())
+
+
+def percentile(values: list[float], q: float) -> float:
+    """Linear interpolation between closest ranks, q in [0, 100]."""
+    ordered = sorted(values)
+    pos = (len(ordered) - 1) * q / 100
+    lo = int(pos)
+    hi = min(lo + 1, len(ordered) - 1)
+    return ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)
+
+
+def ms_stats(name: str, seconds: list[float]) -> dict[str, float | None]:
+    if not seconds:
+        return {f"{name}_{s}_ms": None for s in STAT_FIELDS}
+    values = {"mean": sum(seconds) / len(seconds), **{f"p{q}": percentile(seconds, q) for q in (50, 90, 99)}}
+    return {f"{name}_{s}_ms": round(values[s] * 1000, 2) for s in STAT_FIELDS}
+
+
+def level_stats(concurrency: int, results: list[RequestResult], wall_s: float, max_tokens: int) -> dict[str, Any]:
+    ok = [r for r in results if r.ok]
+    tokens = sum(r.completion_tokens for r in ok)
+    prompt = [r.prompt_tokens for r in ok if r.prompt_tokens is not None]
+    return {
+        "level": concurrency, "requests": len(results), "ok": len(ok), "failed": len(results) - len(ok),
+        **ms_stats("ttft", [r.ttft_s for r in ok]),
+        **ms_stats("itl", [x for r in ok for x in r.itl_s]),
+        "e2e_p50_ms": round(percentile([r.e2e_s for r in ok], 50) * 1000, 2) if ok else None,
+        "output_tokens": tokens, "output_tok_s": round(tokens / wall_s, 2), "req_s": round(len(ok) / wall_s, 3),
+        "wall_s": round(wall_s, 3), "prompt_tokens_mean": round(sum(prompt) / len(prompt), 1) if prompt else None,
+        "usage_missing": sum(not r.usage_reported for r in ok),
+        "below_max_tokens": sum(r.completion_tokens < max_tokens for r in ok),
+        "errors": dict(Counter(r.error for r in results if not r.ok)),
+    }
+
+
+async def first_model(session: aiohttp.ClientSession, base_url: str) -> str:
+    try:
+        async with session.get(f"{base_url}/models") as resp:
+            resp.raise_for_status()
+            return (await resp.json())["data"][0]["id"]
+    except (aiohttp.ClientError, asyncio.TimeoutError, ValueError, LookupError, TypeError) as exc:
+        raise SystemExit(f"cannot read a model id from {base_url}/models ({exc}); pass --model") from exc
+
+
+async def run_level(session: aiohttp.ClientSession, args: argparse.Namespace, model: str, concurrency: int,
+                    prompts: list[str]) -> dict[str, Any]:
+    url = f"{args.base_url.rstrip('/')}/{'chat/completions' if args.endpoint == 'chat' else 'completions'}"
+    gate = asyncio.Semaphore(concurrency)
+
+    async def gated(prompt: str) -> RequestResult:
+        async with gate:
+            return await send_request(session, url, request_body(args, model, prompt), args.endpoint)
+
+    start = time.perf_counter()
+    results = await asyncio.gather(*(gated(p) for p in prompts))
+    return level_stats(concurrency, list(results), time.perf_counter() - start, args.max_tokens)
+
+
+async def run(args: argparse.Namespace) -> dict[str, Any]:
+    """Runs every level in order; the report records the command, resolved model and settings."""
+    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+    rng = random.Random(args.seed)
+    async with aiohttp.ClientSession(headers=headers, connector=aiohttp.TCPConnector(limit=0),
+                                     timeout=aiohttp.ClientTimeout(total=args.timeout)) as session:
+        model = args.model or await first_model(session, args.base_url.rstrip("/"))
+        levels = []
+        for c in args.levels:
+            count = args.requests_per_level or max(8, 4 * c)
+            levels.append(await run_level(session, args, model, c, make_prompts(args, count, rng)))
+    settings = {k: v for k, v in vars(args).items() if k not in ("command", "levels")}
+    return {"command": args.command, "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+            "url": args.base_url, "model": model, "settings": settings, "levels": levels}
+
+
+def fmt(value: Any) -> str:
+    return "na" if value is None else str(value)
+
+
+def kv_lines(report: dict[str, Any]) -> list[str]:
+    s = report["settings"]
+    head = (f"bench url={report['url']} model={report['model']} endpoint={s['endpoint']} "
+            f"prompt_tokens={s['prompt_file'] or s['prompt_tokens']} max_tokens={s['max_tokens']} "
+            f"ignore_eos={int(s['ignore_eos'])} seed={s['seed']} date={report['date']}")
+    return [head] + [" ".join(f"{k}={fmt(v)}" for k, v in lvl.items() if k != "errors") for lvl in report["levels"]]
+
+
+def table(levels: list[dict[str, Any]]) -> str:
+    cols = [("C", "level"), ("ok", "ok"), ("fail", "failed")]
+    cols += [(f"TTFT {s}", f"ttft_{s}_ms") for s in STAT_FIELDS] + [(f"ITL {s}", f"itl_{s}_ms") for s in STAT_FIELDS]
+    cols += [("E2E p50", "e2e_p50_ms"), ("out tok/s", "output_tok_s"), ("req/s", "req_s")]
+    rows = [[title for title, _ in cols]] + [[fmt(lvl[key]) for _, key in cols] for lvl in levels]
+    widths = [max(len(row[i]) for row in rows) for i in range(len(cols))]
+    lines = ["  ".join(cell.rjust(w) for cell, w in zip(row, widths)) for row in rows]
+    return "\n".join([lines[0], "  ".join("-" * w for w in widths), *lines[1:]]) + "\n(times in ms)"
+
+
+def notes(report: dict[str, Any]) -> list[str]:
+    out = []
+    for lvl in report["levels"]:
+        out += [f"# level={lvl['level']} {n}x {err}" for err, n in lvl["errors"].items()]
+        if lvl["usage_missing"]:
+            out.append(f"# level={lvl['level']} no usage in {lvl['usage_missing']} streams: tokens counted as chunks")
+        if report["settings"]["ignore_eos"] and lvl["below_max_tokens"]:
+            out.append(f"# level={lvl['level']} {lvl['below_max_tokens']} requests stopped before --max-tokens "
+                       "despite --ignore-eos: the server seems to ignore ignore_eos")
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    report = asyncio.run(run(args))
+    print(f"# {report['command']}")
+    print(table(report["levels"]))
+    print("\n".join(kv_lines(report) + notes(report)))
+    if args.json_out:
+        with open(args.json_out, "w", encoding="utf-8") as f:
+            json.dump(report, f, indent=2)
+    return 1 if any(lvl["failed"] for lvl in report["levels"]) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

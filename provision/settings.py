@@ -1,0 +1,57 @@
+"""Every setting of the worker, in one pydantic-settings object read from the environment.
+
+Variables are `GLMFLASH_<FIELD>` (e.g. `GLMFLASH_PORT=3000`); the common ones also answer to the
+names users already set for other workers: `API_KEY`, `HF_TOKEN`, `MODEL_NAME`.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from pydantic import AliasChoices, Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+
+def _env(name: str, *aliases: str) -> AliasChoices:
+    return AliasChoices(f"GLMFLASH_{name}", *aliases)
+
+
+class Settings(BaseSettings):
+    model_config = SettingsConfigDict(populate_by_name=True, extra="ignore")
+
+    model: str | None = Field(None, validation_alias=_env("MODEL", "MODEL_NAME"),
+                              description="Snapshot directory or Hugging Face id; unset serves the embedded tiny model")
+    served_model_name: str | None = Field(None, validation_alias=_env("SERVED_MODEL_NAME"),
+                                          description="Name in /v1/models and accepted in requests (default: the model's)")
+    host: str = Field("0.0.0.0", validation_alias=_env("HOST"))
+    port: int = Field(3000, validation_alias=_env("PORT"))
+    api_key: str | None = Field(None, validation_alias=_env("API_KEY", "API_KEY"),
+                                description="When set, /v1 requests need 'Authorization: Bearer <key>'")
+    hf_token: str | None = Field(None, validation_alias=_env("HF_TOKEN", "HF_TOKEN"))
+    cache_dir: Path = Field(Path("/workspace/glmflash"), validation_alias=_env("CACHE_DIR"),
+                            description="Where snapshots (and the tiny model) are kept")
+    device: str = Field("auto", validation_alias=_env("DEVICE"), description="cuda, cpu or auto")
+    dtype: str = Field("auto", validation_alias=_env("DTYPE"), description="bfloat16, float32 or auto")
+    max_num_seqs: int = Field(16, ge=1, validation_alias=_env("MAX_NUM_SEQS"),
+                              description="Requests decoding at once (one state slot each)")
+    max_model_len: int = Field(8192, ge=16, validation_alias=_env("MAX_MODEL_LEN"),
+                               description="Longest prompt + completion, in tokens")
+    max_num_batched_tokens: int = Field(2048, ge=1, validation_alias=_env("MAX_NUM_BATCHED_TOKENS"),
+                                        description="Tokens per forward step (decodes + prefill chunks)")
+    max_queue: int = Field(256, ge=0, validation_alias=_env("MAX_QUEUE"),
+                           description="Requests waiting for a slot; beyond it the server answers 429")
+    tool_call_parser: str = Field("glm45", validation_alias=_env("TOOL_CALL_PARSER"))
+    reasoning_parser: str = Field("glm45", validation_alias=_env("REASONING_PARSER"))
+    log_level: str = Field("INFO", validation_alias=_env("LOG_LEVEL"))
+
+    def resolved_device(self) -> str:
+        if self.device != "auto":
+            return self.device
+        import torch
+
+        return "cuda" if torch.cuda.is_available() else "cpu"
+
+    def resolved_dtype(self) -> str:
+        if self.dtype != "auto":
+            return self.dtype
+        return "bfloat16" if self.resolved_device() == "cuda" else "float32"

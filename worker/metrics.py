@@ -1,0 +1,45 @@
+"""Prometheus metrics of one server: requests, tokens, latency, queue and cache occupancy.
+
+A registry per app, so several servers (tests) can live in one process.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+
+
+class Metrics:
+    def __init__(self) -> None:
+        self.registry = r = CollectorRegistry()
+        self.requests = Counter("glmflash_requests", "Finished HTTP requests by route and status code",
+                                ["route", "status"], registry=r)
+        self.prompt_tokens = Counter("glmflash_prompt_tokens", "Prompt tokens processed", registry=r)
+        self.generation_tokens = Counter("glmflash_generation_tokens", "Tokens generated", registry=r)
+        self.aborted = Counter("glmflash_requests_aborted", "Requests aborted before finishing (client gone)",
+                               registry=r)
+        self.rejected = Counter("glmflash_requests_rejected", "Requests refused because the queue was full",
+                                registry=r)
+        self.ttft = Histogram("glmflash_time_to_first_token_seconds", "Time to first token", buckets=LATENCY_BUCKETS,
+                              registry=r)
+        self.itl = Histogram("glmflash_inter_token_latency_seconds", "Time between streamed tokens",
+                             buckets=LATENCY_BUCKETS, registry=r)
+        self.e2e = Histogram("glmflash_request_latency_seconds", "Request latency, first byte in to last byte out",
+                             buckets=LATENCY_BUCKETS, registry=r)
+        self.running = Gauge("glmflash_requests_running", "Requests holding a state slot", registry=r)
+        self.waiting = Gauge("glmflash_requests_waiting", "Requests queued for a slot", registry=r)
+        self.slots_used = Gauge("glmflash_state_slots_used", "Per-request state slots in use", registry=r)
+        self.slots_total = Gauge("glmflash_state_slots_total", "Per-request state slots", registry=r)
+        self.cache_usage = Gauge("glmflash_cache_usage_ratio", "Fraction of DSA cache pages in use", registry=r)
+
+    def observe_engine(self, stats) -> None:
+        """Refresh the occupancy gauges from an engine stats snapshot."""
+        self.running.set(stats.running)
+        self.waiting.set(stats.waiting)
+        self.slots_used.set(stats.slots_used)
+        self.slots_total.set(stats.slots_total)
+        self.cache_usage.set(stats.pages_used / stats.pages_total if stats.pages_total else 0.0)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

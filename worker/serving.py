@@ -1,0 +1,183 @@
+"""Shared by the chat and completion handlers: request -> engine streams, SSE, limits, metrics."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import time
+from typing import Any, AsyncIterator
+
+from aiohttp import web
+
+from engine.async_engine import GenerationDelta
+from engine.sampler import TokenLogprobs
+from engine.sampling_params import SamplingParams
+from engine.scheduler import QueueFull
+from worker.metrics import Metrics
+from worker.protocol import ProtocolError, _SamplingRequest, parse_request
+from worker.served_model import ServedModel
+
+STREAM_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+
+class ClientGone(Exception):
+    """The client closed the connection; its requests were aborted."""
+
+
+async def read_request(request: web.Request, cls: type) -> Any:
+    try:
+        payload = await request.json()
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ProtocolError(f"request body is not valid JSON: {exc}") from exc
+    return parse_request(cls, payload)
+
+
+def check_model(body: _SamplingRequest, model: ServedModel) -> None:
+    if body.model is not None and body.model != model.name:
+        raise ProtocolError(f"The model '{body.model}' does not exist; this server serves '{model.name}'.",
+                            status=404, param="model", code="model_not_found")
+
+
+def completion_budget(model: ServedModel, prompt_len: int, requested: int | None, default: int | None,
+                      prompt_param: str) -> int:
+    """max_tokens for a prompt: the requested value, else the default, else the rest of the context."""
+    room = model.max_model_len - prompt_len
+    if room < 1:
+        raise ProtocolError(f"The prompt is {prompt_len} tokens; this model's context limit is "
+                            f"{model.max_model_len} tokens, leaving no room to generate.", param=prompt_param,
+                            code="context_length_exceeded")
+    if requested is not None and requested > room:
+        raise ProtocolError(f"max_tokens={requested} plus the {prompt_len}-token prompt exceeds the context limit "
+                            f"of {model.max_model_len} tokens (at most {room} here).", param="max_tokens",
+                            code="context_length_exceeded")
+    return requested if requested is not None else min(default or room, room)
+
+
+def sampling_params(body: _SamplingRequest, model: ServedModel, max_tokens: int, logprobs: int | None) -> SamplingParams:
+    try:
+        return SamplingParams(
+            max_tokens=max_tokens,
+            temperature=1.0 if body.temperature is None else body.temperature,
+            top_p=1.0 if body.top_p is None else body.top_p,
+            top_k=max(body.top_k or 0, 0),
+            min_p=body.min_p or 0.0,
+            presence_penalty=body.presence_penalty or 0.0,
+            frequency_penalty=body.frequency_penalty or 0.0,
+            repetition_penalty=body.repetition_penalty or 1.0,
+            seed=body.seed,
+            stop_token_ids=list(body.stop_token_ids or []),
+            stop=body.stop_sequences,
+            ignore_eos=body.ignore_eos,
+            logprobs=logprobs,
+            skip_special_tokens=body.skip_special_tokens,
+            logits_processors=list(model.logits_processors),
+        )
+    except ValueError as exc:
+        raise ProtocolError(str(exc)) from exc
+
+
+def check_token_ids(ids: list[int], model: ServedModel, param: str) -> None:
+    bad = [t for t in ids if t >= model.vocab_size]
+    if bad:
+        raise ProtocolError(f"token id {bad[0]} is outside the vocabulary (size {model.vocab_size})", param=param)
+
+
+async def open_streams(model: ServedModel, prompts: list[list[int]], params: SamplingParams,
+                       n: int) -> list[AsyncIterator[GenerationDelta]]:
+    """One engine request per (prompt, sample); seeds differ per sample so n > 1 gives n different answers.
+
+    All or nothing: if the queue is full for any of them, the ones already queued are aborted.
+    """
+    streams: list[AsyncIterator[GenerationDelta]] = []
+    try:
+        for ids in prompts:
+            for i in range(n):
+                seed = None if params.seed is None else params.seed + i
+                streams.append(await model.engine.generate(ids, dataclasses.replace(params, seed=seed)))
+    except QueueFull as exc:
+        await close_streams(streams)
+        raise ProtocolError("The server is at capacity; retry shortly.", status=429, code="queue_full") from exc
+    except ValueError as exc:
+        await close_streams(streams)
+        raise ProtocolError(str(exc), param="max_tokens") from exc
+    return streams
+
+
+async def close_streams(streams: list[AsyncIterator[GenerationDelta]]) -> None:
+    for stream in streams:
+        await stream.aclose()
+
+
+async def merged(streams: list[AsyncIterator[GenerationDelta]]) -> AsyncIterator[tuple[int, GenerationDelta]]:
+    """(choice index, delta) from all streams as they arrive; closing this closes (aborts) them all."""
+    queue: asyncio.Queue = asyncio.Queue()
+    done = object()
+
+    async def pump(index: int, stream: AsyncIterator[GenerationDelta]) -> None:
+        try:
+            async for delta in stream:
+                await queue.put((index, delta))
+        except BaseException as exc:  # forwarded so the consumer raises it
+            await queue.put((index, exc))
+        finally:
+            await queue.put((index, done))
+
+    tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
+    remaining = len(tasks)
+    try:
+        while remaining:
+            index, item = await queue.get()
+            if item is done:
+                remaining -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield index, item
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+class Timing:
+    """Per-request latency bookkeeping for the TTFT / inter-token histograms."""
+
+    def __init__(self, metrics: Metrics) -> None:
+        self.metrics, self.start = metrics, time.perf_counter()
+        self.last: dict[int, float] = {}
+
+    def tokens(self, index: int, count: int) -> None:
+        if not count:
+            return
+        now = time.perf_counter()
+        if index not in self.last:
+            self.metrics.ttft.observe(now - self.start)
+        else:
+            gap = (now - self.last[index]) / count
+            for _ in range(count):
+                self.metrics.itl.observe(gap)
+        self.last[index] = now
+
+    def finish(self, prompt_tokens: int, completion_tokens: int) -> None:
+        self.metrics.prompt_tokens.inc(prompt_tokens)
+        self.metrics.generation_tokens.inc(completion_tokens)
+        self.metrics.e2e.observe(time.perf_counter() - self.start)
+
+
+async def start_sse(request: web.Request) -> web.StreamResponse:
+    response = web.StreamResponse(status=200, headers=STREAM_HEADERS)
+    await response.prepare(request)
+    return response
+
+
+async def send_event(response: web.StreamResponse, payload: Any) -> None:
+    data = payload if isinstance(payload, str) else payload.model_dump_json()
+    try:
+        await response.write(f"data: {data}\n\n".encode())
+    except (ConnectionError, RuntimeError) as exc:  # reset by peer / closing transport
+        raise ClientGone() from exc
+
+
+def top_logprobs(model: ServedModel, lp: TokenLogprobs) -> list[tuple[str, float]]:
+    return [(model.token_text(t), v) for t, v in lp.top]

@@ -1,0 +1,171 @@
+"""POST /v1/chat/completions: chat template in, reasoning / content / tool calls out, streamed or whole."""
+
+from __future__ import annotations
+
+from aiohttp import web
+
+from engine.async_engine import GenerationDelta
+from worker.chat_template import TemplateError
+from worker.parsers import (
+    REASONING_PARSERS, TOOL_PARSERS, GlmReasoningParser, GlmToolParser, ReasoningDelta, ToolStreamDelta,
+)
+from worker.protocol import (
+    ChatCompletionChoice, ChatCompletionChunk, ChatCompletionChunkChoice, ChatCompletionLogprobs,
+    ChatCompletionMessage, ChatCompletionRequest, ChatCompletionResponse, ChatCompletionTokenLogprob,
+    DeltaFunctionCall, DeltaMessage, DeltaToolCall, FunctionCall, ProtocolError, ToolCall, TopLogprob, Usage,
+    random_id,
+)
+from worker.served_model import ServedModel
+from worker.serving import (
+    Timing, check_model, completion_budget, merged, open_streams, read_request, sampling_params,
+    send_event, start_sse, top_logprobs,
+)
+
+
+class ChoiceParser:
+    """Splits one choice's text into reasoning, content and tool calls as it streams."""
+
+    def __init__(self, reasoning: GlmReasoningParser | None, tools: GlmToolParser | None) -> None:
+        self.reasoning, self.tools = reasoning, tools
+        self.saw_tool_call = False
+
+    def feed(self, text: str) -> DeltaMessage:
+        split = self.reasoning.feed(text) if self.reasoning else ReasoningDelta("", text)
+        return self._message(split, self.tools.feed(split.content) if self.tools else None)
+
+    def finish(self) -> DeltaMessage:
+        """End of output: release held text and close an open tool call."""
+        split = self.reasoning.finish() if self.reasoning else ReasoningDelta("", "")
+        if self.tools is None:
+            return self._message(split, None)
+        head, tail = self.tools.feed(split.content), self.tools.finish()
+        return self._message(split, ToolStreamDelta(head.content + tail.content, head.tool_calls + tail.tool_calls))
+
+    def _message(self, split: ReasoningDelta, parsed: ToolStreamDelta | None) -> DeltaMessage:
+        content, calls = split.content, []
+        if parsed is not None:
+            content = parsed.content
+            calls = [DeltaToolCall(index=d.index, id=d.id, type=d.type,
+                                   function=DeltaFunctionCall(name=d.name, arguments=d.arguments or None))
+                     for d in parsed.tool_calls]
+            self.saw_tool_call |= bool(calls)
+        return DeltaMessage(reasoning_content=split.reasoning or None, content=content or None,
+                            tool_calls=calls or None)
+
+
+def make_parser(request: ChatCompletionRequest, model: ServedModel, starts_in_reasoning: bool,
+                reasoning_name: str, tool_name: str) -> ChoiceParser:
+    reasoning = REASONING_PARSERS[reasoning_name](starts_in_reasoning=starts_in_reasoning) if reasoning_name else None
+    use_tools = bool(request.tools) and request.tool_choice != "none" and tool_name
+    tools = TOOL_PARSERS[tool_name]([t.model_dump(exclude_none=True) for t in request.tools]) if use_tools else None
+    return ChoiceParser(reasoning, tools)
+
+
+def finish_reason(parser: ChoiceParser, reason: str) -> str:
+    return "tool_calls" if parser.saw_tool_call and reason == "stop" else reason
+
+
+def chat_logprobs(model: ServedModel, delta: GenerationDelta) -> ChatCompletionLogprobs | None:
+    if not delta.logprobs:
+        return None
+    entries = []
+    for token, lp in zip(delta.token_ids, delta.logprobs):
+        text = model.token_text(token)
+        entries.append(ChatCompletionTokenLogprob(
+            token=text, logprob=lp.logprob, bytes=list(text.encode()),
+            top_logprobs=[TopLogprob(token=t, logprob=v, bytes=list(t.encode())) for t, v in top_logprobs(model, lp)]))
+    return ChatCompletionLogprobs(content=entries)
+
+
+async def chat_completions(request: web.Request) -> web.StreamResponse:
+    state = request.app["state"]
+    model: ServedModel = state.require_model()
+    body = await read_request(request, ChatCompletionRequest)
+    check_model(body, model)
+    if model.template is None:
+        raise ProtocolError("this model has no chat template; use /v1/completions", param="messages")
+    kwargs = dict(body.chat_template_kwargs or {})
+    try:
+        prompt = model.template.render(body.template_messages(), tools=body.template_tools(), **kwargs)
+    except TemplateError as exc:
+        raise ProtocolError(f"chat template error: {exc}", param="messages") from exc
+    ids = model.encode(prompt)
+    max_tokens = completion_budget(model, len(ids), body.effective_max_tokens, None, "messages")
+    logprobs = (body.top_logprobs or 0) if body.logprobs else None
+    params = sampling_params(body, model, max_tokens, logprobs)
+    settings = state.settings
+    parsers = [make_parser(body, model, prompt.ends_in_reasoning, settings.reasoning_parser,
+                           settings.tool_call_parser) for _ in range(body.n)]
+    timing = Timing(state.metrics)
+    streams = await open_streams(model, [ids], params, body.n)
+    if body.stream:
+        return await _stream(request, body, model, parsers, streams, len(ids), timing)
+    return await _whole(body, model, parsers, streams, len(ids), timing)
+
+
+async def _stream(request: web.Request, body: ChatCompletionRequest, model: ServedModel, parsers: list[ChoiceParser],
+                  streams, prompt_tokens: int, timing: Timing) -> web.StreamResponse:
+    response = await start_sse(request)
+    chunk_id, completion_tokens = random_id("chatcmpl"), 0
+
+    def chunk(index: int, delta: DeltaMessage, **extra) -> ChatCompletionChunk:
+        return ChatCompletionChunk(id=chunk_id, model=model.name,
+                                   choices=[ChatCompletionChunkChoice(index=index, delta=delta, **extra)])
+
+    for i in range(body.n):
+        await send_event(response, chunk(i, DeltaMessage(role="assistant", content="")))
+    events = merged(streams)
+    try:
+        async for index, delta in events:
+            completion_tokens += len(delta.token_ids)
+            timing.tokens(index, len(delta.token_ids))
+            message = parsers[index].feed(delta.text)
+            logprobs = chat_logprobs(model, delta)
+            if message.model_dump() or logprobs is not None:
+                await send_event(response, chunk(index, message, logprobs=logprobs))
+            if delta.finish_reason is not None:
+                tail = parsers[index].finish()
+                reason = finish_reason(parsers[index], delta.finish_reason)
+                await send_event(response, chunk(index, tail, finish_reason=reason))
+        if body.include_usage:
+            await send_event(response, ChatCompletionChunk(id=chunk_id, model=model.name,
+                                                           usage=Usage.of(prompt_tokens, completion_tokens)))
+        await send_event(response, "[DONE]")
+    finally:
+        await events.aclose()
+        timing.finish(prompt_tokens, completion_tokens)
+    await response.write_eof()
+    return response
+
+
+async def _whole(body: ChatCompletionRequest, model: ServedModel, parsers: list[ChoiceParser], streams,
+                 prompt_tokens: int, timing: Timing) -> web.Response:
+    texts, reasons = [""] * body.n, [""] * body.n
+    logprobs: list[list[ChatCompletionTokenLogprob]] = [[] for _ in range(body.n)]
+    completion_tokens = 0
+    events = merged(streams)
+    try:
+        async for index, delta in events:
+            completion_tokens += len(delta.token_ids)
+            timing.tokens(index, len(delta.token_ids))
+            texts[index] += delta.text
+            entries = chat_logprobs(model, delta)
+            logprobs[index] += entries.content if entries else []
+            reasons[index] = delta.finish_reason or reasons[index]
+    finally:
+        await events.aclose()
+        timing.finish(prompt_tokens, completion_tokens)
+    choices = []
+    for i, parser in enumerate(parsers):
+        reasoning, content = (parser.reasoning.extract(texts[i]) if parser.reasoning else (None, texts[i]))
+        calls = []
+        if parser.tools is not None:
+            content, parsed = parser.tools.extract(content or "")
+            calls = [ToolCall(id=c.id, function=FunctionCall(name=c.name, arguments=c.arguments)) for c in parsed]
+            parser.saw_tool_call = bool(calls)
+        message = ChatCompletionMessage(content=content or None, reasoning_content=reasoning or None,
+                                        tool_calls=calls or None)
+        choices.append(ChatCompletionChoice(index=i, message=message, finish_reason=finish_reason(parser, reasons[i]),
+                                            logprobs=ChatCompletionLogprobs(content=logprobs[i]) if body.logprobs else None))
+    return web.json_response(text=ChatCompletionResponse(model=model.name, choices=choices,
+                                                         usage=Usage.of(prompt_tokens, completion_tokens)).model_dump_json())

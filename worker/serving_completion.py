@@ -1,0 +1,123 @@
+"""POST /v1/completions: raw prompts (text or token ids) in, text out, streamed or whole."""
+
+from __future__ import annotations
+
+from aiohttp import web
+
+from engine.async_engine import GenerationDelta
+from worker.protocol import (
+    CompletionChoice, CompletionChunk, CompletionLogprobs, CompletionRequest, CompletionResponse, ProtocolError, Usage,
+    random_id,
+)
+from worker.served_model import ServedModel
+from worker.serving import (
+    Timing, check_model, check_token_ids, completion_budget, merged, open_streams, read_request, sampling_params,
+    send_event, start_sse, top_logprobs,
+)
+
+DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+
+
+class LogprobBuilder:
+    """OpenAI's parallel-list completion logprobs, built token by token with running text offsets."""
+
+    def __init__(self, model: ServedModel, offset: int) -> None:
+        self.model, self.offset = model, offset
+
+    def add(self, delta: GenerationDelta) -> CompletionLogprobs | None:
+        if not delta.logprobs:
+            return None
+        out = CompletionLogprobs()
+        for token, lp in zip(delta.token_ids, delta.logprobs):
+            text = self.model.token_text(token)
+            out.tokens.append(text)
+            out.token_logprobs.append(lp.logprob)
+            out.top_logprobs.append(dict(top_logprobs(self.model, lp)))
+            out.text_offset.append(self.offset)
+            self.offset += len(text)
+        return out
+
+
+def merge_logprobs(parts: list[CompletionLogprobs]) -> CompletionLogprobs:
+    whole = CompletionLogprobs()
+    for part in parts:
+        whole.tokens += part.tokens
+        whole.token_logprobs += part.token_logprobs
+        whole.top_logprobs += part.top_logprobs
+        whole.text_offset += part.text_offset
+    return whole
+
+
+async def completions(request: web.Request) -> web.StreamResponse:
+    state = request.app["state"]
+    model: ServedModel = state.require_model()
+    body = await read_request(request, CompletionRequest)
+    check_model(body, model)
+    if body.echo and body.logprobs is not None:
+        raise ProtocolError("echo with logprobs (prompt logprobs) is not supported", param="echo")
+    prompts: list[list[int]] = []
+    for prompt in body.prompts:
+        ids = model.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        check_token_ids(ids, model, "prompt")
+        prompts.append(ids)
+    max_tokens = min(completion_budget(model, len(ids), body.max_tokens, DEFAULT_MAX_TOKENS, "prompt") for ids in prompts)
+    params = sampling_params(body, model, max_tokens, body.logprobs)
+    echoes = [model.tokenizer.decode(ids, skip_special_tokens=False) if body.echo else "" for ids in prompts]
+    echoes = [e for e in echoes for _ in range(body.n)]
+    builders = [LogprobBuilder(model, len(e)) for e in echoes]
+    prompt_tokens = sum(len(ids) for ids in prompts)
+    timing = Timing(state.metrics)
+    streams = await open_streams(model, prompts, params, body.n)
+    if body.stream:
+        return await _stream(request, body, model, streams, echoes, builders, prompt_tokens, timing)
+    return await _whole(body, model, streams, echoes, builders, prompt_tokens, timing)
+
+
+async def _stream(request: web.Request, body: CompletionRequest, model: ServedModel, streams, echoes: list[str],
+                  builders: list[LogprobBuilder], prompt_tokens: int, timing: Timing) -> web.StreamResponse:
+    response = await start_sse(request)
+    chunk_id, completion_tokens = random_id("cmpl"), 0
+    started = [False] * len(streams)
+    events = merged(streams)
+    try:
+        async for index, delta in events:
+            completion_tokens += len(delta.token_ids)
+            timing.tokens(index, len(delta.token_ids))
+            text = delta.text if started[index] else echoes[index] + delta.text
+            started[index] = True
+            choice = CompletionChoice(index=index, text=text, logprobs=builders[index].add(delta),
+                                      finish_reason=delta.finish_reason)
+            await send_event(response, CompletionChunk(id=chunk_id, model=model.name, choices=[choice]))
+        if body.include_usage:
+            usage = Usage.of(prompt_tokens, completion_tokens)
+            await send_event(response, CompletionChunk(id=chunk_id, model=model.name, usage=usage))
+        await send_event(response, "[DONE]")
+    finally:
+        await events.aclose()
+        timing.finish(prompt_tokens, completion_tokens)
+    await response.write_eof()
+    return response
+
+
+async def _whole(body: CompletionRequest, model: ServedModel, streams, echoes: list[str],
+                 builders: list[LogprobBuilder], prompt_tokens: int, timing: Timing) -> web.Response:
+    texts, reasons = list(echoes), [""] * len(streams)
+    logprobs: list[list[CompletionLogprobs]] = [[] for _ in streams]
+    completion_tokens = 0
+    events = merged(streams)
+    try:
+        async for index, delta in events:
+            completion_tokens += len(delta.token_ids)
+            timing.tokens(index, len(delta.token_ids))
+            texts[index] += delta.text
+            part = builders[index].add(delta)
+            logprobs[index] += [part] if part else []
+            reasons[index] = delta.finish_reason or reasons[index]
+    finally:
+        await events.aclose()
+        timing.finish(prompt_tokens, completion_tokens)
+    choices = [CompletionChoice(index=i, text=texts[i], finish_reason=reasons[i],
+                                logprobs=merge_logprobs(logprobs[i]) if body.logprobs is not None else None)
+               for i in range(len(streams))]
+    response = CompletionResponse(model=model.name, choices=choices, usage=Usage.of(prompt_tokens, completion_tokens))
+    return web.json_response(text=response.model_dump_json())
