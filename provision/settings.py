@@ -44,6 +44,38 @@ class Settings(BaseSettings):
     reasoning_parser: str = Field("glm45", validation_alias=_env("REASONING_PARSER"))
     log_level: str = Field("INFO", validation_alias=_env("LOG_LEVEL"))
 
+    # Provisioning
+    model_revision: str | None = Field(None, validation_alias=_env("MODEL_REVISION", "MODEL_REVISION"),
+                                       description="Pinned Hugging Face revision (a commit hash; default: main)")
+    s3_uri: str | None = Field(None, validation_alias=_env("S3_URI"),
+                               description="s3://bucket/prefix holding a snapshot; used instead of the hub when set")
+    s3_endpoint_url: str | None = Field(None, validation_alias=_env("S3_ENDPOINT_URL", "AWS_ENDPOINT_URL"),
+                                        description="Endpoint of an S3-compatible store (MinIO, R2, ...)")
+    download_workers: int = Field(8, ge=1, validation_alias=_env("DOWNLOAD_WORKERS"),
+                                  description="Parallel downloads / ranged GETs")
+    start_window_s: float = Field(300.0, gt=0, validation_alias=_env("START_WINDOW_S"),
+                                  description="Budget from container start to ready; stage lines report what is left")
+
+    # Lifecycle
+    drain_grace_s: float = Field(30.0, ge=0, validation_alias=_env("DRAIN_GRACE_S"),
+                                 description="On SIGTERM, how long in-flight requests may run before exit")
+    idle_timeout_s: float = Field(0.0, ge=0, validation_alias=_env("IDLE_TIMEOUT_S"),
+                                  description="Park (exit cleanly) after this long without work; 0 disables")
+    controller_url: str | None = Field(None, validation_alias=_env("CONTROLLER_URL"),
+                                       description="Inactivity controller that receives idle/busy reports")
+
+    # Vast.ai serverless (names as the platform injects them; absent = plain mode)
+    container_id: str | None = Field(None, validation_alias=AliasChoices("CONTAINER_ID"))
+    report_addr: str | None = Field(None, validation_alias=AliasChoices("REPORT_ADDR"))
+    master_token: str | None = Field(None, validation_alias=AliasChoices("MASTER_TOKEN"))
+    unsecured: bool = Field(False, validation_alias=AliasChoices("UNSECURED"))
+    public_ipaddr: str | None = Field(None, validation_alias=AliasChoices("PUBLIC_IPADDR"))
+
+    @property
+    def vast_mode(self) -> bool:
+        """Running under Vast's serverless controller (it injects CONTAINER_ID and REPORT_ADDR)."""
+        return bool(self.container_id and self.report_addr)
+
     def resolved_device(self) -> str:
         if self.device != "auto":
             return self.device
