@@ -1,0 +1,127 @@
+"""The engine's side of the prepared snapshot: weights as they sit in memory, described and rebuilt.
+
+A cold start converts the checkpoint once (dequantization rules applied, experts stacked per layer,
+dtypes final); `describe` lists every buffer with a key, and `allocate` rebuilds empty weights of
+the same layout whose buffers the storage layer fills straight from disk. Non-expert weights are
+grouped first so they can be resident before any expert.
+"""
+
+from __future__ import annotations
+
+from importlib import metadata
+from pathlib import Path
+
+import torch
+
+from engine.checkpoint.loader import LoadedWeights
+from engine.weights import DenseWeight, Fp8BlockWeight, Nvfp4Weight
+from provision.prepared_store import PreparedPlan, ReadStats, read_plan, read_regions, write_prepared
+
+FORMAT_VERSION = 1
+FIELDS = {"tensor": ("data",), "dense": ("data",), "fp8_block": ("data", "scale_inv"),
+          "nvfp4": ("packed", "scale", "global_scale")}
+DTYPES = {str(d).removeprefix("torch."): d for d in (torch.float32, torch.bfloat16, torch.float16, torch.uint8,
+                                                     torch.float8_e4m3fn, torch.int64)}
+
+
+def engine_version() -> str:
+    try:
+        return metadata.version("glmflash")
+    except metadata.PackageNotFoundError:
+        return "0+unknown"
+
+
+def _kind(weight) -> str:
+    if isinstance(weight, torch.Tensor):
+        return "tensor"
+    return {DenseWeight: "dense", Fp8BlockWeight: "fp8_block", Nvfp4Weight: "nvfp4"}[type(weight)]
+
+
+def _buffers(weight) -> dict[str, torch.Tensor]:
+    if isinstance(weight, torch.Tensor):
+        return {"data": weight}
+    return {f: getattr(weight, f) for f in FIELDS[_kind(weight)]}
+
+
+def describe(weights: LoadedWeights) -> dict:
+    """JSON-able record of every weight: kind, block size, and each buffer's dtype and shape."""
+    records = {}
+    for name, weight in weights.items():
+        record = {"kind": _kind(weight), "buffers": {
+            f: {"dtype": str(t.dtype).removeprefix("torch."), "shape": list(t.shape)} for f, t in _buffers(weight).items()}}
+        if isinstance(weight, Fp8BlockWeight):
+            record["block"] = list(weight.block)
+        records[name] = record
+    return {"weights": records}
+
+
+def file_groups(weights: LoadedWeights) -> list[tuple[str, list[tuple[str, torch.Tensor]]]]:
+    """(file name, [(key, buffer)]) in load order: everything but routed experts, then one file per MoE layer."""
+    dense: list[tuple[str, torch.Tensor]] = []
+    experts: dict[str, list[tuple[str, torch.Tensor]]] = {}
+    for name, weight in weights.items():
+        items = [(f"{name}#{f}", t) for f, t in _buffers(weight).items()]
+        if ".mlp.experts." in name:
+            layer = int(name.split(".")[1])
+            experts.setdefault(f"experts-{layer:03d}.bin", []).extend(items)
+        else:
+            dense.extend(items)
+    return [("dense.bin", dense)] + sorted(experts.items())
+
+
+def as_bytes(tensor: torch.Tensor) -> memoryview:
+    """A writable byte view of a contiguous CPU tensor's memory (no copy)."""
+    return memoryview(tensor.contiguous().view(torch.uint8).reshape(-1).numpy())
+
+
+def allocate(meta: dict, pin: bool = False) -> tuple[LoadedWeights, dict[str, torch.Tensor]]:
+    """Empty CPU weights of the recorded layout, and their buffers by key (to be filled from disk)."""
+    weights: LoadedWeights = {}
+    buffers: dict[str, torch.Tensor] = {}
+    for name, record in meta["weights"].items():
+        made = {f: torch.empty(b["shape"], dtype=DTYPES[b["dtype"]], pin_memory=pin)
+                for f, b in record["buffers"].items()}
+        buffers.update({f"{name}#{f}": t for f, t in made.items()})
+        kind = record["kind"]
+        if kind == "tensor":
+            weights[name] = made["data"]
+        elif kind == "dense":
+            weights[name] = DenseWeight(made["data"])
+        elif kind == "fp8_block":
+            weights[name] = Fp8BlockWeight(made["data"], made["scale_inv"], tuple(record["block"]))
+        else:
+            weights[name] = Nvfp4Weight(made["packed"], made["scale"], made["global_scale"])
+    return weights, buffers
+
+
+def to_device(weights: LoadedWeights, device: torch.device) -> LoadedWeights:
+    """Move every buffer to `device` (pinned host buffers copy asynchronously)."""
+    if device.type == "cpu":
+        return weights
+    moved: LoadedWeights = {}
+    for name, weight in weights.items():
+        if isinstance(weight, torch.Tensor):
+            moved[name] = weight.to(device, non_blocking=True)
+        else:
+            moved[name] = type(weight)(**{f: t.to(device, non_blocking=True) for f, t in _buffers(weight).items()},
+                                       **({"block": weight.block} if isinstance(weight, Fp8BlockWeight) else {}))
+    torch.cuda.synchronize(device)
+    return moved
+
+
+def save_prepared(weights: LoadedWeights, directory: Path) -> PreparedPlan:
+    """Write the weights as a prepared snapshot (buffers on any device; copied to host one at a time)."""
+    groups = [(name, ((key, as_bytes(t.cpu())) for key, t in items)) for name, items in file_groups(weights)]
+    return write_prepared(directory, groups, FORMAT_VERSION, engine_version(), describe(weights))
+
+
+def load_prepared(directory: Path, device: torch.device | str = "cpu", workers: int = 8,
+                  verify: bool = True) -> tuple[LoadedWeights, ReadStats]:
+    """Read a prepared snapshot into final buffers (pinned host staging when the target is a GPU)."""
+    plan = read_plan(directory)
+    if plan is None:
+        raise FileNotFoundError(f"{directory}: no prepared snapshot")
+    device = torch.device(device)
+    weights, buffers = allocate(plan.meta, pin=device.type == "cuda")
+    stats = read_regions(directory, plan, {k: as_bytes(t) for k, t in buffers.items()}, workers, verify)
+    return to_device(weights, device), stats

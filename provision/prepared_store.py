@@ -1,0 +1,177 @@
+"""The prepared snapshot on disk: named byte regions in a few large files, read back in parallel.
+
+Knows bytes, not tensors: the engine hands over memoryviews of its final buffers (to write from,
+or to read into). Regions start on 4 KiB boundaries; each is cut into pieces of at most
+`PIECE_BYTES`, hashed with BLAKE2b when written and verified while being read back, so a fast
+resume re-reads every byte once and still detects a flipped bit. Files are listed in the order
+they should be loaded (the engine puts non-expert weights first).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Callable, Iterable
+
+from provision.errors import ProvisionError
+
+ALIGN = 4096
+PIECE_BYTES = 64 << 20
+PLAN_NAME = "plan.json"
+
+
+@dataclass
+class Region:
+    """One named byte range of a prepared file, with the hashes of its pieces."""
+
+    key: str
+    file: str
+    offset: int
+    size: int
+    hashes: list[str] = field(default_factory=list)
+
+
+@dataclass
+class PreparedPlan:
+    format_version: int
+    engine_version: str
+    meta: dict  # engine-owned description (tensor records); opaque here
+    files: dict[str, int]  # file name -> size, in load order
+    regions: list[Region]
+    complete: bool = False
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self))
+
+    @classmethod
+    def from_json(cls, text: str) -> "PreparedPlan":
+        raw = json.loads(text)
+        raw["regions"] = [Region(**r) for r in raw["regions"]]
+        return cls(**raw)
+
+
+def _digest(view: memoryview) -> str:
+    return hashlib.blake2b(view, digest_size=16).hexdigest()
+
+
+def _pieces(size: int) -> list[tuple[int, int]]:
+    return [(start, min(PIECE_BYTES, size - start)) for start in range(0, size, PIECE_BYTES)] or [(0, 0)]
+
+
+def write_prepared(directory: Path, groups: Iterable[tuple[str, Iterable[tuple[str, memoryview]]]],
+                   format_version: int, engine_version: str, meta: dict) -> PreparedPlan:
+    """Write each (file name, [(key, bytes)]) group as one file; the plan is written last, atomically."""
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / PLAN_NAME).unlink(missing_ok=True)  # an old plan must never describe new files
+    plan = PreparedPlan(format_version, engine_version, meta, {}, [])
+    for file_name, items in groups:
+        path = directory / file_name
+        offset = 0
+        with open(path, "wb") as f:
+            for key, view in items:
+                view = view.cast("B")
+                offset = -(-offset // ALIGN) * ALIGN
+                f.seek(offset)
+                f.write(view)
+                hashes = [_digest(view[s:s + n]) for s, n in _pieces(len(view))]
+                plan.regions.append(Region(key, file_name, offset, len(view), hashes))
+                offset += len(view)
+            f.truncate(offset)
+            f.flush()
+            os.fsync(f.fileno())
+        plan.files[file_name] = offset
+    plan.complete = True
+    tmp = directory / (PLAN_NAME + ".tmp")
+    tmp.write_text(plan.to_json())
+    os.replace(tmp, directory / PLAN_NAME)
+    return plan
+
+
+def read_plan(directory: Path) -> PreparedPlan | None:
+    path = directory / PLAN_NAME
+    if not path.exists():
+        return None
+    try:
+        return PreparedPlan.from_json(path.read_text())
+    except (ValueError, TypeError, KeyError) as exc:
+        raise ProvisionError(f"{path}: unreadable prepared plan ({exc})") from exc
+
+
+def check_prepared(directory: Path, format_version: int, engine_version: str) -> list[str]:
+    """Cheap validity checks (no data read): problems found, empty when the snapshot can be loaded."""
+    try:
+        plan = read_plan(directory)
+    except ProvisionError as exc:
+        return [str(exc)]
+    if plan is None:
+        return [f"{directory / PLAN_NAME}: missing"]
+    problems = []
+    if not plan.complete:
+        problems.append("prepared snapshot is incomplete")
+    if plan.format_version != format_version:
+        problems.append(f"prepared format {plan.format_version} != {format_version}")
+    if plan.engine_version != engine_version:
+        problems.append(f"prepared by engine {plan.engine_version}, this is {engine_version}")
+    for name, size in plan.files.items():
+        path = directory / name
+        found = path.stat().st_size if path.exists() else None
+        if found != size:
+            problems.append(f"{path}: expected {size} bytes, found {found}")
+    return problems
+
+
+@dataclass
+class ReadStats:
+    bytes: int
+    seconds: float
+
+    @property
+    def gb_per_s(self) -> float:
+        return self.bytes / self.seconds / 1e9 if self.seconds else 0.0
+
+
+def read_regions(directory: Path, plan: PreparedPlan, destinations: dict[str, memoryview], workers: int = 8,
+                 verify: bool = True, on_bytes: Callable[[int], None] | None = None) -> ReadStats:
+    """Read every region into its destination buffer with `workers` parallel preads, verifying piece hashes.
+
+    Regions are submitted in plan order, so files listed first (non-expert weights) land first.
+    """
+    start = time.perf_counter()
+    fds = {name: os.open(directory / name, os.O_RDONLY) for name in plan.files}
+    try:
+        jobs = []
+        for region in plan.regions:
+            dest = destinations[region.key].cast("B")
+            if len(dest) != region.size:
+                raise ProvisionError(f"prepared region {region.key}: buffer has {len(dest)} bytes, "
+                                     f"file {region.file} holds {region.size}")
+            for (piece_start, piece_size), digest in zip(_pieces(region.size), region.hashes):
+                jobs.append((region, fds[region.file], dest[piece_start:piece_start + piece_size],
+                             region.offset + piece_start, digest))
+
+        def read(job) -> int:
+            region, fd, view, offset, digest = job
+            done = 0
+            while done < len(view):
+                n = os.preadv(fd, [view[done:]], offset + done)
+                if n == 0:
+                    raise ProvisionError(f"{directory / region.file}: ends early inside {region.key}")
+                done += n
+            if verify and _digest(view) != digest:
+                raise ProvisionError(f"{directory / region.file}: checksum mismatch in {region.key} "
+                                     f"at offset {offset}")
+            if on_bytes is not None:
+                on_bytes(done)
+            return done
+
+        with ThreadPoolExecutor(max_workers=workers) as pool:
+            total = sum(pool.map(read, jobs))
+    finally:
+        for fd in fds.values():
+            os.close(fd)
+    return ReadStats(total, time.perf_counter() - start)
