@@ -1,0 +1,67 @@
+"""Snapshot sources: a local directory, an s3:// prefix, or a Hugging Face repository."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from ..errors import ProvisionError
+from .base import (MANIFEST_NAME, PARTIAL_DIRNAME, ProgressFn, RemoteFile, Source, SourceInfo,
+                   is_snapshot_file)
+from .huggingface import HuggingFaceSource, parse_hf_spec
+from .local import LocalSource
+from .s3 import DEFAULT_PART_SIZE, S3Source, parse_s3_uri
+
+if TYPE_CHECKING:
+    from ..settings import Settings
+
+__all__ = ["DEFAULT_PART_SIZE", "HuggingFaceSource", "LocalSource", "MANIFEST_NAME", "PARTIAL_DIRNAME",
+           "ProgressFn", "RemoteFile", "S3Source", "Source", "SourceInfo", "is_snapshot_file",
+           "parse_hf_spec", "parse_s3_uri", "source_for", "source_from_settings"]
+
+_PATH_STARTS = ("/", "./", "../", "~", ".\\", "..\\")
+
+
+def source_for(spec: str, settings: Settings | None = None) -> Source:
+    """The source a spec names.
+
+    - `s3://bucket/prefix` -> S3Source (endpoint `settings.s3_endpoint_url`, `download_workers` GETs)
+    - an existing directory, or anything spelled as a path (`/x`, `./x`, `../x`, `~/x`) -> LocalSource
+    - `org/name[@revision]` (or `hf://org/name[@revision]`) -> HuggingFaceSource; the revision is the
+      one after '@', else `settings.model_revision`, else "main"; both given and different is an error.
+    """
+    if settings is None:
+        from ..settings import Settings
+
+        settings = Settings()
+    text = (spec or "").strip()
+    if not text:
+        raise ProvisionError("no model source given (set GLMFLASH_MODEL or GLMFLASH_S3_URI)")
+    if text.startswith("s3://"):
+        return S3Source(text, endpoint_url=settings.s3_endpoint_url, workers=settings.download_workers)
+    if not text.startswith("hf://"):
+        path = Path(text).expanduser()
+        if path.is_dir():
+            return LocalSource(path)
+        if path.exists():
+            raise ProvisionError(f"model source {text} is a file, not a snapshot directory", source=text)
+        if text.startswith(_PATH_STARTS) or text.count("/") > 1:
+            raise ProvisionError(f"local snapshot directory {text} does not exist", source=text)
+    try:
+        repo_id, revision = parse_hf_spec(text)
+    except ProvisionError as e:
+        raise ProvisionError(f"model source {spec!r} is neither an existing directory, an s3:// URI nor a "
+                             f"Hugging Face id org/name[@revision] ({e})", source=spec) from e
+    pinned = settings.model_revision
+    if revision and pinned and revision != pinned:
+        raise ProvisionError(f"{spec!r} asks for revision {revision!r} but GLMFLASH_MODEL_REVISION is "
+                             f"{pinned!r}; set only one", source=spec)
+    return HuggingFaceSource(repo_id, revision or pinned, token=settings.hf_token)
+
+
+def source_from_settings(settings: Settings) -> Source:
+    """`settings.s3_uri` when set (a mirror used instead of the hub), else `settings.model`."""
+    spec = settings.s3_uri or settings.model
+    if not spec:
+        raise ProvisionError("no model source configured (GLMFLASH_MODEL or GLMFLASH_S3_URI)")
+    return source_for(spec, settings)
