@@ -109,10 +109,14 @@ def to_device(weights: LoadedWeights, device: torch.device) -> LoadedWeights:
     return moved
 
 
-def save_prepared(weights: LoadedWeights, directory: Path) -> PreparedPlan:
-    """Write the weights as a prepared snapshot (buffers on any device; copied to host one at a time)."""
+def save_prepared(weights: LoadedWeights, directory: Path, extra_meta: dict | None = None) -> PreparedPlan:
+    """Write the weights as a prepared snapshot (buffers on any device; copied to host one at a time).
+
+    `extra_meta` is stored with the layout (the provisioning layer records what it was prepared for).
+    """
     groups = [(name, ((key, as_bytes(t.cpu())) for key, t in items)) for name, items in file_groups(weights)]
-    return write_prepared(directory, groups, FORMAT_VERSION, engine_version(), describe(weights))
+    meta = {**describe(weights), **(extra_meta or {})}
+    return write_prepared(directory, groups, FORMAT_VERSION, engine_version(), meta)
 
 
 def load_prepared(directory: Path, device: torch.device | str = "cpu", workers: int = 8,
