@@ -39,6 +39,25 @@ class GenerationDelta:
     finish_reason: str | None = None
 
 
+class _RequestStream:
+    """One request's deltas (an async iterator). `aclose()` aborts the request, also when no delta was read yet:
+    closing a never-started async generator does not run its `finally`, so the request would stay queued."""
+
+    def __init__(self, engine: "AsyncEngine", request_id: str, deltas: AsyncIterator[GenerationDelta]) -> None:
+        self._engine, self._request_id, self._deltas = engine, request_id, deltas
+
+    def __aiter__(self) -> "_RequestStream":
+        return self
+
+    def __anext__(self):
+        return self._deltas.__anext__()
+
+    async def aclose(self) -> None:
+        await self._deltas.aclose()
+        if self._engine._streams.pop(self._request_id, None) is not None:  # never started
+            self._engine.abort(self._request_id)
+
+
 class AsyncEngine:
     def __init__(self, core: EngineCore, tokenizer: Tokenizer | None = None) -> None:
         self.core, self.tokenizer = core, tokenizer
@@ -85,7 +104,7 @@ class AsyncEngine:
             self._streams[request_id] = queue
             self._incoming.append(Sequence(request_id, list(prompt_token_ids), params))
             self._cv.notify()
-        return self._deltas(request_id, prompt_token_ids, params, queue)
+        return _RequestStream(self, request_id, self._deltas(request_id, prompt_token_ids, params, queue))
 
     async def _deltas(self, request_id: str, prompt: list[int], params: SamplingParams,
                       queue: asyncio.Queue) -> AsyncIterator[GenerationDelta]:
@@ -133,6 +152,12 @@ class AsyncEngine:
             self._aborts.append(request_id)
             self._cv.notify()
 
+    def abort_all(self) -> None:
+        """Abort every accepted request (end of a drain's grace period)."""
+        with self._cv:
+            self._aborts.extend(self._streams)
+            self._cv.notify()
+
     def _run(self) -> None:
         while True:
             with self._cv:
@@ -164,6 +189,9 @@ class AsyncEngine:
             outputs = self.core.step()
         except Exception as exc:  # keep serving: fail this step's requests, not the process
             log.exception("event=engine_step_failed")
+            # Also those the step admitted: their prompt may have run without a token sampled, leaving
+            # nothing to run next step (a zero-token forward that fails every request batched with it).
+            running += [seq.request_id for seq in self.core.scheduler.running if seq.request_id not in running]
             failed = {rid: EngineError(f"engine step failed: {exc}") for rid in running}
             for rid in running:
                 self.core.abort(rid)

@@ -6,12 +6,8 @@ verify, repair, prepare, load, warmup, ready). The current stage and progress fe
 
 from __future__ import annotations
 
-import logging
 import time
 from dataclasses import dataclass, field
-
-log = logging.getLogger("glmflash.provision")
-
 
 @dataclass
 class StageClock:
@@ -31,7 +27,6 @@ class StageClock:
         extra = "".join(f" {k}={v}" for k, v in detail.items())
         line = f"PROVISION_STAGE={name} elapsed_s={self.elapsed_s:.2f} budget_left_s={self.budget_s - self.elapsed_s:.2f}"
         print(line + extra, flush=True)
-        log.info("event=stage stage=%s elapsed_s=%.2f%s", name, self.elapsed_s, extra)
 
     def progress(self, **detail) -> None:
         """Update what /ready shows inside the current stage (bytes done, files left...) without a new line."""

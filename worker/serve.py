@@ -1,78 +1,80 @@
-"""`glmflash serve`: listen at once, load the model, warm it up, then report ready; stop on SIGTERM/SIGINT.
+"""`glmflash boot` / `glmflash serve`: the worker's life from container start to exit, top to bottom.
 
-The HTTP server is up before the model so /health answers and /ready reports the loading stage.
+Listen at once (so /health answers and /ready reports the stage), provision and load by the
+cheapest valid path, warm up, report ready, serve until SIGTERM or the idle timeout, drain, exit 0.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import signal
-from pathlib import Path
 from typing import Sequence
 
 from aiohttp import web
 
 from engine.sampler import LogitsProcessor
-from engine.tiny.factory import write_tiny_model
 from provision.settings import Settings
-from worker.served_model import load_served_model, warm_up
+from provision.stages import StageClock
+from worker.lifecycle import Lifecycle
+from worker.provisioning import provision_and_load
+from worker.served_model import build_served_model, warm_up
 from worker.server import ServerState, build_app
 
 log = logging.getLogger("glmflash.worker")
-TINY_NAME = "glmflash-tiny"
-
-
-def resolve_model(settings: Settings) -> tuple[Path, str]:
-    """(snapshot directory, served name). No model: the embedded tiny model, written on first use."""
-    if settings.model is None:
-        path = settings.cache_dir / "tiny-glm5-next"
-        if not (path / "model.safetensors.index.json").exists():
-            write_tiny_model(path)
-            log.info("event=tiny_model_written path=%s", path)
-        return path, settings.served_model_name or TINY_NAME
-    path = Path(settings.model)
-    if path.is_dir():
-        return path, settings.served_model_name or path.name
-    from huggingface_hub import snapshot_download
-
-    repo, _, revision = settings.model.partition("@")
-    local = snapshot_download(repo, revision=revision or None, token=settings.hf_token,
-                              cache_dir=str(settings.cache_dir / "hub"))
-    return Path(local), settings.served_model_name or repo
 
 
 async def serve(settings: Settings, stop: asyncio.Event | None = None,
-                logits_processors: Sequence[LogitsProcessor] = ()) -> None:
-    stop = stop or _stop_on_signals()
-    state = ServerState(settings)
+                logits_processors: Sequence[LogitsProcessor] = ()) -> str:
+    """Run the worker until stopped; returns why it stopped ("signal", "idle", or "stopped")."""
+    state = ServerState(settings, StageClock(settings.start_window_s))
+    stop = stop or _stop_on_signals(state)
+    state.lifecycle = lifecycle = Lifecycle(lambda: state.model.engine.num_requests if state.model else 0,
+                                            settings.idle_timeout_s, settings.controller_url,
+                                            settings.container_id or "glmflash")
     runner = web.AppRunner(build_app(state), handler_cancellation=True, access_log=None)
     await runner.setup()
     await web.TCPSite(runner, settings.host, settings.port).start()
     url = f"http://{settings.host}:{settings.port}"
     log.info("event=listening url=%s", url)
     try:
-        state.stage = "loading"
-        snapshot, name = resolve_model(settings)
-        model = await asyncio.to_thread(load_served_model, snapshot, settings, name)
+        loaded = await asyncio.to_thread(provision_and_load, settings, state.clock)
+        model = build_served_model(loaded, settings)
         model.logits_processors = tuple(logits_processors)
         state.model = model
         model.engine.start()
-        state.stage = "warmup"
+        state.clock.stage("warmup")
         await warm_up(model)
-        state.stage = "ready"
-        print(f"ready url={url}/v1 model={name}", flush=True)
+        state.clock.stage("ready", url=f"{url}/v1", model=model.name)
+        print(f"ready url={url}/v1 model={model.name}", flush=True)
+        watcher = asyncio.create_task(lifecycle.watch(stop, lambda: state.stage))
         await stop.wait()
+        reason = lifecycle.stop_reason or getattr(stop, "reason", "stopped")
+        state.clock.stage("parking" if reason == "idle" else "draining")
+        aborted = await lifecycle.drain(settings.drain_grace_s, model.engine.abort_all)
+        state.clock.stage("stopped", reason=reason, aborted=aborted)
+        watcher.cancel()
+        return reason
     finally:
-        state.stage = "stopping"
         if state.model is not None:
             await state.model.engine.shutdown()
         await runner.cleanup()
 
 
-def _stop_on_signals() -> asyncio.Event:
+def _stop_on_signals(state: ServerState) -> asyncio.Event:
+    """SIGTERM/SIGINT: drain when serving; before ready nothing is in flight, so exit at once
+    (downloads resume and a prepared snapshot only counts once its plan is written)."""
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
+
+    def handle(sig: signal.Signals) -> None:
+        if state.stage != "ready":
+            print(f"PROVISION_STAGE=stopped reason={sig.name} during={state.stage}", flush=True)
+            os._exit(0)
+        stop.reason = "signal"  # type: ignore[attr-defined]
+        stop.set()
+
     for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
+        loop.add_signal_handler(sig, handle, sig)
     return stop

@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
-import logging
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -16,8 +13,7 @@ from engine.sampler import LogitsProcessor
 from engine.sampling_params import SamplingParams
 from provision.settings import Settings
 from worker.chat_template import ChatTemplate
-
-log = logging.getLogger("glmflash.worker")
+from worker.provisioning import LoadedModel
 
 
 @dataclass
@@ -37,18 +33,16 @@ class ServedModel:
         return self.tokenizer.decode([token_id], skip_special_tokens=False)
 
 
-def load_served_model(snapshot: Path, settings: Settings, name: str) -> ServedModel:
-    """Blocking: read the snapshot into an engine (call from a worker thread)."""
-    start = time.perf_counter()
+def build_served_model(loaded: LoadedModel, settings: Settings) -> ServedModel:
+    """An engine over loaded weights, with the tokenizer and chat template from the snapshot's files."""
     options = EngineOptions(max_num_seqs=settings.max_num_seqs, max_model_len=settings.max_model_len,
                             max_num_batched_tokens=settings.max_num_batched_tokens, max_waiting=settings.max_queue)
-    core = EngineCore.from_snapshot(snapshot, settings.resolved_device(), settings.resolved_dtype(), options)
-    tokenizer = Tokenizer.from_file(str(snapshot / "tokenizer.json"))
-    template = ChatTemplate.from_dir(snapshot) if _has_template(snapshot) else None
-    log.info("event=model_loaded model=%s device=%s dtype=%s load_s=%.2f", name, settings.resolved_device(),
-             settings.resolved_dtype(), time.perf_counter() - start)
-    return ServedModel(name, AsyncEngine(core, tokenizer), tokenizer, template, settings.max_model_len,
-                       core.config.vocab_size)
+    core = EngineCore(loaded.config, loaded.weights, options)
+    files = loaded.files
+    tokenizer = Tokenizer.from_file(str(files / "tokenizer.json"))
+    template = ChatTemplate.from_dir(files) if _has_template(files) else None
+    return ServedModel(loaded.name, AsyncEngine(core, tokenizer), tokenizer, template, settings.max_model_len,
+                       loaded.config.vocab_size)
 
 
 def _has_template(snapshot: Path) -> bool:

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 from dataclasses import dataclass, field
 
 from aiohttp import web
 
 from provision.settings import Settings
+from provision.stages import StageClock
+from worker.lifecycle import Lifecycle
 from worker.metrics import Metrics
 from worker.protocol import ModelCard, ModelList, ProtocolError, error_body
 from worker.served_model import ServedModel
@@ -18,20 +19,25 @@ from worker.serving_chat import chat_completions
 from worker.serving_completion import completions
 
 log = logging.getLogger("glmflash.worker")
-OPEN_PATHS = ("/health", "/ready", "/metrics")
+OPEN_PATHS = ("/health", "/ready", "/metrics", "/idle")
 
 
 @dataclass
 class ServerState:
     settings: Settings
+    clock: StageClock = field(default_factory=lambda: StageClock(300.0))
     metrics: Metrics = field(default_factory=Metrics)
-    stage: str = "starting"  # starting -> loading -> warmup -> ready -> draining
     model: ServedModel | None = None
-    started: float = field(default_factory=time.monotonic)
+    lifecycle: Lifecycle | None = None
+
+    @property
+    def stage(self) -> str:
+        return self.clock.name
 
     def require_model(self) -> ServedModel:
-        if self.model is None or self.stage not in ("ready", "warmup"):
-            raise ProtocolError(f"the model is not ready (stage: {self.stage})", status=503, code="not_ready")
+        """The model, if new work may start now (not while loading, draining or parking)."""
+        if self.model is None or self.stage != "ready":
+            raise ProtocolError(f"not accepting requests (stage: {self.stage})", status=503, code="not_ready")
         return self.model
 
 
@@ -41,6 +47,7 @@ def build_app(state: ServerState) -> web.Application:
     app.router.add_get("/health", health)
     app.router.add_get("/ready", ready)
     app.router.add_get("/metrics", metrics)
+    app.router.add_get("/idle", idle)
     app.router.add_get("/v1/models", models)
     app.router.add_post("/v1/chat/completions", chat_completions)
     app.router.add_post("/v1/completions", completions)
@@ -67,6 +74,8 @@ async def _errors(request: web.Request, handler):
     state: ServerState = request.app["state"]
     resource = request.match_info.route.resource
     status = 500
+    if state.lifecycle is not None:
+        state.lifecycle.touch()
     try:
         response = await handler(request)
         status = response.status
@@ -92,6 +101,8 @@ async def _errors(request: web.Request, handler):
         return _json_error(500, f"internal error: {exc}")
     finally:
         state.metrics.requests.labels(resource.canonical if resource else "unmatched", str(status)).inc()
+        if state.lifecycle is not None:
+            state.lifecycle.touch()
 
 
 async def health(request: web.Request) -> web.Response:
@@ -99,12 +110,22 @@ async def health(request: web.Request) -> web.Response:
 
 
 async def ready(request: web.Request) -> web.Response:
+    """200 only when the model is loaded and warmed up; otherwise 503 with the stage and its progress."""
     state: ServerState = request.app["state"]
-    body = {"status": state.stage, "uptime_s": round(time.monotonic() - state.started, 3)}
+    body = {"status": state.stage, **state.clock.status()}
     if state.model is not None:
         stats = state.model.engine.stats
         body.update(model=state.model.name, running=stats.running, waiting=stats.waiting)
+    if state.lifecycle is not None:
+        body.update(state.lifecycle.snapshot())
     return web.json_response(body, status=200 if state.stage == "ready" else 503)
+
+
+async def idle(request: web.Request) -> web.Response:
+    """In-flight work and idle seconds, for inactivity controllers that poll."""
+    state: ServerState = request.app["state"]
+    body = state.lifecycle.snapshot() if state.lifecycle is not None else {"in_flight": 0, "idle_s": 0.0}
+    return web.json_response({"stage": state.stage, **body})
 
 
 async def metrics(request: web.Request) -> web.Response:
