@@ -1,47 +1,10 @@
-"""Fixtures for the provisioning tests: a real S3 endpoint (moto's threaded server) and clients."""
+"""Fixtures for the provisioning tests (the S3 endpoint itself is in tests/conftest.py)."""
 
 from __future__ import annotations
 
-import os
 from itertools import count
 
 import pytest
-
-from provision_helpers import free_port
-
-
-@pytest.fixture(scope="session")
-def moto_endpoint():
-    """A real S3 API on localhost (moto's server in a thread of this process)."""
-    from moto.server import ThreadedMotoServer
-
-    port = free_port()
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
-    server.start()
-    try:
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        server.stop()
-
-
-@pytest.fixture
-def aws_env(monkeypatch):
-    """Dummy credentials and region for boto3 (also inherited by subprocesses)."""
-    for name, value in {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
-                        "AWS_DEFAULT_REGION": "us-east-1", "AWS_REGION": "us-east-1"}.items():
-        monkeypatch.setenv(name, value)
-    for name in ("AWS_PROFILE", "AWS_SESSION_TOKEN", "AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3"):
-        monkeypatch.delenv(name, raising=False)
-    monkeypatch.setenv("AWS_CONFIG_FILE", os.devnull)
-    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", os.devnull)
-
-
-@pytest.fixture
-def s3(moto_endpoint, aws_env):
-    import boto3
-
-    return boto3.client("s3", endpoint_url=moto_endpoint, region_name="us-east-1")
-
 
 _bucket_counter = count()
 
