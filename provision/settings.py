@@ -70,6 +70,10 @@ class Settings(BaseSettings):
     master_token: str | None = Field(None, validation_alias=AliasChoices("MASTER_TOKEN"))
     unsecured: bool = Field(False, validation_alias=AliasChoices("UNSECURED"))
     public_ipaddr: str | None = Field(None, validation_alias=AliasChoices("PUBLIC_IPADDR"))
+    vast_max_queue_time: float = Field(30.0, gt=0, validation_alias=_env("VAST_MAX_QUEUE_TIME"),
+                                       description="Queued workload / max_perf above which Vast requests get 429")
+    vast_default_max_tokens: int = Field(256, ge=1, validation_alias=_env("VAST_DEFAULT_MAX_TOKENS"),
+                                         description="max_tokens assumed for workload units when a chat request omits it")
 
     @property
     def vast_mode(self) -> bool:

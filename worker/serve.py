@@ -21,6 +21,8 @@ from worker.lifecycle import Lifecycle
 from worker.provisioning import provision_and_load
 from worker.served_model import build_served_model, warm_up
 from worker.server import ServerState, build_app
+from worker.vast import VastWorker, benchmark_key, cached_max_perf, engine_generate_fn, measure_max_perf
+from engine.checkpoint.prepared import engine_version
 
 log = logging.getLogger("glmflash.worker")
 
@@ -28,16 +30,19 @@ log = logging.getLogger("glmflash.worker")
 async def serve(settings: Settings, stop: asyncio.Event | None = None,
                 logits_processors: Sequence[LogitsProcessor] = ()) -> str:
     """Run the worker until stopped; returns why it stopped ("signal", "idle", or "stopped")."""
-    state = ServerState(settings, StageClock(settings.start_window_s))
+    state = ServerState(settings, StageClock(settings.start_window_s), vast=VastWorker.from_settings(settings))
     stop = stop or _stop_on_signals(state)
     state.lifecycle = lifecycle = Lifecycle(lambda: state.model.engine.num_requests if state.model else 0,
                                             settings.idle_timeout_s, settings.controller_url,
                                             settings.container_id or "glmflash")
     runner = web.AppRunner(build_app(state), handler_cancellation=True, access_log=None)
     await runner.setup()
-    await web.TCPSite(runner, settings.host, settings.port).start()
+    ssl_context = state.vast.ssl_context() if state.vast else None
+    await web.TCPSite(runner, settings.host, settings.port, ssl_context=ssl_context).start()
     url = f"http://{settings.host}:{settings.port}"
-    log.info("event=listening url=%s", url)
+    log.info("event=listening url=%s vast=%s", url, state.vast is not None)
+    if state.vast:
+        await state.vast.start()
     try:
         loaded = await asyncio.to_thread(provision_and_load, settings, state.clock)
         model = build_served_model(loaded, settings)
@@ -46,8 +51,13 @@ async def serve(settings: Settings, stop: asyncio.Event | None = None,
         model.engine.start()
         state.clock.stage("warmup")
         await warm_up(model)
+        if state.vast:
+            state.clock.stage("benchmark")
+            max_perf = await _vast_max_perf(settings, model)
         state.clock.stage("ready", url=f"{url}/v1", model=model.name)
         print(f"ready url={url}/v1 model={model.name}", flush=True)
+        if state.vast:
+            await state.vast.mark_loaded(max_perf)
         watcher = asyncio.create_task(lifecycle.watch(stop, lambda: state.stage))
         await stop.wait()
         reason = lifecycle.stop_reason or getattr(stop, "reason", "stopped")
@@ -56,10 +66,26 @@ async def serve(settings: Settings, stop: asyncio.Event | None = None,
         state.clock.stage("stopped", reason=reason, aborted=aborted)
         watcher.cancel()
         return reason
+    except Exception as exc:
+        if state.vast:  # the autoscaler hears the error before the process exits
+            await state.vast.report_fatal(f"{type(exc).__name__}: {exc}")
+        raise
     finally:
         if state.model is not None:
             await state.model.engine.shutdown()
+        if state.vast:
+            await state.vast.stop()
         await runner.cleanup()
+
+
+async def _vast_max_perf(settings: Settings, model) -> float:
+    """Workload units/s from real requests through the engine, cached per model, engine and settings."""
+    key = benchmark_key(model=model.name, revision=settings.model_revision, engine_version=engine_version(),
+                        device=settings.resolved_device(), dtype=settings.resolved_dtype(),
+                        max_num_seqs=settings.max_num_seqs, max_num_batched_tokens=settings.max_num_batched_tokens)
+    max_perf, _ = await cached_max_perf(settings.cache_dir / "vast_benchmark.json", key,
+                                        lambda: measure_max_perf(engine_generate_fn(model), 3, settings.max_num_seqs))
+    return max_perf
 
 
 def _stop_on_signals(state: ServerState) -> asyncio.Event:

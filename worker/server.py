@@ -17,6 +17,7 @@ from worker.served_model import ServedModel
 from worker.serving import ClientGone
 from worker.serving_chat import chat_completions
 from worker.serving_completion import completions
+from worker.vast import VAST_APP_KEY, VastWorker, vast_middleware, vast_verified
 
 log = logging.getLogger("glmflash.worker")
 OPEN_PATHS = ("/health", "/ready", "/metrics", "/idle")
@@ -29,6 +30,7 @@ class ServerState:
     metrics: Metrics = field(default_factory=Metrics)
     model: ServedModel | None = None
     lifecycle: Lifecycle | None = None
+    vast: VastWorker | None = None  # set under Vast's serverless controller
 
     @property
     def stage(self) -> str:
@@ -42,8 +44,11 @@ class ServerState:
 
 
 def build_app(state: ServerState) -> web.Application:
-    app = web.Application(middlewares=[_errors, _auth], client_max_size=64 << 20)
+    # Vast outermost, so its load and status reports see every request's final status.
+    app = web.Application(middlewares=[vast_middleware, _errors, _auth], client_max_size=64 << 20)
     app["state"] = state
+    if state.vast is not None:
+        app[VAST_APP_KEY] = state.vast
     app.router.add_get("/health", health)
     app.router.add_get("/ready", ready)
     app.router.add_get("/metrics", metrics)
@@ -61,7 +66,7 @@ def _json_error(status: int, message: str, **fields) -> web.Response:
 @web.middleware
 async def _auth(request: web.Request, handler):
     key = request.app["state"].settings.api_key
-    if key and request.path not in OPEN_PATHS:
+    if key and request.path not in OPEN_PATHS and not vast_verified(request):  # Vast's router signed it
         if request.headers.get("Authorization", "") != f"Bearer {key}":
             return _json_error(401, "Missing or invalid API key (expected 'Authorization: Bearer <key>').",
                                code="invalid_api_key")

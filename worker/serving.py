@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
+import logging
 import time
 from typing import Any, AsyncIterator
 
@@ -15,9 +16,11 @@ from engine.sampler import TokenLogprobs
 from engine.sampling_params import SamplingParams
 from engine.scheduler import QueueFull
 from worker.metrics import Metrics
-from worker.protocol import ProtocolError, _SamplingRequest, parse_request
+from worker.protocol import ProtocolError, _SamplingRequest, error_body, parse_request
 from worker.served_model import ServedModel
+from worker.vast import openai_body
 
+log = logging.getLogger("glmflash.worker")
 STREAM_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
@@ -27,7 +30,7 @@ class ClientGone(Exception):
 
 async def read_request(request: web.Request, cls: type) -> Any:
     try:
-        payload = await request.json()
+        payload = await openai_body(request)  # a Vast-routed request's unwrapped payload, else the body
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise ProtocolError(f"request body is not valid JSON: {exc}") from exc
     return parse_request(cls, payload)
@@ -177,6 +180,14 @@ async def send_event(response: web.StreamResponse, payload: Any) -> None:
         await response.write(f"data: {data}\n\n".encode())
     except (ConnectionError, RuntimeError) as exc:  # reset by peer / closing transport
         raise ClientGone() from exc
+
+
+async def send_error_event(response: web.StreamResponse, exc: Exception) -> None:
+    """A failure after the SSE headers went out: an OpenAI error event, then [DONE], so the stream still ends."""
+    log.error("event=stream_failed error=%r", exc)
+    status = 429 if isinstance(exc, QueueFull) else 500
+    await send_event(response, json.dumps(error_body(status, str(exc) or type(exc).__name__)))
+    await send_event(response, "[DONE]")
 
 
 def top_logprobs(model: ServedModel, lp: TokenLogprobs) -> list[tuple[str, float]]:
