@@ -17,8 +17,8 @@ from worker.protocol import (
 )
 from worker.served_model import ServedModel
 from worker.serving import (
-    Timing, check_model, completion_budget, merged, open_streams, read_request, sampling_params,
-    send_event, start_sse, top_logprobs,
+    ClientGone, Timing, check_model, close_streams, completion_budget, merged, open_streams, read_request,
+    sampling_params, send_error_event, send_event, start_sse, top_logprobs,
 )
 
 
@@ -98,9 +98,12 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
                            settings.tool_call_parser) for _ in range(body.n)]
     timing = Timing(state.metrics)
     streams = await open_streams(model, [ids], params, body.n)
-    if body.stream:
-        return await _stream(request, body, model, parsers, streams, len(ids), timing)
-    return await _whole(body, model, parsers, streams, len(ids), timing)
+    try:  # whatever happens before the streams are read (client gone, cancelled), they are aborted
+        if body.stream:
+            return await _stream(request, body, model, parsers, streams, len(ids), timing)
+        return await _whole(body, model, parsers, streams, len(ids), timing)
+    finally:
+        await close_streams(streams)
 
 
 async def _stream(request: web.Request, body: ChatCompletionRequest, model: ServedModel, parsers: list[ChoiceParser],
@@ -131,6 +134,10 @@ async def _stream(request: web.Request, body: ChatCompletionRequest, model: Serv
             await send_event(response, ChatCompletionChunk(id=chunk_id, model=model.name,
                                                            usage=Usage.of(prompt_tokens, completion_tokens)))
         await send_event(response, "[DONE]")
+    except (ClientGone, ConnectionError):
+        raise
+    except Exception as exc:  # headers are out: report in the stream instead of hanging it
+        await send_error_event(response, exc)
     finally:
         await events.aclose()
         timing.finish(prompt_tokens, completion_tokens)

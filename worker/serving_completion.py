@@ -11,8 +11,8 @@ from worker.protocol import (
 )
 from worker.served_model import ServedModel
 from worker.serving import (
-    Timing, check_model, check_token_ids, completion_budget, merged, open_streams, read_request, sampling_params,
-    send_event, start_sse, top_logprobs,
+    ClientGone, Timing, check_model, check_token_ids, close_streams, completion_budget, merged, open_streams,
+    read_request, sampling_params, send_error_event, send_event, start_sse, top_logprobs,
 )
 
 DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
@@ -32,7 +32,10 @@ class LogprobBuilder:
             text = self.model.token_text(token)
             out.tokens.append(text)
             out.token_logprobs.append(lp.logprob)
-            out.top_logprobs.append(dict(top_logprobs(self.model, lp)))
+            top: dict[str, float] = {}
+            for top_text, value in top_logprobs(self.model, lp):  # best first
+                top.setdefault(top_text, value)  # texts can collide (lone bytes read "\ufffd"): keep the best
+            out.top_logprobs.append(top)
             out.text_offset.append(self.offset)
             self.offset += len(text)
         return out
@@ -68,9 +71,12 @@ async def completions(request: web.Request) -> web.StreamResponse:
     prompt_tokens = sum(len(ids) for ids in prompts)
     timing = Timing(state.metrics)
     streams = await open_streams(model, prompts, params, body.n)
-    if body.stream:
-        return await _stream(request, body, model, streams, echoes, builders, prompt_tokens, timing)
-    return await _whole(body, model, streams, echoes, builders, prompt_tokens, timing)
+    try:  # whatever happens before the streams are read (client gone, cancelled), they are aborted
+        if body.stream:
+            return await _stream(request, body, model, streams, echoes, builders, prompt_tokens, timing)
+        return await _whole(body, model, streams, echoes, builders, prompt_tokens, timing)
+    finally:
+        await close_streams(streams)
 
 
 async def _stream(request: web.Request, body: CompletionRequest, model: ServedModel, streams, echoes: list[str],
@@ -92,6 +98,10 @@ async def _stream(request: web.Request, body: CompletionRequest, model: ServedMo
             usage = Usage.of(prompt_tokens, completion_tokens)
             await send_event(response, CompletionChunk(id=chunk_id, model=model.name, usage=usage))
         await send_event(response, "[DONE]")
+    except (ClientGone, ConnectionError):
+        raise
+    except Exception as exc:  # headers are out: report in the stream instead of hanging it
+        await send_error_event(response, exc)
     finally:
         await events.aclose()
         timing.finish(prompt_tokens, completion_tokens)

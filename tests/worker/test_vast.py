@@ -757,3 +757,176 @@ def test_benchmark_runs_through_the_real_engine(tmp_path):
             await model.engine.shutdown()
 
     run(main())
+
+
+# --- end to end: the real server (`serve()`, tiny model, CPU) under the stand-in controller ------------------------
+
+
+def _stage_s(ready_body: dict[str, Any], name: str, until: str = "ready") -> float:
+    """Seconds a server spent from stage `name` to stage `until`, from /ready's stage history."""
+    at = {s["stage"]: s["at_s"] for s in ready_body["stages"]}
+    return at[until] - at[name]
+
+
+def test_real_server_end_to_end_under_the_stand_in_controller(router_key, tiny_model_dir, tmp_path, monkeypatch):
+    """The whole Vast flow through `serve()` with the tiny model on the CPU: "loaded" (with the benchmark's max_perf)
+    reaches the controller as /ready turns 200; a request routed and signed through the vastai client is served by
+    the engine and deleted at the router; a bad signature and a plain request get 401; a restart with the same
+    cache_dir reuses the cached benchmark (and, with an API key, plain requests need the bearer, routed ones not)."""
+    import openai
+    from openai.types import Completion
+    from server_helpers import assert_error_body, start_server, stop_server, wait_ready_or_fail
+
+    import worker.serve
+
+    monkeypatch.setattr(vast, "STATUS_BUSY_INTERVAL_S", 1.0)  # the real cadence: "loaded" must not wait for it
+    monkeypatch.delenv("USE_SSL", raising=False)
+    cache_dir = tmp_path / "cache"
+    # The real benchmark (serve's runs and concurrency, through the engine) on a smaller payload: the default one
+    # (384-unit prompts, 256 tokens, 3 rounds of max_num_seqs) takes over a minute on a 2-core CPU.
+    bench_calls: list[tuple[int, int]] = []
+
+    async def small_benchmark(generate_fn, runs, concurrency, **kwargs):
+        bench_calls.append((runs, concurrency))
+        return await measure_max_perf(generate_fn, runs, concurrency,
+                                      payload_fn=lambda i: benchmark_payload(i, prompt_units=32, max_tokens=16))
+
+    monkeypatch.setattr(worker.serve, "measure_max_perf", small_benchmark)
+    status_fields = [f.name for f in dataclasses.fields(WorkerStatusData)]
+
+    def server_settings(ctl: Controller, **overrides: Any) -> Settings:
+        port = free_port()
+        monkeypatch.setenv(f"VAST_TCP_PORT_{port}", str(port))  # read by VastConfig.from_settings
+        return Settings(model=str(tiny_model_dir), served_model_name="tiny-test", host="127.0.0.1", port=port,
+                        device="cpu", dtype="float32", cache_dir=cache_dir, max_num_seqs=4, max_queue=64,
+                        max_model_len=8192, hf_token=None, log_level="WARNING", idle_timeout_s=0.0,
+                        controller_url=None, drain_grace_s=5.0, container_id=str(CONTAINER_ID),
+                        report_addr=ctl.url, master_token=MTOKEN, public_ipaddr="127.0.0.1", unsecured=False,
+                        **overrides)
+
+    async def boot(ctl: Controller, **overrides: Any):
+        """(server, its /ready body, the "loaded" status, seconds from /ready 200 to that status reaching ctl)."""
+        settings = server_settings(ctl, **overrides)
+        server = await asyncio.to_thread(start_server, settings, (), False)
+        servers.append(server)
+        await asyncio.to_thread(wait_ready_or_fail, server, 120.0)
+        ready_at = time.monotonic()
+        status, _, body = await asyncio.to_thread(server.get, "/ready")
+        assert status == 200
+        loaded = await ctl.wait_status(lambda s: s["loadtime"] > 0, timeout=5.0)
+        lag = ctl.status_times[ctl.statuses.index(loaded)] - ready_at
+        return server, json.loads(body), loaded, lag
+
+    async def post(url: str, body: dict, headers: dict[str, str] | None = None) -> tuple[int, bytes]:
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as http:
+            async with http.post(url, json=body, headers=headers or {}) as r:
+                return r.status, await r.read()
+
+    servers: list = []
+    payload = {"model": "tiny-test", "prompt": "Hello from Vast", "max_tokens": 5, "temperature": 0.0,
+               "ignore_eos": True}
+    workload = workload_of(payload)  # ceil(15 / 4) + 5
+    assert workload == 9
+
+    async def main():
+        # --- first start: benchmark measured, loaded reported, requests served and refused ----------------------
+        async with Controller(router_key) as ctl:
+            server, ready, loaded, lag = await boot(ctl)
+            url = f"http://127.0.0.1:{server.settings.port}"
+            # (1) "loaded" at once (not after the 1 s busy / 10 s idle timer), WorkerStatusData's fields exactly.
+            assert lag < 0.5, f"loaded reached the controller {lag:.2f}s after /ready turned 200"
+            assert list(loaded) == status_fields
+            assert ctl.statuses[0]["loadtime"] == 0.0 and ctl.statuses[0]["max_perf"] == 0.0  # "loading" first
+            assert loaded["max_perf"] > 0 and loaded["error_msg"] == "" and loaded["url"] == url
+            assert (loaded["id"], loaded["mtoken"], loaded["version"]) == (CONTAINER_ID, MTOKEN, "1.1.0")
+            bench_s = _stage_s(ready, "benchmark")
+            assert loaded["loadtime"] >= bench_s > 0
+            cache = json.loads((cache_dir / "vast_benchmark.json").read_text())
+            assert cache["max_perf"] == loaded["max_perf"] and cache["key"]["max_num_seqs"] == 4
+            assert ctl.pubkey_gets >= 1 and bench_calls == [(3, 4)]  # serve's 3 rounds of max_num_seqs
+
+            # (2) Routed and signed through the vastai client, served by the real engine.
+            client, endpoint = vast_client(ctl)
+            try:
+                result = await endpoint.request("/v1/completions", payload, cost=workload)
+            finally:
+                await client.close()
+            assert result["ok"] and result["status"] == 200 and result["url"] == url, result
+            completion = Completion.model_validate(result["response"])
+            assert completion.object == "text_completion" and completion.model == "tiny-test"
+            assert len(completion.choices) == 1 and completion.choices[0].finish_reason == "length"
+            assert completion.usage.completion_tokens == 5 and completion.usage.prompt_tokens > 0
+            idx = ctl.routes[-1]["request_idx"]
+            entry = await ctl.wait_delete(idx)
+            assert entry["status"] == "Success" and entry["success"] is True
+            assert entry["entered_queue_at"] <= entry["work_started_at"] <= entry["work_completed_at"]
+            served = await ctl.wait_status(lambda s: s["cur_perf"] > 0)
+            assert served["num_requests_recieved"] == 1 and served["cur_load"] == 0.0
+            assert served["working_request_idxs"] == [] and served["max_perf"] == loaded["max_perf"]
+            assert sum(s["cur_perf"] for s in ctl.statuses) == workload  # the benchmark does not count
+            assert sum(s["new_load"] for s in ctl.statuses) == workload
+            assert all(list(s) == status_fields for s in ctl.statuses)
+
+            # (3) A bad signature (the router's key over another url; another key over ours): 401, never served.
+            auth = {"url": url, "reqnum": 77, "signature": sign_url(router_key, "http://6.6.6.6:1"),
+                    "endpoint": "glm-endpoint", "cost": workload, "request_idx": 7001, "__request_id": "bad"}
+            status, body = await post(url + "/v1/completions", {"auth_data": auth, "payload": payload})
+            assert status == 401, body
+            assert_error_body(body, 401, code="invalid_signature")
+            other = rsa.generate_private_key(public_exponent=65537, key_size=2048)
+            forged = dict(auth, request_idx=7002, signature=sign_url(other, url))
+            status, body = await post(url + "/v1/completions", {"auth_data": forged, "payload": payload})
+            assert status == 401, body
+            for bad_idx in (7001, 7002):
+                assert (await ctl.wait_delete(bad_idx))["status"] == "Rejected"
+            await ctl.wait_status(lambda s: s["rej_load"] > 0)
+            await asyncio.sleep(1.2)  # one busy interval: every change reported
+            assert sum(s["rej_load"] for s in ctl.statuses) == 2 * workload
+            assert sum(s["cur_perf"] for s in ctl.statuses) == workload  # the refused ones were not served
+
+            # (4) A plain OpenAI request (no auth_data) without UNSECURED or an API key: 401 (vast_auth_required).
+            with openai.OpenAI(base_url=url + "/v1", api_key="anything", max_retries=0, timeout=30) as oc:
+                with pytest.raises(openai.AuthenticationError) as err:
+                    oc.completions.create(model="tiny-test", prompt="plain", max_tokens=2)
+            assert err.value.status_code == 401 and err.value.code == "vast_auth_required"
+            deleted = {e["request_idx"] for d in ctl.deletes for e in d["requests"]}
+            assert deleted == {idx, 7001, 7002}  # a plain request is nobody's route: nothing to delete
+
+            await asyncio.to_thread(stop_server, server)
+            assert ctl.statuses[-1]["loadtime"] > 0  # the last report on the way out
+
+        # --- (5) second start, same cache_dir: the cached benchmark, same max_perf, much faster --------------------
+        async with Controller(router_key) as ctl:
+            server2, ready2, loaded2, lag2 = await boot(ctl, api_key="sk-test")
+            url2 = f"http://127.0.0.1:{server2.settings.port}"
+            assert lag2 < 0.5 and list(loaded2) == status_fields
+            assert loaded2["max_perf"] == loaded["max_perf"]
+            bench2_s = _stage_s(ready2, "benchmark")
+            assert bench_calls == [(3, 4)] and bench2_s < bench_s and bench2_s < 0.5, (bench2_s, bench_s)
+            assert json.loads((cache_dir / "vast_benchmark.json").read_text())["measured_at"] == cache["measured_at"]
+            # With an API key: plain requests need the bearer; routed ones carry the endpoint's key and pass on the
+            # router's signature alone.
+            status, body = await post(url2 + "/v1/completions", payload)
+            assert status == 401, body
+            assert_error_body(body, 401, code="invalid_api_key")
+            status, body = await post(url2 + "/v1/completions", payload, {"Authorization": "Bearer sk-test"})
+            assert status == 200, body
+            assert Completion.model_validate_json(body).usage.completion_tokens == 5
+            client, endpoint = vast_client(ctl)  # sends "Authorization: Bearer endpoint-key"
+            try:
+                result = await endpoint.request("/v1/completions", payload, cost=workload)
+            finally:
+                await client.close()
+            assert result["status"] == 200 and result["url"] == url2, result
+            assert Completion.model_validate(result["response"]).usage.completion_tokens == 5
+            assert (await ctl.wait_delete(ctl.routes[-1]["request_idx"]))["status"] == "Success"
+            await asyncio.to_thread(stop_server, server2)
+        return bench_s, bench2_s
+
+    try:
+        bench_s, bench2_s = run(main())
+    finally:
+        for s in servers:
+            if s.thread is not None and s.thread.is_alive():
+                stop_server(s)
+    print(f"benchmark {bench_s:.2f}s measured, {bench2_s:.3f}s cached")
