@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 from aiohttp import web
 
+from engine.scheduler import QueueFull
 from provision.settings import Settings
 from provision.stages import StageClock
 from worker.lifecycle import Lifecycle
@@ -85,7 +86,9 @@ async def _errors(request: web.Request, handler):
         response = await handler(request)
         status = response.status
         return response
-    except ProtocolError as exc:
+    except (ProtocolError, QueueFull) as exc:
+        if isinstance(exc, QueueFull):  # the engine refused it after admission raced another request
+            exc = ProtocolError("The server is at capacity; retry shortly.", status=429, code="queue_full")
         status = exc.status
         response = web.json_response(exc.body(), status=exc.status)
         if exc.status == 429:
