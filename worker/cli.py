@@ -26,7 +26,7 @@ def main(argv: list[str] | None = None) -> None:
         cmd.add_argument("--served-model-name")
     args = parser.parse_args(argv)
     overrides = {k: v for k, v in vars(args).items() if v is not None and k != "command"}
-    if (model := overrides.get("model", "")).startswith("s3://"):
+    if overrides.get("model", "").startswith("s3://"):
         overrides["s3_uri"] = overrides.pop("model")
     settings = Settings(**overrides)
     logging.basicConfig(level=settings.log_level, format="%(asctime)s level=%(levelname)s logger=%(name)s %(message)s")

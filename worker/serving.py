@@ -182,6 +182,23 @@ async def send_event(response: web.StreamResponse, payload: Any) -> None:
         raise ClientGone() from exc
 
 
+async def serve_sse(request: web.Request, payloads: AsyncIterator[Any]) -> web.StreamResponse:
+    """Send each payload as an SSE event, then `[DONE]`; a failure after the headers becomes an error event."""
+    response = await start_sse(request)
+    try:
+        async for payload in payloads:
+            await send_event(response, payload)
+        await send_event(response, "[DONE]")
+    except (ClientGone, ConnectionError):
+        raise
+    except Exception as exc:  # headers are out: report in the stream instead of hanging it
+        await send_error_event(response, exc)
+    finally:
+        await payloads.aclose()
+    await response.write_eof()
+    return response
+
+
 async def send_error_event(response: web.StreamResponse, exc: Exception) -> None:
     """A failure after the SSE headers went out: an OpenAI error event, then [DONE], so the stream still ends."""
     log.error("event=stream_failed error=%r", exc)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import AsyncIterator
+
 from aiohttp import web
 
 from engine.async_engine import GenerationDelta
@@ -17,8 +19,8 @@ from worker.protocol import (
 )
 from worker.served_model import ServedModel
 from worker.serving import (
-    ClientGone, Timing, check_model, close_streams, completion_budget, merged, open_streams, read_request,
-    sampling_params, send_error_event, send_event, start_sse, top_logprobs,
+    Timing, check_model, close_streams, completion_budget, merged, open_streams, read_request, sampling_params,
+    serve_sse, top_logprobs,
 )
 
 
@@ -108,41 +110,36 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
 
 async def _stream(request: web.Request, body: ChatCompletionRequest, model: ServedModel, parsers: list[ChoiceParser],
                   streams, prompt_tokens: int, timing: Timing) -> web.StreamResponse:
-    response = await start_sse(request)
+    return await serve_sse(request, _chunks(body, model, parsers, streams, prompt_tokens, timing))
+
+
+async def _chunks(body: ChatCompletionRequest, model: ServedModel, parsers: list[ChoiceParser], streams,
+                  prompt_tokens: int, timing: Timing) -> AsyncIterator[ChatCompletionChunk]:
     chunk_id, completion_tokens = random_id("chatcmpl"), 0
 
     def chunk(index: int, delta: DeltaMessage, **extra) -> ChatCompletionChunk:
         return ChatCompletionChunk(id=chunk_id, model=model.name,
                                    choices=[ChatCompletionChunkChoice(index=index, delta=delta, **extra)])
 
-    for i in range(body.n):
-        await send_event(response, chunk(i, DeltaMessage(role="assistant", content="")))
     events = merged(streams)
     try:
+        for i in range(body.n):
+            yield chunk(i, DeltaMessage(role="assistant", content=""))
         async for index, delta in events:
             completion_tokens += len(delta.token_ids)
             timing.tokens(index, len(delta.token_ids))
             message = parsers[index].feed(delta.text)
             logprobs = chat_logprobs(model, delta)
             if message.model_dump() or logprobs is not None:
-                await send_event(response, chunk(index, message, logprobs=logprobs))
+                yield chunk(index, message, logprobs=logprobs)
             if delta.finish_reason is not None:
                 tail = parsers[index].finish()
-                reason = finish_reason(parsers[index], delta.finish_reason)
-                await send_event(response, chunk(index, tail, finish_reason=reason))
+                yield chunk(index, tail, finish_reason=finish_reason(parsers[index], delta.finish_reason))
         if body.include_usage:
-            await send_event(response, ChatCompletionChunk(id=chunk_id, model=model.name,
-                                                           usage=Usage.of(prompt_tokens, completion_tokens)))
-        await send_event(response, "[DONE]")
-    except (ClientGone, ConnectionError):
-        raise
-    except Exception as exc:  # headers are out: report in the stream instead of hanging it
-        await send_error_event(response, exc)
+            yield ChatCompletionChunk(id=chunk_id, model=model.name, usage=Usage.of(prompt_tokens, completion_tokens))
     finally:
         await events.aclose()
         timing.finish(prompt_tokens, completion_tokens)
-    await response.write_eof()
-    return response
 
 
 async def _whole(body: ChatCompletionRequest, model: ServedModel, parsers: list[ChoiceParser], streams,

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import AsyncIterator
+
 from aiohttp import web
 
 from engine.async_engine import GenerationDelta
@@ -11,8 +13,8 @@ from worker.protocol import (
 )
 from worker.served_model import ServedModel
 from worker.serving import (
-    ClientGone, Timing, check_model, check_token_ids, close_streams, completion_budget, merged, open_streams,
-    read_request, sampling_params, send_error_event, send_event, start_sse, top_logprobs,
+    Timing, check_model, check_token_ids, close_streams, completion_budget, merged, open_streams, read_request,
+    sampling_params, serve_sse, top_logprobs,
 )
 
 DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
@@ -81,7 +83,11 @@ async def completions(request: web.Request) -> web.StreamResponse:
 
 async def _stream(request: web.Request, body: CompletionRequest, model: ServedModel, streams, echoes: list[str],
                   builders: list[LogprobBuilder], prompt_tokens: int, timing: Timing) -> web.StreamResponse:
-    response = await start_sse(request)
+    return await serve_sse(request, _chunks(body, model, streams, echoes, builders, prompt_tokens, timing))
+
+
+async def _chunks(body: CompletionRequest, model: ServedModel, streams, echoes: list[str],
+                  builders: list[LogprobBuilder], prompt_tokens: int, timing: Timing) -> AsyncIterator[CompletionChunk]:
     chunk_id, completion_tokens = random_id("cmpl"), 0
     started = [False] * len(streams)
     events = merged(streams)
@@ -93,20 +99,12 @@ async def _stream(request: web.Request, body: CompletionRequest, model: ServedMo
             started[index] = True
             choice = CompletionChoice(index=index, text=text, logprobs=builders[index].add(delta),
                                       finish_reason=delta.finish_reason)
-            await send_event(response, CompletionChunk(id=chunk_id, model=model.name, choices=[choice]))
+            yield CompletionChunk(id=chunk_id, model=model.name, choices=[choice])
         if body.include_usage:
-            usage = Usage.of(prompt_tokens, completion_tokens)
-            await send_event(response, CompletionChunk(id=chunk_id, model=model.name, usage=usage))
-        await send_event(response, "[DONE]")
-    except (ClientGone, ConnectionError):
-        raise
-    except Exception as exc:  # headers are out: report in the stream instead of hanging it
-        await send_error_event(response, exc)
+            yield CompletionChunk(id=chunk_id, model=model.name, usage=Usage.of(prompt_tokens, completion_tokens))
     finally:
         await events.aclose()
         timing.finish(prompt_tokens, completion_tokens)
-    await response.write_eof()
-    return response
 
 
 async def _whole(body: CompletionRequest, model: ServedModel, streams, echoes: list[str],
