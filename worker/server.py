@@ -15,7 +15,7 @@ from worker.lifecycle import Lifecycle
 from worker.metrics import Metrics
 from worker.protocol import ModelCard, ModelList, ProtocolError, error_body
 from worker.served_model import ServedModel
-from worker.serving import ClientGone
+from worker.serving import STATE, ClientGone
 from worker.serving_chat import chat_completions
 from worker.serving_completion import completions
 from worker.vast import VAST_APP_KEY, VastWorker, vast_middleware, vast_verified
@@ -47,7 +47,7 @@ class ServerState:
 def build_app(state: ServerState) -> web.Application:
     # Vast outermost, so its load and status reports see every request's final status.
     app = web.Application(middlewares=[vast_middleware, _errors, _auth], client_max_size=64 << 20)
-    app["state"] = state
+    app[STATE] = state
     if state.vast is not None:
         app[VAST_APP_KEY] = state.vast
     app.router.add_get("/health", health)
@@ -66,7 +66,7 @@ def _json_error(status: int, message: str, **fields) -> web.Response:
 
 @web.middleware
 async def _auth(request: web.Request, handler):
-    key = request.app["state"].settings.api_key
+    key = request.app[STATE].settings.api_key
     if key and request.path not in OPEN_PATHS and not vast_verified(request):  # Vast's router signed it
         if request.headers.get("Authorization", "") != f"Bearer {key}":
             return _json_error(401, "Missing or invalid API key (expected 'Authorization: Bearer <key>').",
@@ -77,7 +77,7 @@ async def _auth(request: web.Request, handler):
 @web.middleware
 async def _errors(request: web.Request, handler):
     """Map failures to OpenAI error bodies and count every request by route and status."""
-    state: ServerState = request.app["state"]
+    state: ServerState = request.app[STATE]
     resource = request.match_info.route.resource
     status = 500
     if state.lifecycle is not None:
@@ -119,7 +119,7 @@ async def health(request: web.Request) -> web.Response:
 
 async def ready(request: web.Request) -> web.Response:
     """200 only when the model is loaded and warmed up; otherwise 503 with the stage and its progress."""
-    state: ServerState = request.app["state"]
+    state: ServerState = request.app[STATE]
     body = {"status": state.stage, **state.clock.status()}
     if state.model is not None:
         stats = state.model.engine.stats
@@ -131,20 +131,20 @@ async def ready(request: web.Request) -> web.Response:
 
 async def idle(request: web.Request) -> web.Response:
     """In-flight work and idle seconds, for inactivity controllers that poll."""
-    state: ServerState = request.app["state"]
+    state: ServerState = request.app[STATE]
     body = state.lifecycle.snapshot() if state.lifecycle is not None else {"in_flight": 0, "idle_s": 0.0}
     return web.json_response({"stage": state.stage, **body})
 
 
 async def metrics(request: web.Request) -> web.Response:
-    state: ServerState = request.app["state"]
+    state: ServerState = request.app[STATE]
     if state.model is not None:
         state.metrics.observe_engine(state.model.engine.stats)
     return web.Response(body=state.metrics.render(), content_type="text/plain", charset="utf-8")
 
 
 async def models(request: web.Request) -> web.Response:
-    state: ServerState = request.app["state"]
+    state: ServerState = request.app[STATE]
     model = state.require_model()
     card = ModelCard(id=model.name, max_model_len=model.max_model_len, root=model.name)
     return web.json_response(text=ModelList(data=[card]).model_dump_json())

@@ -21,6 +21,7 @@ from worker.served_model import ServedModel
 from worker.vast import openai_body
 
 log = logging.getLogger("glmflash.worker")
+STATE: web.AppKey = web.AppKey("glmflash_state")  # the app's ServerState
 STREAM_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 

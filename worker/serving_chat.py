@@ -19,7 +19,7 @@ from worker.protocol import (
 )
 from worker.served_model import ServedModel
 from worker.serving import (
-    Timing, check_model, close_streams, completion_budget, merged, open_streams, read_request, sampling_params,
+    STATE, Timing, check_model, close_streams, completion_budget, merged, open_streams, read_request, sampling_params,
     serve_sse, top_logprobs,
 )
 
@@ -80,7 +80,7 @@ def chat_logprobs(model: ServedModel, delta: GenerationDelta) -> ChatCompletionL
 
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
-    state = request.app["state"]
+    state = request.app[STATE]
     model: ServedModel = state.require_model()
     body = await read_request(request, ChatCompletionRequest)
     check_model(body, model)

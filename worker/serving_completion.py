@@ -13,7 +13,7 @@ from worker.protocol import (
 )
 from worker.served_model import ServedModel
 from worker.serving import (
-    Timing, check_model, check_token_ids, close_streams, completion_budget, merged, open_streams, read_request,
+    STATE, Timing, check_model, check_token_ids, close_streams, completion_budget, merged, open_streams, read_request,
     sampling_params, serve_sse, top_logprobs,
 )
 
@@ -54,7 +54,7 @@ def merge_logprobs(parts: list[CompletionLogprobs]) -> CompletionLogprobs:
 
 
 async def completions(request: web.Request) -> web.StreamResponse:
-    state = request.app["state"]
+    state = request.app[STATE]
     model: ServedModel = state.require_model()
     body = await read_request(request, CompletionRequest)
     check_model(body, model)
