@@ -258,12 +258,12 @@ def run(coro):
 @pytest.fixture(autouse=True)
 def quick_busy_reports(monkeypatch):
     """Busy reports every 0.1 s instead of 1 s, so the tests need not wait (test_report_cadence checks the logic)."""
-    monkeypatch.setattr(vast, "STATUS_BUSY_INTERVAL_S", 0.1)
+    monkeypatch.setattr(vast.reporter, "STATUS_BUSY_INTERVAL_S", 0.1)
 
 
 @pytest.fixture()
 def fast_backoff(monkeypatch):
-    monkeypatch.setattr(vast, "RETRY_BACKOFF_S", (0.02, 0.05, 0.1))
+    monkeypatch.setattr(vast.reporter, "RETRY_BACKOFF_S", (0.02, 0.05, 0.1))
 
 
 # --- workload units --------------------------------------------------------------------------------------------------
@@ -422,8 +422,8 @@ def test_loaded_is_reported_at_once_with_the_benchmark_figure(router_key):
 
 
 def test_report_cadence_busy_then_idle(monkeypatch, router_key):
-    monkeypatch.setattr(vast, "STATUS_BUSY_INTERVAL_S", 0.1)
-    monkeypatch.setattr(vast, "STATUS_IDLE_INTERVAL_S", 0.4)
+    monkeypatch.setattr(vast.reporter, "STATUS_BUSY_INTERVAL_S", 0.1)
+    monkeypatch.setattr(vast.reporter, "STATUS_IDLE_INTERVAL_S", 0.4)
 
     async def main():
         async with deployment(router_key) as (ctl, worker, app):
@@ -779,7 +779,7 @@ def test_real_server_end_to_end_under_the_stand_in_controller(router_key, tiny_m
 
     import worker.serve
 
-    monkeypatch.setattr(vast, "STATUS_BUSY_INTERVAL_S", 1.0)  # the real cadence: "loaded" must not wait for it
+    monkeypatch.setattr(vast.reporter, "STATUS_BUSY_INTERVAL_S", 1.0)  # the real cadence: "loaded" must not wait for it
     monkeypatch.delenv("USE_SSL", raising=False)
     cache_dir = tmp_path / "cache"
     # The real benchmark (serve's runs and concurrency, through the engine) on a smaller payload: the default one
