@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+from dataclasses import dataclass
 import json
 import logging
 import time
@@ -142,6 +143,34 @@ async def merged(streams: list[AsyncIterator[GenerationDelta]]) -> AsyncIterator
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+
+
+@dataclass
+class Collected:
+    """Every choice's whole output, for non-streamed responses."""
+
+    texts: list[str]
+    finish_reasons: list[str]
+    deltas: list[list[GenerationDelta]]
+    completion_tokens: int
+
+
+async def collect(streams: list[AsyncIterator[GenerationDelta]], timing: "Timing", prompt_tokens: int,
+                  prefixes: list[str]) -> Collected:
+    """Read all streams to the end; each choice's text starts with its prefix (echoed prompt or "")."""
+    out = Collected(list(prefixes), [""] * len(streams), [[] for _ in streams], 0)
+    events = merged(streams)
+    try:
+        async for index, delta in events:
+            out.completion_tokens += len(delta.token_ids)
+            timing.tokens(index, len(delta.token_ids))
+            out.texts[index] += delta.text
+            out.deltas[index].append(delta)
+            out.finish_reasons[index] = delta.finish_reason or out.finish_reasons[index]
+    finally:
+        await events.aclose()
+        timing.finish(prompt_tokens, out.completion_tokens)
+    return out
 
 
 class Timing:

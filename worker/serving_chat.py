@@ -19,7 +19,7 @@ from worker.protocol import (
 )
 from worker.served_model import ServedModel
 from worker.serving import (
-    STATE, Timing, check_model, close_streams, completion_budget, merged, open_streams, read_request, sampling_params,
+    STATE, Timing, check_model, close_streams, collect, completion_budget, merged, open_streams, read_request, sampling_params,
     serve_sse, top_logprobs,
 )
 
@@ -144,21 +144,10 @@ async def _chunks(body: ChatCompletionRequest, model: ServedModel, parsers: list
 
 async def _whole(body: ChatCompletionRequest, model: ServedModel, parsers: list[ChoiceParser], streams,
                  prompt_tokens: int, timing: Timing) -> web.Response:
-    texts, reasons = [""] * body.n, [""] * body.n
-    logprobs: list[list[ChatCompletionTokenLogprob]] = [[] for _ in range(body.n)]
-    completion_tokens = 0
-    events = merged(streams)
-    try:
-        async for index, delta in events:
-            completion_tokens += len(delta.token_ids)
-            timing.tokens(index, len(delta.token_ids))
-            texts[index] += delta.text
-            entries = chat_logprobs(model, delta)
-            logprobs[index] += entries.content if entries else []
-            reasons[index] = delta.finish_reason or reasons[index]
-    finally:
-        await events.aclose()
-        timing.finish(prompt_tokens, completion_tokens)
+    done = await collect(streams, timing, prompt_tokens, [""] * body.n)
+    texts, reasons, completion_tokens = done.texts, done.finish_reasons, done.completion_tokens
+    logprobs = [[entry for d in deltas if (lp := chat_logprobs(model, d)) for entry in lp.content]
+                for deltas in done.deltas]
     choices = []
     for i, parser in enumerate(parsers):
         reasoning, content = (parser.reasoning.extract(texts[i]) if parser.reasoning else (None, texts[i]))

@@ -13,7 +13,7 @@ from worker.protocol import (
 )
 from worker.served_model import ServedModel
 from worker.serving import (
-    STATE, Timing, check_model, check_token_ids, close_streams, completion_budget, merged, open_streams, read_request,
+    STATE, Timing, check_model, check_token_ids, close_streams, collect, completion_budget, merged, open_streams, read_request,
     sampling_params, serve_sse, top_logprobs,
 )
 
@@ -109,21 +109,10 @@ async def _chunks(body: CompletionRequest, model: ServedModel, streams, echoes: 
 
 async def _whole(body: CompletionRequest, model: ServedModel, streams, echoes: list[str],
                  builders: list[LogprobBuilder], prompt_tokens: int, timing: Timing) -> web.Response:
-    texts, reasons = list(echoes), [""] * len(streams)
-    logprobs: list[list[CompletionLogprobs]] = [[] for _ in streams]
-    completion_tokens = 0
-    events = merged(streams)
-    try:
-        async for index, delta in events:
-            completion_tokens += len(delta.token_ids)
-            timing.tokens(index, len(delta.token_ids))
-            texts[index] += delta.text
-            part = builders[index].add(delta)
-            logprobs[index] += [part] if part else []
-            reasons[index] = delta.finish_reason or reasons[index]
-    finally:
-        await events.aclose()
-        timing.finish(prompt_tokens, completion_tokens)
+    done = await collect(streams, timing, prompt_tokens, echoes)
+    texts, reasons, completion_tokens = done.texts, done.finish_reasons, done.completion_tokens
+    logprobs = [[part for d in deltas if (part := builder.add(d)) is not None]
+                for builder, deltas in zip(builders, done.deltas)]
     choices = [CompletionChoice(index=i, text=texts[i], finish_reason=reasons[i],
                                 logprobs=merge_logprobs(logprobs[i]) if body.logprobs is not None else None)
                for i in range(len(streams))]
