@@ -6,7 +6,7 @@ from the page cache (posix_fadvise DONTNEED), then measures:
   - raw: parallel 64 MiB preads of the same files into one reused buffer (the disk's rate here);
   - load: `load_prepared` into final buffers, with and without hash verification.
 
-    python ops/bench_load.py --dir /workspace/bench-load --gib 8 [--device cuda] [--workers 8]
+    python ops/bench_load.py --dir /workspace/bench-load --gib 8 [--device cuda] [--workers 8,16]
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ def synthetic_weights(gib: float) -> dict:
     """Random bytes in the real per-layer layout: one stacked NVFP4 expert bank per MoE layer."""
     layer_bytes = 3 * EXPERTS * (HIDDEN * INTER // 2 + HIDDEN * INTER // 16 + 4)
     layers = max(1, int(gib * 2**30 * 0.9 // layer_bytes))
-    weights: dict = {"embed_tokens.weight": torch.randint(0, 255, (int(gib * 2**30 * 0.1) // 2,), dtype=torch.uint8)
+    weights: dict = {"embed_tokens.weight": torch.randint(0, 255, (int(gib * 2**30 * 0.1) // 2 * 2,), dtype=torch.uint8)
                      .view(torch.bfloat16)}
     weights["lm_head"] = DenseWeight(torch.zeros(8, 8, dtype=torch.bfloat16))
     for i in range(layers):
@@ -40,6 +40,13 @@ def synthetic_weights(gib: float) -> dict:
                 torch.randint(0, 126, (EXPERTS, n, k // 16), dtype=torch.uint8).view(torch.float8_e4m3fn),
                 torch.ones(EXPERTS, 1))
     return weights
+
+
+def _bytes(weight) -> torch.Tensor:
+    """All of a weight's buffers as one flat byte tensor (to compare loads bit for bit)."""
+    tensors = [weight] if isinstance(weight, torch.Tensor) else [v for v in vars(weight).values()
+                                                                 if isinstance(v, torch.Tensor)]
+    return torch.cat([t.contiguous().view(torch.uint8).reshape(-1).cpu() for t in tensors])
 
 
 def evict(directory: Path) -> None:
@@ -71,25 +78,31 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--dir", type=Path, required=True)
     parser.add_argument("--gib", type=float, default=4.0)
-    parser.add_argument("--workers", type=int, default=8)
+    parser.add_argument("--workers", default="8", help="comma-separated reader counts to measure")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--keep", action="store_true")
     args = parser.parse_args()
     shutil.rmtree(args.dir, ignore_errors=True)
     start = time.perf_counter()
-    plan = save_prepared(synthetic_weights(args.gib), args.dir)
+    weights = synthetic_weights(args.gib)
+    plan = save_prepared(weights, args.dir)
     size = sum(plan.files.values())
     print(f"prepared_bytes={size} files={len(plan.files)} write_s={time.perf_counter() - start:.2f}", flush=True)
-    evict(args.dir)
-    total, seconds = raw_read(args.dir, args.workers)
-    print(f"raw_read_gb_s={total / seconds / 1e9:.3f} bytes={total} s={seconds:.2f} workers={args.workers}", flush=True)
-    for verify in (True, False):
+    for workers in (int(w) for w in args.workers.split(",")):
         evict(args.dir)
-        start = time.perf_counter()
-        _, stats = load_prepared(args.dir, args.device, args.workers, verify)
-        wall = time.perf_counter() - start
-        print(f"load_verify={int(verify)} read_gb_s={stats.gb_per_s:.3f} wall_gb_s={size / wall / 1e9:.3f} "
-              f"ratio_to_raw={stats.gb_per_s / (total / seconds / 1e9):.2f} device={args.device}", flush=True)
+        total, seconds = raw_read(args.dir, workers)
+        raw = total / seconds / 1e9
+        print(f"raw_read_gb_s={raw:.3f} bytes={total} s={seconds:.2f} workers={workers}", flush=True)
+        for verify in (True, False):
+            evict(args.dir)
+            start = time.perf_counter()
+            loaded, stats = load_prepared(args.dir, args.device, workers, verify)
+            wall = time.perf_counter() - start
+            same = all(torch.equal(_bytes(loaded[name]).cpu(), _bytes(w)) for name, w in weights.items())
+            print(f"load_verify={int(verify)} workers={workers} read_gb_s={stats.gb_per_s:.3f} "
+                  f"wall_gb_s={size / wall / 1e9:.3f} ratio_to_raw={stats.gb_per_s / raw:.2f} device={args.device} "
+                  f"identical={same}", flush=True)
+            del loaded
     if not args.keep:
         shutil.rmtree(args.dir)
 

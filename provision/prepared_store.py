@@ -12,11 +12,12 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import queue
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Callable, Iterable
+from typing import Callable, Iterable, Mapping, Sequence
 
 from provision.errors import ProvisionError
 
@@ -135,40 +136,56 @@ class ReadStats:
         return self.bytes / self.seconds / 1e9 if self.seconds else 0.0
 
 
-def read_regions(directory: Path, plan: PreparedPlan, destinations: dict[str, memoryview], workers: int = 8,
-                 verify: bool = True, on_bytes: Callable[[int], None] | None = None) -> ReadStats:
-    """Read every region into its destination buffer with `workers` parallel preads, verifying piece hashes.
+PieceSink = Callable[[str, int, memoryview], None]  # (region key, offset inside the region, the piece's bytes)
 
-    Regions are submitted in plan order, so files listed first (non-expert weights) land first.
+
+def read_regions(directory: Path, plan: PreparedPlan, destinations: Mapping[str, memoryview] | None = None,
+                 workers: int = 8, verify: bool = True, sink: PieceSink | None = None,
+                 staging: Sequence[memoryview] = ()) -> ReadStats:
+    """Read every region with `workers` parallel preads, verifying piece hashes; regions go in plan order,
+    so the files listed first (non-expert weights) land first.
+
+    With `destinations` the pieces land straight in those buffers (host memory). With `sink` and
+    `staging` (reusable buffers of at least PIECE_BYTES, as many as workers), each piece is read into
+    a free staging buffer and handed to `sink`, which must be done with it when it returns (a copy to
+    GPU memory); nothing larger than the staging buffers is ever held on the host.
     """
+    if (destinations is None) == (sink is None) or (sink is not None and len(staging) < workers):
+        raise ValueError("give destinations, or a sink with one staging buffer per worker")
     start = time.perf_counter()
+    free: queue.SimpleQueue[memoryview] = queue.SimpleQueue()
+    for buffer in staging:
+        free.put(buffer.cast("B"))
     fds = {name: os.open(directory / name, os.O_RDONLY) for name in plan.files}
-    try:
-        jobs = []
-        for region in plan.regions:
-            dest = destinations[region.key].cast("B")
-            if len(dest) != region.size:
-                raise ProvisionError(f"prepared region {region.key}: buffer has {len(dest)} bytes, "
-                                     f"file {region.file} holds {region.size}")
-            for (piece_start, piece_size), digest in zip(_pieces(region.size), region.hashes):
-                jobs.append((region, fds[region.file], dest[piece_start:piece_start + piece_size],
-                             region.offset + piece_start, digest))
 
-        def read(job) -> int:
-            region, fd, view, offset, digest = job
-            done = 0
-            while done < len(view):
-                n = os.preadv(fd, [view[done:]], offset + done)
+    def read(job: tuple[Region, int, int, str]) -> int:
+        region, piece_start, piece_size, digest = job
+        buffer = free.get() if sink is not None else None
+        try:
+            view = (buffer[:piece_size] if buffer is not None
+                    else destinations[region.key].cast("B")[piece_start:piece_start + piece_size])
+            done, offset = 0, region.offset + piece_start
+            while done < piece_size:
+                n = os.preadv(fds[region.file], [view[done:]], offset + done)
                 if n == 0:
                     raise ProvisionError(f"{directory / region.file}: ends early inside {region.key}")
                 done += n
             if verify and _digest(view) != digest:
-                raise ProvisionError(f"{directory / region.file}: checksum mismatch in {region.key} "
-                                     f"at offset {offset}")
-            if on_bytes is not None:
-                on_bytes(done)
+                raise ProvisionError(f"{directory / region.file}: checksum mismatch in {region.key} at offset {offset}")
+            if sink is not None:
+                sink(region.key, piece_start, view)
             return done
+        finally:
+            if buffer is not None:
+                free.put(buffer)
 
+    try:
+        jobs = []
+        for region in plan.regions:
+            if destinations is not None and len(destinations[region.key].cast("B")) != region.size:
+                raise ProvisionError(f"prepared region {region.key}: buffer has {len(destinations[region.key].cast('B'))} "
+                                     f"bytes, file {region.file} holds {region.size}")
+            jobs += [(region, start_, size, digest) for (start_, size), digest in zip(_pieces(region.size), region.hashes)]
         with ThreadPoolExecutor(max_workers=workers) as pool:
             total = sum(pool.map(read, jobs))
     finally:

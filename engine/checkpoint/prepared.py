@@ -8,6 +8,7 @@ grouped first so they can be resident before any expert.
 
 from __future__ import annotations
 
+import threading
 from importlib import metadata
 from pathlib import Path
 
@@ -15,7 +16,7 @@ import torch
 
 from engine.checkpoint.loader import LoadedWeights
 from engine.weights import DenseWeight, Fp8BlockWeight, Nvfp4Weight
-from provision.prepared_store import PreparedPlan, ReadStats, read_plan, read_regions, write_prepared
+from provision.prepared_store import PIECE_BYTES, PreparedPlan, ReadStats, read_plan, read_regions, write_prepared
 
 FORMAT_VERSION = 1
 FIELDS = {"tensor": ("data",), "dense": ("data",), "fp8_block": ("data", "scale_inv"),
@@ -74,12 +75,12 @@ def as_bytes(tensor: torch.Tensor) -> memoryview:
     return memoryview(tensor.contiguous().view(torch.uint8).reshape(-1).numpy())
 
 
-def allocate(meta: dict, pin: bool = False) -> tuple[LoadedWeights, dict[str, torch.Tensor]]:
-    """Empty CPU weights of the recorded layout, and their buffers by key (to be filled from disk)."""
+def allocate(meta: dict, device: torch.device | str = "cpu") -> tuple[LoadedWeights, dict[str, torch.Tensor]]:
+    """Empty weights of the recorded layout on `device`, and their buffers by key (to be filled from disk)."""
     weights: LoadedWeights = {}
     buffers: dict[str, torch.Tensor] = {}
     for name, record in meta["weights"].items():
-        made = {f: torch.empty(b["shape"], dtype=DTYPES[b["dtype"]], pin_memory=pin)
+        made = {f: torch.empty(b["shape"], dtype=DTYPES[b["dtype"]], device=device)
                 for f, b in record["buffers"].items()}
         buffers.update({f"{name}#{f}": t for f, t in made.items()})
         kind = record["kind"]
@@ -94,21 +95,6 @@ def allocate(meta: dict, pin: bool = False) -> tuple[LoadedWeights, dict[str, to
     return weights, buffers
 
 
-def to_device(weights: LoadedWeights, device: torch.device) -> LoadedWeights:
-    """Move every buffer to `device` (pinned host buffers copy asynchronously)."""
-    if device.type == "cpu":
-        return weights
-    moved: LoadedWeights = {}
-    for name, weight in weights.items():
-        if isinstance(weight, torch.Tensor):
-            moved[name] = weight.to(device, non_blocking=True)
-        else:
-            moved[name] = type(weight)(**{f: t.to(device, non_blocking=True) for f, t in _buffers(weight).items()},
-                                       **({"block": weight.block} if isinstance(weight, Fp8BlockWeight) else {}))
-    torch.cuda.synchronize(device)
-    return moved
-
-
 def save_prepared(weights: LoadedWeights, directory: Path, extra_meta: dict | None = None) -> PreparedPlan:
     """Write the weights as a prepared snapshot (buffers on any device; copied to host one at a time).
 
@@ -121,11 +107,24 @@ def save_prepared(weights: LoadedWeights, directory: Path, extra_meta: dict | No
 
 def load_prepared(directory: Path, device: torch.device | str = "cpu", workers: int = 8,
                   verify: bool = True) -> tuple[LoadedWeights, ReadStats]:
-    """Read a prepared snapshot into final buffers (pinned host staging when the target is a GPU)."""
+    """Read a prepared snapshot into its final buffers: host memory directly, or GPU memory through one
+    pinned 64 MiB staging buffer per reader thread (the host never holds more than those)."""
     plan = read_plan(directory)
     if plan is None:
         raise FileNotFoundError(f"{directory}: no prepared snapshot")
     device = torch.device(device)
-    weights, buffers = allocate(plan.meta, pin=device.type == "cuda")
-    stats = read_regions(directory, plan, {k: as_bytes(t) for k, t in buffers.items()}, workers, verify)
-    return to_device(weights, device), stats
+    weights, buffers = allocate(plan.meta, device)
+    if device.type != "cuda":
+        return weights, read_regions(directory, plan, {k: as_bytes(t) for k, t in buffers.items()}, workers, verify)
+    flat = {key: t.view(torch.uint8).reshape(-1) for key, t in buffers.items()}
+    staging = [torch.empty(PIECE_BYTES, dtype=torch.uint8, pin_memory=True) for _ in range(workers)]
+    streams: dict[int, torch.cuda.Stream] = {}
+
+    def to_gpu(key: str, offset: int, piece: memoryview) -> None:
+        stream = streams.setdefault(threading.get_ident(), torch.cuda.Stream(device))
+        with torch.cuda.stream(stream):
+            flat[key][offset:offset + len(piece)].copy_(torch.frombuffer(piece, dtype=torch.uint8), non_blocking=True)
+        stream.synchronize()  # the staging buffer is reused as soon as this returns
+
+    stats = read_regions(directory, plan, None, workers, verify, sink=to_gpu, staging=[as_bytes(t) for t in staging])
+    return weights, stats

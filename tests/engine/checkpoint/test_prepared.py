@@ -49,3 +49,28 @@ def test_damage_and_version_changes_are_reported(tiny_dir, tmp_path):
     assert "this is 9.9" in check_prepared(tmp_path, FORMAT_VERSION, "9.9")[0]
     path.write_bytes(bytes(data[:-100]))
     assert any(region.file in p and "bytes" in p for p in check_prepared(tmp_path, FORMAT_VERSION, engine_version()))
+
+
+def test_staged_reads_hand_every_piece_to_the_sink(tiny_dir, tmp_path, monkeypatch):
+    """The GPU path's reading mode (small reused staging buffers + a sink), checked on host memory."""
+    import provision.prepared_store as store
+    from engine.checkpoint.prepared import allocate, as_bytes
+    from provision.prepared_store import read_regions
+
+    monkeypatch.setattr(store, "PIECE_BYTES", 4096)  # many pieces per region, buffers reused many times
+    snapshot = tiny_dir("fp8")
+    weights = load_weights(snapshot, ModelConfig.from_dir(snapshot), "cpu", torch.bfloat16)
+    save_prepared(weights, tmp_path)
+    plan = read_plan(tmp_path)
+    _, direct = allocate(plan.meta)
+    read_regions(tmp_path, plan, {k: as_bytes(t) for k, t in direct.items()}, workers=3)
+    _, staged = allocate(plan.meta)
+    flat = {k: t.view(torch.uint8).reshape(-1) for k, t in staged.items()}
+
+    def sink(key, offset, piece):
+        flat[key][offset:offset + len(piece)].copy_(torch.frombuffer(piece, dtype=torch.uint8))
+
+    buffers = [as_bytes(torch.empty(4096, dtype=torch.uint8)) for _ in range(3)]
+    read_regions(tmp_path, plan, None, workers=3, sink=sink, staging=buffers)
+    for key, tensor in direct.items():
+        assert torch.equal(flat[key], tensor.view(torch.uint8).reshape(-1)), key
