@@ -32,7 +32,7 @@ def stand_in(chunks: int = 4, tokens_per_chunk: int = 1, fail_every: int = 0, us
         return web.json_response({"object": "list", "data": [{"id": "stand-in", "object": "model"}]})
 
     async def complete(request: web.Request) -> web.StreamResponse:
-        bodies.append(body := await request.json())
+        bodies.append(await request.json())
         if fail_every and len(bodies) % fail_every == 0:
             return web.json_response({"error": {"message": "boom"}}, status=500)
         chat = request.path.endswith("/chat/completions")
