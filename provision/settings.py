@@ -65,6 +65,9 @@ class Settings(BaseSettings):
                                        description="Inactivity controller that receives idle/busy reports")
 
     # Vast.ai serverless (names as the platform injects them; absent = plain mode)
+    vast: bool = Field(False, validation_alias=_env("VAST"),
+                       description="Serve under Vast's serverless controller even if REPORT_ADDR is not injected "
+                                   "(the endpoint templates set it)")
     container_id: str | None = Field(None, validation_alias=AliasChoices("CONTAINER_ID"))
     report_addr: str | None = Field(None, validation_alias=AliasChoices("REPORT_ADDR"))
     master_token: str | None = Field(None, validation_alias=AliasChoices("MASTER_TOKEN"))
@@ -77,8 +80,13 @@ class Settings(BaseSettings):
 
     @property
     def vast_mode(self) -> bool:
-        """Running under Vast's serverless controller (it injects CONTAINER_ID and REPORT_ADDR)."""
-        return bool(self.container_id and self.report_addr)
+        """Running under Vast's serverless controller: a Vast container (CONTAINER_ID) that either got
+        REPORT_ADDR or was told so by its template. A plain Vast instance stays in plain mode."""
+        return bool(self.container_id and (self.report_addr or self.vast))
+
+    @property
+    def vast_report_addr(self) -> str:
+        return self.report_addr or "https://run.vast.ai"  # the framework's own default
 
     def resolved_device(self) -> str:
         if self.device != "auto":

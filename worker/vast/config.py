@@ -58,7 +58,7 @@ class VastConfig:
             log.warning("event=vast_container_id_not_numeric value=%s", cid)
         values: dict[str, Any] = dict(
             container_id=cid,
-            report_addrs=tuple(a.strip() for a in settings.report_addr.split(",") if a.strip()),
+            report_addrs=tuple(a.strip() for a in settings.vast_report_addr.split(",") if a.strip()),
             mtoken=settings.master_token or "",
             url=f"http{'s' if use_ssl else ''}://{public_ip}:{public_port}",
             unsecured=bool(settings.unsecured),

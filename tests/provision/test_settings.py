@@ -1,0 +1,26 @@
+"""Settings come from the environment; Vast mode only where the platform or the template says so."""
+
+from __future__ import annotations
+
+from provision.settings import Settings
+
+
+def test_env_names_and_aliases(monkeypatch):
+    monkeypatch.setenv("GLMFLASH_PORT", "4100")
+    monkeypatch.setenv("API_KEY", "k")
+    monkeypatch.setenv("MODEL_NAME", "org/model@abc")
+    s = Settings()
+    assert (s.port, s.api_key, s.model) == (4100, "k", "org/model@abc")
+
+
+def test_vast_mode(monkeypatch):
+    for name in ("CONTAINER_ID", "REPORT_ADDR", "GLMFLASH_VAST"):
+        monkeypatch.delenv(name, raising=False)
+    assert not Settings().vast_mode
+    monkeypatch.setenv("CONTAINER_ID", "123")
+    assert not Settings().vast_mode  # an ordinary Vast instance serves plain OpenAI
+    monkeypatch.setenv("GLMFLASH_VAST", "1")
+    s = Settings()
+    assert s.vast_mode and s.vast_report_addr == "https://run.vast.ai"
+    monkeypatch.setenv("REPORT_ADDR", "http://controller:9")
+    assert Settings().vast_report_addr == "http://controller:9"
