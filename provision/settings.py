@@ -6,10 +6,18 @@ names users already set for other workers: `API_KEY`, `HF_TOKEN`, `MODEL_NAME`.
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 from pydantic import AliasChoices, Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
+
+
+def _default_cache_dir() -> Path:
+    workspace = Path("/workspace")
+    if workspace.is_dir() and os.access(workspace, os.W_OK):
+        return workspace / "glmflash"
+    return Path.home() / ".cache" / "glmflash"
 
 
 def _env(name: str, *aliases: str) -> AliasChoices:
@@ -28,8 +36,9 @@ class Settings(BaseSettings):
     api_key: str | None = Field(None, validation_alias=_env("API_KEY", "API_KEY"),
                                 description="When set, /v1 requests need 'Authorization: Bearer <key>'")
     hf_token: str | None = Field(None, validation_alias=_env("HF_TOKEN", "HF_TOKEN"))
-    cache_dir: Path = Field(Path("/workspace/glmflash"), validation_alias=_env("CACHE_DIR"),
-                            description="Where snapshots (and the tiny model) are kept")
+    cache_dir: Path = Field(default_factory=lambda: _default_cache_dir(), validation_alias=_env("CACHE_DIR"),
+                            description="Where snapshots (and the tiny model) are kept: /workspace/glmflash on "
+                                        "the volume serverless platforms keep, else ~/.cache/glmflash")
     device: str = Field("auto", validation_alias=_env("DEVICE"), description="cuda, cpu or auto")
     dtype: str = Field("auto", validation_alias=_env("DTYPE"), description="bfloat16, float32 or auto")
     max_num_seqs: int = Field(16, ge=1, validation_alias=_env("MAX_NUM_SEQS"),
