@@ -17,6 +17,7 @@ from engine.tiny.factory import write_tiny_model
 from provision.prepared_store import PLAN_NAME, read_plan
 from provision.settings import Settings
 from provision.stages import StageClock
+from server_helpers import free_port
 from worker.provisioning import provision_and_load
 
 
@@ -116,16 +117,8 @@ def _wait_ready(proc: subprocess.Popen, url: str, timeout: float = 90) -> None:
     pytest.fail(f"not ready in {timeout}s: {proc.stdout.read()}")
 
 
-def _port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def test_sigterm_drains_streaming_request_and_exits_zero(tmp_path):
-    port = _port()
+    port = free_port()
     url = f"http://127.0.0.1:{port}"
     proc = _boot_process(tmp_path, port, GLMFLASH_DRAIN_GRACE_S="60")
     _wait_ready(proc, url)
@@ -165,7 +158,7 @@ def test_idle_timeout_parks_and_reports(tmp_path):
     app = web.Application()
     app.router.add_post("/report", record)
     runner = web.AppRunner(app)
-    controller_port = _port()
+    controller_port = free_port()
 
     def run() -> None:
         asyncio.set_event_loop(loop)
@@ -174,7 +167,7 @@ def test_idle_timeout_parks_and_reports(tmp_path):
         loop.run_forever()
 
     threading.Thread(target=run, daemon=True).start()
-    port = _port()
+    port = free_port()
     proc = _boot_process(tmp_path, port, GLMFLASH_IDLE_TIMEOUT_S="2",
                          GLMFLASH_CONTROLLER_URL=f"http://127.0.0.1:{controller_port}/report")
     _wait_ready(proc, f"http://127.0.0.1:{port}")
