@@ -51,12 +51,12 @@ ENDPOINT_PARAMS = ["endpoint_name", "min_load", "min_cold_load", "target_util", 
                    "max_workers", "max_queue_time", "target_queue_time", "inactivity_timeout"]
 SNAPSHOT_FORMATS = {"fp8_block", "nvfp4_ct", "nvfp4_modelopt"}
 
-# Offer-filter floors for GLM-5.3-Flash on one H200 (docs/serverless.md §7, §9.5).
+# Offer-filter floors for GLM-5.3-Flash on one H200.
 MIN_DISK_GB = 250
 DISK_HEADROOM = 1.2  # snapshot + HF temp files, logs, the venv-free image layers are not on /workspace
 FILTER_FLOORS = {"gpu_ram": 140, "cpu_ram": 128, "disk_bw": 3000, "inet_down": 1000}
 
-# Platform variables a template may set besides ours (serverless.md §3); secrets never.
+# Platform variables a template may set besides ours; secrets never.
 PLATFORM_ENV = {"WORKER_PORT", "WORKER_HTTP_PORT", "USE_SSL", "ROTATE_MODEL_LOG", "MODEL_LOG",
                 "MODEL_HEALTH_ENDPOINT", "WORKSPACE_DIR", "PYWORKER_STATUS_FILE"}
 SECRET_ENV = {"HF_TOKEN", "GLMFLASH_HF_TOKEN", "API_KEY", "GLMFLASH_API_KEY", "MASTER_TOKEN",

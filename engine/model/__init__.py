@@ -1,1 +1,1 @@
-"""The glm5_next text model, one module per block of the spec: mHC, KDA, DSA, MLP, MoE, assembly."""
+"""The glm5_next text model, one module per block of the model: mHC, KDA, DSA, MLP, MoE, assembly."""

@@ -1,4 +1,4 @@
-"""Portable mHC: fp32 mixing weights with Sinkhorn, as the spec orders it (one column pass first)."""
+"""Portable mHC: fp32 mixing weights with Sinkhorn, in the model's order (one column pass first)."""
 
 from __future__ import annotations
 
