@@ -100,6 +100,8 @@ class Settings(BaseSettings):
     def resolved_device(self) -> str:
         if self.device != "auto":
             return self.device
+        if not (self.model or self.s3_uri):  # the embedded tiny model is a CPU demo unless asked otherwise
+            return "cpu"
         import torch
 
         return "cuda" if torch.cuda.is_available() else "cpu"

@@ -24,3 +24,10 @@ def test_vast_mode(monkeypatch):
     assert s.vast_mode and s.vast_report_addr == "https://run.vast.ai"
     monkeypatch.setenv("REPORT_ADDR", "http://controller:9")
     assert Settings().vast_report_addr == "http://controller:9"
+
+
+def test_tiny_model_runs_on_cpu_unless_asked(monkeypatch):
+    for name in ("GLMFLASH_MODEL", "MODEL_NAME", "GLMFLASH_S3_URI", "GLMFLASH_DEVICE"):
+        monkeypatch.delenv(name, raising=False)
+    assert Settings().resolved_device() == "cpu" and Settings().resolved_dtype() == "float32"
+    assert Settings(device="cuda").resolved_device() == "cuda"
