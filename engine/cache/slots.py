@@ -37,6 +37,3 @@ class RequestSlots:
 
     def release(self, slot: int) -> None:
         self._free.append(slot)
-
-    def nbytes_per_slot(self) -> int:
-        return sum(t[0, 0].numel() * t.element_size() * t.shape[0] for t in (self.recurrent, self.conv, self.open_pool))

@@ -17,7 +17,7 @@ if TYPE_CHECKING:
 
 __all__ = ["DEFAULT_PART_SIZE", "HuggingFaceSource", "LocalSource", "MANIFEST_NAME", "PARTIAL_DIRNAME",
            "ProgressFn", "RemoteFile", "S3Source", "Source", "SourceInfo", "is_snapshot_file",
-           "parse_hf_spec", "parse_s3_uri", "source_for", "source_from_settings"]
+           "parse_hf_spec", "parse_s3_uri", "source_for"]
 
 _PATH_STARTS = ("/", "./", "../", "~", ".\\", "..\\")
 
@@ -57,11 +57,3 @@ def source_for(spec: str, settings: Settings | None = None) -> Source:
         raise ProvisionError(f"{spec!r} asks for revision {revision!r} but GLMFLASH_MODEL_REVISION is "
                              f"{pinned!r}; set only one", source=spec)
     return HuggingFaceSource(repo_id, revision or pinned, token=settings.hf_token)
-
-
-def source_from_settings(settings: Settings) -> Source:
-    """`settings.s3_uri` when set (a mirror used instead of the hub), else `settings.model`."""
-    spec = settings.s3_uri or settings.model
-    if not spec:
-        raise ProvisionError("no model source configured (GLMFLASH_MODEL or GLMFLASH_S3_URI)")
-    return source_for(spec, settings)
