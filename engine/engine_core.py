@@ -6,6 +6,7 @@ its own thread.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -13,12 +14,15 @@ import torch
 
 from engine.cache import PagedLatents, RequestSlots
 from engine.checkpoint.loader import LoadedWeights, load_weights
+from engine.kernels.dispatch import fast_kernels_enabled
 from engine.config import ModelConfig
 from engine.model.glm5_next import Glm5NextModel
 from engine.model_runner import ModelRunner
-from engine.sampler import TokenLogprobs, sample
+from engine.sampler import TokenLogprobs, sample_batch
 from engine.scheduler import Scheduler, SchedulerLimits
 from engine.sequence import Sequence
+
+log = logging.getLogger("glmflash.engine")
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -50,6 +54,13 @@ class EngineOptions:
     max_num_batched_tokens: int = 2048
     max_waiting: int = 256
     page_size: int = 64
+    cuda_graphs: bool = True  # capture decode steps at load (CUDA with the Triton kernels only)
+
+
+def graph_sizes(max_num_seqs: int) -> tuple[int, ...]:
+    """Powers of two up to the slot count, and the slot count itself: a step pads to the next size."""
+    sizes = {1 << i for i in range(max_num_seqs.bit_length()) if 1 << i <= max_num_seqs}
+    return tuple(sorted(sizes | {max_num_seqs}))
 
 
 class EngineCore:
@@ -63,8 +74,12 @@ class EngineCore:
         limits = SchedulerLimits(options.max_model_len, max(options.max_num_batched_tokens, options.max_num_seqs),
                                  options.max_waiting)
         self.scheduler = Scheduler(self.slots, self.cache, limits)
-        self.runner = ModelRunner(self.model, self.slots, self.cache)
+        self.runner = ModelRunner(self.model, self.slots, self.cache, self.cache.pages_for(options.max_model_len))
         self._by_id: dict[str, Sequence] = {}
+        if options.cuda_graphs and dev.type == "cuda" and fast_kernels_enabled():
+            sizes = graph_sizes(options.max_num_seqs)
+            seconds = self.runner.capture_graphs(sizes)
+            log.info("event=decode_graphs sizes=%s capture_s=%.2f", ",".join(map(str, sizes)), seconds)
 
     @classmethod
     def from_snapshot(cls, model: str | Path, device: str = "cpu", dtype: str = "bfloat16",
@@ -100,8 +115,7 @@ class EngineCore:
         logits = self.runner.run(scheduled)
         done = [seq for seq, _ in scheduled if seq.cached == seq.num_tokens]
         outputs = []
-        for seq, row in zip(done, logits):
-            token, logprobs = sample(row, seq)
+        for seq, (token, logprobs) in zip(done, sample_batch(logits, done)):
             seq.append(token, self.config.eos_token_ids)
             outputs.append(StepOutput(seq.request_id, token, logprobs, seq.finish_reason))
             if seq.finished:

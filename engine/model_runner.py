@@ -1,23 +1,59 @@
-"""Tensors in, logits out: turns a scheduled step into a ForwardBatch and runs the model."""
+"""Tensors in, logits out: turns a scheduled step into a ForwardBatch and runs the model.
+
+A step where every request adds one token takes the static decode path (DecodeMeta), replayed
+from a CUDA graph when one was captured for a batch that large; any other step runs eagerly with
+per-request spans.
+"""
 
 from __future__ import annotations
 
 import torch
 
 from engine.cache import PagedLatents, RequestSlots
-from engine.model.batch import ForwardBatch, SeqSpan
+from engine.decode_graphs import DecodeGraphs
+from engine.model.batch import DecodeMeta, ForwardBatch, SeqSpan
 from engine.model.glm5_next import Glm5NextModel
 from engine.scheduler import Scheduled
 
 
 class ModelRunner:
-    def __init__(self, model: Glm5NextModel, slots: RequestSlots, cache: PagedLatents) -> None:
-        self.model, self.slots, self.cache = model, slots, cache
+    def __init__(self, model: Glm5NextModel, slots: RequestSlots, cache: PagedLatents, max_pages: int) -> None:
+        self.model, self.slots, self.cache, self.max_pages = model, slots, cache, max_pages
+        self.graphs: DecodeGraphs | None = None
+
+    def capture_graphs(self, sizes: tuple[int, ...]) -> float:
+        """Capture decode graphs at these batch sizes; returns the seconds it took."""
+        self.graphs = DecodeGraphs(self.model, self.slots, self.cache, self.max_pages, sizes)
+        return self.graphs.capture_s
 
     def run(self, scheduled: Scheduled, all_rows: bool = False,
             layer_outputs: list[torch.Tensor] | None = None) -> torch.Tensor:
         """Logits for the last token of each span that reaches its request's end (one row per such span,
         in order), or for every token with `all_rows`. A prefill chunk that stops short needs no logits."""
+        if not all_rows and layer_outputs is None and all(new == 1 == seq.pending for seq, new in scheduled):
+            logits = self._decode(scheduled)
+        else:
+            logits = self._spans(scheduled, all_rows, layer_outputs)
+        for seq, new in scheduled:
+            seq.cached += new
+        return logits
+
+    def _decode(self, scheduled: Scheduled) -> torch.Tensor:
+        seqs = [seq for seq, _ in scheduled]
+        tokens = torch.tensor([seq.token_ids[seq.cached] for seq in seqs])
+        slot_ids = torch.tensor([seq.slot for seq in seqs])
+        positions = torch.tensor([seq.cached for seq in seqs])
+        page_table = torch.full((len(seqs), self.max_pages), self.cache.scratch_page, dtype=torch.long)
+        for row, seq in enumerate(seqs):
+            page_table[row, :len(seq.pages)] = torch.tensor(seq.pages)
+        if self.graphs is not None and len(seqs) <= self.graphs.max_batch:
+            return self.graphs.run(tokens, slot_ids, positions, page_table)
+        dev = self.model.device
+        meta = DecodeMeta(slot_ids.to(dev), positions.to(dev), page_table.to(dev))
+        batch = ForwardBatch(tokens.to(dev), [], meta)
+        return self.model.forward(batch, self.slots, self.cache, torch.arange(len(seqs), device=dev))
+
+    def _spans(self, scheduled: Scheduled, all_rows: bool, layer_outputs: list[torch.Tensor] | None) -> torch.Tensor:
         device = self.model.device
         tokens: list[int] = []
         spans: list[SeqSpan] = []
@@ -31,8 +67,5 @@ class ModelRunner:
             elif seq.cached + new == seq.num_tokens:
                 rows.append(len(tokens) - 1)
         batch = ForwardBatch(torch.tensor(tokens, dtype=torch.long, device=device), spans)
-        logits = self.model.forward(batch, self.slots, self.cache, torch.tensor(rows, dtype=torch.long, device=device),
-                                    layer_outputs)
-        for seq, new in scheduled:
-            seq.cached += new
-        return logits
+        return self.model.forward(batch, self.slots, self.cache, torch.tensor(rows, dtype=torch.long, device=device),
+                                  layer_outputs)

@@ -25,6 +25,25 @@ class TokenLogprobs:
     top: list[tuple[int, float]]  # (token id, logprob), best first
 
 
+def sample_batch(logits: torch.Tensor, seqs: list[Sequence]) -> list[tuple[int, TokenLogprobs | None]]:
+    """One token per row of logits [B, V], with one device-to-host copy for all rows that need no host
+    work (greedy, or unseeded sampling: drawn on the logits' device); rows with logits processors,
+    penalties, a seed or logprobs go through `sample`."""
+    on_device = [i for i, seq in enumerate(seqs) if _samples_on_device(seq)]
+    picks: dict[int, int] = {}
+    if on_device:
+        greedy = logits.argmax(dim=-1)
+        chosen = [greedy[i] if seqs[i].params.greedy else torch.multinomial(_probs(logits[i], seqs[i]), 1)[0]
+                  for i in on_device]
+        picks = dict(zip(on_device, torch.stack(chosen).tolist()))
+    return [(picks[i], None) if i in picks else sample(logits[i], seq) for i, seq in enumerate(seqs)]
+
+
+def _samples_on_device(seq: Sequence) -> bool:
+    p = seq.params
+    return not p.logits_processors and not p.penalized and p.seed is None and p.logprobs is None
+
+
 def sample(logits: torch.Tensor, seq: Sequence) -> tuple[int, TokenLogprobs | None]:
     """logits [V] fp32 for one request -> (token, logprobs if asked)."""
     params = seq.params

@@ -70,19 +70,19 @@ def decode_bytes(cfg: ModelConfig, weights: dict, context: int) -> dict[str, flo
     per_layer = []
     for i in range(cfg.num_layers):
         prefix = f"layers.{i}."
-        dense = sum(_nbytes(w) for name, w in weights.items() if name.startswith(prefix) and ".experts." not in name)
+        dense = sum(nbytes(w) for name, w in weights.items() if name.startswith(prefix) and ".experts." not in name)
         stacks = [weights[stacked_expert_name(i, p)] for p in EXPERT_PROJS] if cfg.mlp_kinds[i] == "moe" else []
-        experts = cfg.num_experts_per_tok * sum(_nbytes(s) for s in stacks) / max(cfg.n_routed_experts, 1)
+        experts = cfg.num_experts_per_tok * sum(nbytes(s) for s in stacks) / max(cfg.n_routed_experts, 1)
         if cfg.layer_kinds[i] == "kda":  # fp32 recurrent state read and written, conv state
             state = 2 * cfg.linear_num_heads * cfg.linear_head_dim ** 2 * 4
         else:  # latents and pooled indexer keys of the context
             state = context * cfg.kv_lora_rank * 2 + context // cfg.index_kpool * cfg.index_head_dim * 2
         per_layer.append(dense + experts + state)
-    head = _nbytes(weights["lm_head"]) + _nbytes(weights["norm.weight"])
+    head = nbytes(weights["lm_head"]) + nbytes(weights["norm.weight"])
     return {"per_layer": sum(per_layer) / len(per_layer), "total": sum(per_layer) + head, "head": head}
 
 
-def _nbytes(w: Weight | torch.Tensor) -> int:
+def nbytes(w: Weight | torch.Tensor) -> int:
     return w.numel() * w.element_size() if isinstance(w, torch.Tensor) else w.nbytes()
 
 

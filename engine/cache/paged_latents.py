@@ -17,9 +17,11 @@ class PagedLatents:
             raise ValueError(f"page_size {page_size} must be a multiple of index_kpool {cfg.index_kpool}")
         n_dsa = len(cfg.dsa_layers)
         self.page_size, self.num_pages, self.kpool = page_size, num_pages, cfg.index_kpool
-        self.latents = torch.zeros(n_dsa, num_pages * page_size, cfg.kv_lora_rank, dtype=dtype, device=device)
-        self.pool_keys = torch.zeros(n_dsa, num_pages * page_size // cfg.index_kpool, cfg.index_head_dim,
-                                     dtype=dtype, device=device)
+        # One page more than requests get: padding rows of a captured decode batch write there.
+        self.scratch_page = num_pages
+        rows = (num_pages + 1) * page_size
+        self.latents = torch.zeros(n_dsa, rows, cfg.kv_lora_rank, dtype=dtype, device=device)
+        self.pool_keys = torch.zeros(n_dsa, rows // cfg.index_kpool, cfg.index_head_dim, dtype=dtype, device=device)
         self._free = list(range(num_pages - 1, -1, -1))
 
     @property
@@ -41,6 +43,15 @@ class PagedLatents:
         """Flat row index of token positions [start, end) for a request with this page table."""
         pos = torch.arange(start, end, device=page_table.device)
         return page_table[pos // self.page_size] * self.page_size + pos % self.page_size
+
+    def rows_at(self, page_table: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Flat row of each token position, batched: page_table [B, pages], positions [B, n] -> [B, n]."""
+        return page_table.gather(1, positions // self.page_size) * self.page_size + positions % self.page_size
+
+    def pool_rows_at(self, page_table: torch.Tensor, pools: torch.Tensor) -> torch.Tensor:
+        """Flat row of each pool, batched: page_table [B, pages], pools [B, n] -> [B, n]."""
+        per_page = self.page_size // self.kpool
+        return page_table.gather(1, pools // per_page) * per_page + pools % per_page
 
     def pool_rows(self, page_table: torch.Tensor, start: int, end: int) -> torch.Tensor:
         """Flat row index of pools [start, end) (pool p covers tokens p*kpool .. p*kpool+kpool-1)."""

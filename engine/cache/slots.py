@@ -16,10 +16,14 @@ class RequestSlots:
         h, d, k = cfg.linear_num_heads, cfg.linear_head_dim, cfg.conv_kernel
         n_kda, n_dsa = len(cfg.kda_layers), len(cfg.dsa_layers)
         self.num_slots = num_slots
-        self.recurrent = torch.zeros(n_kda, num_slots, h, d, d, dtype=torch.float32, device=device)
-        self.conv = torch.zeros(n_kda, num_slots, 3 * cfg.linear_dim, k - 1, dtype=dtype, device=device)
+        # One slot more than requests get: the scratch slot that padding rows of a captured decode
+        # batch write into, so a graph of batch 8 can serve 5 requests without touching theirs.
+        self.scratch_slot = num_slots
+        rows = num_slots + 1
+        self.recurrent = torch.zeros(n_kda, rows, h, d, d, dtype=torch.float32, device=device)
+        self.conv = torch.zeros(n_kda, rows, 3 * cfg.linear_dim, k - 1, dtype=dtype, device=device)
         # Keys and gate logits of the tokens of the pool that is not complete yet, per DSA layer.
-        self.open_pool = torch.zeros(n_dsa, num_slots, cfg.index_kpool, 2 * cfg.index_head_dim, dtype=dtype,
+        self.open_pool = torch.zeros(n_dsa, rows, cfg.index_kpool, 2 * cfg.index_head_dim, dtype=dtype,
                                      device=device)
         self._free = list(range(num_slots - 1, -1, -1))
 

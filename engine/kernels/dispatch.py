@@ -20,9 +20,14 @@ def register(op: str, backend: str) -> Callable[[Callable], Callable]:
     return wrap
 
 
+def fast_kernels_enabled() -> bool:
+    """False when GLMFLASH_KERNELS=torch forces the reference path everywhere (for comparisons)."""
+    return os.environ.get("GLMFLASH_KERNELS", "auto") != "torch"
+
+
 def kernel(op: str, device_type: str = "cpu") -> Callable:
     """The implementation of `op` for tensors on `device_type`."""
     impls = _REGISTRY[op]
-    if device_type == "cuda" and "triton" in impls and os.environ.get("GLMFLASH_KERNELS", "auto") != "torch":
+    if device_type == "cuda" and "triton" in impls and fast_kernels_enabled():
         return impls["triton"]
     return impls["torch"]

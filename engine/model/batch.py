@@ -27,9 +27,23 @@ class SeqSpan:
 
 
 @dataclass
+class DecodeMeta:
+    """A step where every request adds one token, described by device tensors of static shape [B].
+
+    The decode path reads only these (never `spans`), so the same step can be captured once in a
+    CUDA graph and replayed with new values copied into the tensors.
+    """
+
+    slots: torch.Tensor  # [B] int64 request slots
+    positions: torch.Tensor  # [B] int64 position of the new token (= tokens already cached)
+    page_table: torch.Tensor  # [B, max_pages] int64 page ids, padded with the scratch page
+
+
+@dataclass
 class ForwardBatch:
     token_ids: torch.Tensor  # [T] flat over spans
     spans: list[SeqSpan]
+    decode: DecodeMeta | None = None  # set when every span adds one token: the static decode path
 
     @property
     def single_token(self) -> list[int]:

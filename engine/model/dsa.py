@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from engine.cache import PagedLatents, RequestSlots
 from engine.config import ModelConfig
 from engine.kernels import kernel
-from engine.model.batch import ForwardBatch, SeqSpan
+from engine.model.batch import DecodeMeta, ForwardBatch, SeqSpan
 from engine.model.layers import linear, rms_norm
 
 
@@ -46,6 +46,24 @@ class Indexer:
         rest = pending[full * kp:]
         open_pool[span.slot, : rest.shape[0]] = rest
 
+    def add_and_select_decode(self, q: torch.Tensor, weights: torch.Tensor, keys_gates: torch.Tensor,
+                              meta: DecodeMeta, open_pool: torch.Tensor, cache: PagedLatents,
+                              layer: int) -> torch.Tensor:
+        """Decode step of B requests with static shapes: append each token's key, select over every pool
+        the page table can hold (pools a query cannot see yet are masked). -> pool ids [B, W]."""
+        kp, d = self.cfg.index_kpool, self.cfg.index_head_dim
+        pos = meta.positions
+        open_pool[meta.slots, pos % kp] = keys_gates
+        groups = open_pool[meta.slots]
+        pooled = kernel("index_pool", q.device.type)(groups[..., :d], groups[..., d:], self.ape)
+        # Written at every step: a pool becomes visible only once complete, and its last token rewrites it.
+        cache.pool_keys[layer, cache.pool_rows_at(meta.page_table, (pos // kp).unsqueeze(1)).squeeze(1)] = pooled
+        n_pools = meta.page_table.shape[1] * cache.page_size // kp
+        every_pool = torch.arange(n_pools, device=q.device).expand(pos.shape[0], -1)
+        pool_keys = cache.pool_keys[layer, cache.pool_rows_at(meta.page_table, every_pool)]  # [B, P, d]
+        return kernel("index_select", q.device.type)(q, weights, pool_keys, (pos + 1) // kp,
+                                                     self.cfg.index_select_pools)
+
     def select(self, q: torch.Tensor, weights: torch.Tensor, span: SeqSpan, cache: PagedLatents,
                layer: int) -> torch.Tensor:
         kp = self.cfg.index_kpool
@@ -76,17 +94,37 @@ class DsaMixer:
         latent = rms_norm(linear(x, self.kv_a), self.kv_a_norm, cfg.rms_norm_eps)
         iq, iw, ikg = self.indexer.project(x, q_latent)
         q_abs = torch.einsum("thd,hdr->thr", q, self.w_uk)
-        out = torch.empty_like(q_abs)
         open_pool = slots.open_pool[layer]
+        if batch.decode is not None:
+            out = self._attend_decode(q_abs, latent, iq, iw, ikg, batch.decode, open_pool, cache)
+        else:
+            out = self._attend_spans(q_abs, latent, iq, iw, ikg, batch, open_pool, cache)
+        o = torch.einsum("thr,hvr->thv", out, self.w_uv)
+        return linear(o.reshape(x.shape[0], -1), self.o)
+
+    def _attend_decode(self, q_abs: torch.Tensor, latent: torch.Tensor, iq: torch.Tensor, iw: torch.Tensor,
+                       ikg: torch.Tensor, meta: DecodeMeta, open_pool: torch.Tensor,
+                       cache: PagedLatents) -> torch.Tensor:
+        cfg, layer = self.cfg, self.cache_index
+        cache.latents[layer, cache.rows_at(meta.page_table, meta.positions.unsqueeze(1)).squeeze(1)] = latent
+        pool_ids = self.indexer.add_and_select_decode(iq, iw, ikg, meta, open_pool, cache, layer)
+        return kernel("sparse_mla_decode", q_abs.device.type)(
+            q_abs, cache.latents[layer], pool_ids, meta.positions, meta.page_table, cache.page_size,
+            cfg.index_kpool, cfg.qk_nope_head_dim ** -0.5, cfg.index_always_select_tail)
+
+    def _attend_spans(self, q_abs: torch.Tensor, latent: torch.Tensor, iq: torch.Tensor, iw: torch.Tensor,
+                      ikg: torch.Tensor, batch: ForwardBatch, open_pool: torch.Tensor,
+                      cache: PagedLatents) -> torch.Tensor:
+        cfg, layer = self.cfg, self.cache_index
+        out = torch.empty_like(q_abs)
         for span in batch.spans:
             sl = span.rows
             cache.latents[layer, cache.token_rows(span.page_table, span.cached, span.total)] = latent[sl]
             self.indexer.add_tokens(ikg[sl], span, open_pool, cache, layer)
             pool_ids = self.indexer.select(iq[sl], iw[sl], span, cache, layer)
             keys = cache.latents[layer, cache.token_rows(span.page_table, 0, span.total)]
-            positions = torch.arange(span.cached, span.total, device=x.device)
-            out[sl] = kernel("sparse_mla", x.device.type)(
+            positions = torch.arange(span.cached, span.total, device=q_abs.device)
+            out[sl] = kernel("sparse_mla", q_abs.device.type)(
                 q_abs[sl], keys, pool_ids, positions, cfg.index_kpool, cfg.qk_nope_head_dim ** -0.5,
                 cfg.index_always_select_tail)
-        o = torch.einsum("thr,hvr->thv", out, self.w_uv)
-        return linear(o.reshape(x.shape[0], -1), self.o)
+        return out

@@ -7,7 +7,8 @@ import torch
 from engine.cache import RequestSlots
 from engine.config import ModelConfig
 from engine.kernels import kernel
-from engine.model.batch import ForwardBatch
+from engine.kernels.kda.torch_ref import forget_gate, gated_rms_norm
+from engine.model.batch import ForwardBatch, SeqSpan
 from engine.model.layers import linear
 
 
@@ -25,32 +26,50 @@ class KdaMixer:
         self.o_norm, self.o = w[p + "o_norm.weight"], w[p + "o_proj"]
 
     def __call__(self, x: torch.Tensor, batch: ForwardBatch, slots: RequestSlots) -> torch.Tensor:
-        cfg, dev = self.cfg, x.device.type
-        h, d = cfg.linear_num_heads, cfg.linear_head_dim
         qkv = torch.cat([linear(x, self.q), linear(x, self.k), linear(x, self.v)], dim=-1)
-        gate = linear(linear(x, self.f_a), self.f_b).float() + self.dt_bias
-        g = cfg.gate_lower_bound * torch.sigmoid(self.decay_rate.view(h, 1) * gate.view(-1, h, d))
-        beta = torch.sigmoid(linear(x, self.b))
-        out = torch.empty(x.shape[0], h, d, dtype=x.dtype, device=x.device)
+        forget = linear(linear(x, self.f_a), self.f_b)
+        beta_logits = linear(x, self.b)
+        gate_out = linear(linear(x, self.g_a), self.g_b)
         rec, conv = slots.recurrent[self.state_index], slots.conv[self.state_index]
-
+        if batch.decode is not None:
+            o = self._decode(qkv, forget, beta_logits, gate_out, rec, conv, batch.decode.slots)
+            return linear(o, self.o)
+        o = torch.empty(x.shape[0], self.cfg.linear_dim, dtype=x.dtype, device=x.device)
         single = batch.single_token
-        if single:
+        if single:  # decoding requests inside a mixed step: the same fused step as a pure decode batch
             rows = torch.tensor([batch.spans[i].offset for i in single], device=x.device)
             idx = torch.tensor([batch.spans[i].slot for i in single], device=x.device)
-            mixed, conv[idx] = kernel("short_conv", dev)(qkv[rows].unsqueeze(1), conv[idx], self.conv)
-            q, k, v = mixed.squeeze(1).view(len(single), 3, h, d).unbind(1)
-            out[rows], rec[idx] = kernel("kda_step", dev)(q, k, v, g[rows], beta[rows], rec[idx])
-        for i in batch.multi_token:
-            span = batch.spans[i]
-            sl, s = span.rows, span.slot
-            mixed, new_conv = kernel("short_conv", dev)(qkv[sl].unsqueeze(0), conv[s:s + 1], self.conv)
-            conv[s] = new_conv[0]
-            q, k, v = mixed[0].view(span.new, 3, h, d).unbind(1)
-            out[sl], rec[s] = kernel("kda_chunk", dev)(q, k, v, g[sl], beta[sl], rec[s])
+            o[rows] = self._decode(qkv[rows], forget[rows], beta_logits[rows], gate_out[rows], rec, conv, idx)
+        multi = [batch.spans[i] for i in batch.multi_token]
+        if multi:
+            rows = torch.cat([torch.arange(s.offset, s.offset + s.new, device=x.device) for s in multi])
+            o[rows] = self._prefill(qkv, forget, beta_logits, gate_out, rec, conv, multi)
+        return linear(o, self.o)
 
-        gate_out = linear(linear(x, self.g_a), self.g_b).view(-1, h, d)
-        of = out.float()
-        normed = self.o_norm.float() * (of * torch.rsqrt(of.square().mean(-1, keepdim=True) + cfg.rms_norm_eps))
-        o = (normed * torch.sigmoid(gate_out.float())).to(x.dtype)
-        return linear(o.reshape(x.shape[0], -1), self.o)
+    def _decode(self, qkv: torch.Tensor, forget: torch.Tensor, beta_logits: torch.Tensor, gate_out: torch.Tensor,
+                rec: torch.Tensor, conv: torch.Tensor, slot_ids: torch.Tensor) -> torch.Tensor:
+        """One token per request: conv, gates, delta-rule step and gated output norm in one op."""
+        cfg = self.cfg
+        return kernel("kda_decode", qkv.device.type)(
+            qkv, forget, beta_logits, gate_out, conv, self.conv, rec, slot_ids, self.decay_rate, self.dt_bias,
+            self.o_norm, cfg.gate_lower_bound, cfg.rms_norm_eps)
+
+    def _prefill(self, qkv: torch.Tensor, forget: torch.Tensor, beta_logits: torch.Tensor, gate_out: torch.Tensor,
+                 rec: torch.Tensor, conv: torch.Tensor, spans: list[SeqSpan]) -> torch.Tensor:
+        """Several multi-token spans at once: per-span short conv, then one chunked KDA over the flat batch."""
+        cfg, dev = self.cfg, qkv.device
+        h, d = cfg.linear_num_heads, cfg.linear_head_dim
+        mixed = []
+        for span in spans:
+            s = span.slot
+            out, new_conv = kernel("short_conv", dev.type)(qkv[span.rows].unsqueeze(0), conv[s:s + 1], self.conv)
+            conv[s] = new_conv[0]
+            mixed.append(out[0])
+        q, k, v = torch.cat(mixed).view(-1, 3, h, d).unbind(1)
+        rows = torch.cat([torch.arange(s.offset, s.offset + s.new, device=dev) for s in spans])
+        g = forget_gate(forget[rows], self.dt_bias, self.decay_rate, cfg.gate_lower_bound)
+        lengths = torch.tensor([0] + [s.new for s in spans], device=dev)
+        out = kernel("kda_prefill", dev.type)(
+            q, k, v, g, torch.sigmoid(beta_logits[rows]), rec, torch.tensor([s.slot for s in spans], device=dev),
+            lengths.cumsum(0))
+        return gated_rms_norm(out, gate_out[rows].view(-1, h, d), self.o_norm, cfg.rms_norm_eps).flatten(1)

@@ -75,3 +75,53 @@ def kda_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
     err = v - torch.einsum("bhkv,bhk->bhv", s, k)
     s = s + k.unsqueeze(-1) * (beta.unsqueeze(-1) * err).unsqueeze(-2)
     return torch.einsum("bhkv,bhk->bhv", s, q).to(out_dtype), s
+
+
+def gated_rms_norm(o: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """KDA's output gate: per-head RMSNorm (fp32 statistics, plain weight) times sigmoid(gate), in o's dtype.
+
+    o, gate [..., H, d]; weight [d]."""
+    of = o.float()
+    normed = weight.float() * (of * torch.rsqrt(of.square().mean(-1, keepdim=True) + eps))
+    return (normed * torch.sigmoid(gate.float())).to(o.dtype)
+
+
+def forget_gate(f: torch.Tensor, dt_bias: torch.Tensor, decay_rate: torch.Tensor, lower_bound: float) -> torch.Tensor:
+    """Lower-bound log-decay in fp32: lower_bound * sigmoid(exp(A_log)[h] * (f + dt_bias)). f [T, H*d] -> [T, H, d]."""
+    h = decay_rate.shape[0]
+    return lower_bound * torch.sigmoid(decay_rate.view(h, 1) * (f.float() + dt_bias).view(f.shape[0], h, -1))
+
+
+@register("kda_decode", "torch")
+def kda_decode(qkv: torch.Tensor, f: torch.Tensor, beta_logits: torch.Tensor, gate_out: torch.Tensor,
+               conv_state: torch.Tensor, conv_weight: torch.Tensor, rec_state: torch.Tensor, slots: torch.Tensor,
+               decay_rate: torch.Tensor, dt_bias: torch.Tensor, o_norm: torch.Tensor, lower_bound: float,
+               eps: float) -> torch.Tensor:
+    """One token for each of B requests: short conv, gates, delta-rule step and gated output norm.
+
+    qkv [B, 3P] pre-conv q|k|v, f and gate_out [B, P], beta_logits [B, H], all in the activation dtype.
+    conv_state [S, 3P, c-1] and rec_state [S, H, d, d] are updated in place at rows `slots` [B].
+    Returns o [B, P] in the activation dtype, ready for o_proj.
+    """
+    b, h, d = qkv.shape[0], decay_rate.shape[0], o_norm.shape[0]
+    mixed, conv_state[slots] = short_conv(qkv.unsqueeze(1), conv_state[slots], conv_weight)
+    q, k, v = mixed.view(b, 3, h, d).unbind(1)
+    g = forget_gate(f, dt_bias, decay_rate, lower_bound)
+    o, rec_state[slots] = kda_step(q, k, v, g, torch.sigmoid(beta_logits), rec_state[slots])
+    return gated_rms_norm(o, gate_out.view(b, h, d), o_norm, eps).view(b, h * d)
+
+
+@register("kda_prefill", "torch")
+def kda_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                rec_state: torch.Tensor, slots: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
+    """Several sequences in one flat ragged batch: sequence i is rows cu_seqlens[i]:cu_seqlens[i+1].
+
+    q,k,v [N, H, d] post-conv; g [N, H, d] fp32 log-decay; beta [N, H]. rec_state [S, H, d, d] rows
+    `slots` [B] hold the initial states and are replaced in place by the final ones.
+    """
+    out = torch.empty_like(v)
+    bounds = cu_seqlens.tolist()
+    for slot, start, end in zip(slots.tolist(), bounds[:-1], bounds[1:]):
+        sl = slice(start, end)
+        out[sl], rec_state[slot] = kda_chunk(q[sl], k[sl], v[sl], g[sl], beta[sl], rec_state[slot])
+    return out

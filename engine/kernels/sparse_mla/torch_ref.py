@@ -39,3 +39,28 @@ def sparse_mla(q_latent: torch.Tensor, latents: torch.Tensor, pool_ids: torch.Te
         probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q_latent.dtype)
         out[sl] = torch.einsum("thn,nr->thr", probs, latents)
     return out
+
+
+@register("sparse_mla_decode", "torch")
+def sparse_mla_decode(q_latent: torch.Tensor, latents: torch.Tensor, pool_ids: torch.Tensor, positions: torch.Tensor,
+                      page_table: torch.Tensor, page_size: int, kpool: int, scale: float,
+                      with_tail: bool) -> torch.Tensor:
+    """One new token for each of B requests, reading only the selected positions from the paged cache.
+
+    q_latent [B, H, R]; latents [rows, R] (one layer's paged cache); pool_ids [B, W] (-1 = none);
+    positions [B]; page_table [B, pages]. Shapes depend only on B, so the step can be graph-captured.
+    Returns the latent outputs [B, H, R].
+    """
+    offsets = torch.arange(kpool, device=positions.device)
+    tokens = (pool_ids.unsqueeze(-1) * kpool + offsets).flatten(1)  # [B, W * kpool]
+    valid = (pool_ids >= 0).repeat_interleave(kpool, dim=1)
+    if with_tail:  # the raw tokens of the pool the query sits in, up to the query itself
+        tail = ((positions + 1) // kpool * kpool).unsqueeze(1) + offsets[:-1]
+        tokens = torch.cat([tokens, tail], dim=1)
+        valid = torch.cat([valid, tail <= positions.unsqueeze(1)], dim=1)
+    tokens = tokens.masked_fill(~valid, 0)
+    keys = latents[page_table.gather(1, tokens // page_size) * page_size + tokens % page_size]  # [B, L, R]
+    scores = torch.einsum("bhr,blr->bhl", q_latent, keys) * scale
+    scores = scores.masked_fill(~valid.unsqueeze(1), float("-inf"))
+    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q_latent.dtype)
+    return torch.einsum("bhl,blr->bhr", probs, keys)

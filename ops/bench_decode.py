@@ -1,0 +1,222 @@
+"""Decode and prefill speed through the public API on a full-width slice, next to the HBM roofline.
+
+Builds the slice directly on the device (default: 8 layers in the release's 3:1 KDA:DSA pattern, all
+MoE with 288 NVFP4 compressed-tensors experts, real vocab; synthetic weights in the real format),
+then measures with wall clock through `LLM.generate` in one run:
+  - the device copy bandwidth (the roofline's denominator);
+  - batch-1 decode ms/token at 1k and 16k context, batch 4/8/16 step time at 1k context: the
+    difference of two generate calls of different lengths over the same prompts, so prefill cancels;
+  - prefill tokens/s at 512, 2,048 and 8,192 tokens (one request, max_tokens=1);
+  - per layer the bytes a step reads (the distinct experts actually routed, counted in an untimed
+    step) and the ratio of each figure to its roofline;
+  - the transformers reference on the first 4 layers of the same weights, per layer, and our
+    speed-up over it (`--reference-layers 0` skips it);
+  - the extrapolation to 45 layers, labelled as one.
+
+    python -m ops.bench_decode --device cuda               # the figures in ops/BENCHMARKS.md
+    python -m ops.bench_decode --device cpu --tiny          # smoke run of the same code on the tiny model
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from typing import Any, Callable
+
+import torch
+
+from engine import LLM, SamplingParams
+from engine.config import ModelConfig
+from engine.model.moe import MoE
+from engine.tiny.factory import synthetic_weights, tiny_config
+from engine.checkpoint.layout import EXPERT_PROJS
+from ops.bench_engine import nbytes, copy_bandwidth, reference_model, slice_text_config, sync, time_reference
+
+FULL_LAYERS = 45
+
+
+def timed(fn: Callable[[], Any], device: torch.device) -> float:
+    sync(device)
+    start = time.perf_counter()
+    fn()
+    sync(device)
+    return time.perf_counter() - start
+
+
+def prompts(batch: int, length: int, vocab: int, seed: int) -> list[list[int]]:
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, min(vocab, 150000), (length,), generator=gen).tolist() for _ in range(batch)]
+
+
+def decode_step_s(llm: LLM, batch: int, context: int, steps: int, device: torch.device) -> float:
+    """Seconds per decode step for `batch` requests at `context` tokens, through generate."""
+    ps = prompts(batch, context, llm.config.vocab_size, seed=batch * 7919 + context)
+
+    def run(n: int) -> float:
+        params = SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
+        return timed(lambda: llm.generate(ps, params), device)
+
+    run(2)  # warm: allocator, first-touch of pages
+    short, long = run(2), run(2 + steps)
+    return (long - short) / steps
+
+
+def prefill_tok_s(llm: LLM, length: int, device: torch.device) -> float:
+    prompt = prompts(1, length, llm.config.vocab_size, seed=length)
+    params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+    llm.generate(prompt, params)  # warm this length's kernels (autotune keys include the length)
+    return length / timed(lambda: llm.generate(prompt, params), device)
+
+
+def distinct_experts(llm: LLM, batch: int, context: int) -> float:
+    """Mean distinct routed experts per MoE layer in one decode step of `batch` requests (untimed, eager)."""
+    seen: list[int] = []
+
+    class Recorder:
+        def __init__(self, inner) -> None:
+            self.inner = inner
+
+        def __call__(self, layer, x, expert_ids, weights):
+            seen.append(int(expert_ids.unique().numel()))
+            return self.inner(layer, x, expert_ids, weights)
+
+    moes = [layer.mlp for layer in llm.model.layers if isinstance(layer.mlp, MoE)]
+    graphs, llm.runner.graphs = llm.runner.graphs, None
+    for moe in moes:
+        moe.experts = Recorder(moe.experts)
+    try:
+        ps = prompts(batch, context, llm.config.vocab_size, seed=batch * 7919 + context)
+        llm.generate(ps, SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True))
+    finally:
+        for moe in moes:
+            moe.experts = moe.experts.inner
+        llm.runner.graphs = graphs
+    decode_counts = seen[len(moes):]  # the first pass over the layers was the prefill
+    return sum(decode_counts) / max(len(decode_counts), 1)
+
+
+def step_bytes(cfg: ModelConfig, weights: dict, batch: int, context: int, experts_per_layer: float) -> float:
+    """The fewest bytes one decode step must read: every non-expert weight once (the embedding row
+    aside), `experts_per_layer` distinct routed experts per MoE layer, and per request its KDA states
+    (fp32, read and written), the DSA latents attention can select and the pooled keys it scores."""
+    dense = sum(nbytes(w) for name, w in weights.items() if ".experts." not in name and not name.startswith("embed"))
+    layer = cfg.moe_layers[0]
+    per_expert = sum(nbytes(weights[f"layers.{layer}.mlp.experts.{p}"]) for p in EXPERT_PROJS) / cfg.n_routed_experts
+    kda = 2 * cfg.linear_num_heads * cfg.linear_head_dim ** 2 * 4
+    selectable = cfg.index_select_pools * cfg.index_kpool + cfg.index_kpool - 1
+    dsa = min(context + 1, selectable) * cfg.kv_lora_rank * 2 + context // cfg.index_kpool * cfg.index_head_dim * 2
+    per_request = len(cfg.kda_layers) * kda + len(cfg.dsa_layers) * dsa
+    return dense + len(cfg.moe_layers) * experts_per_layer * per_expert + batch * per_request
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--format", default="nvfp4-ct", choices=["bf16", "fp8", "nvfp4-ct", "nvfp4-modelopt"])
+    parser.add_argument("--contexts", default="1024,16384", help="batch-1 decode contexts")
+    parser.add_argument("--batches", default="4,8,16", help="decode batch sizes at the first context")
+    parser.add_argument("--prefills", default="512,2048,8192")
+    parser.add_argument("--steps", type=int, default=32, help="decode steps timed per figure")
+    parser.add_argument("--reference-layers", type=int, default=4, help="0 skips the transformers reference")
+    parser.add_argument("--tiny", action="store_true", help="the tiny model's shapes (CPU smoke run)")
+    parser.add_argument("--profile", action="store_true", help="print the top ops of one batch-1 decode step")
+    parser.add_argument("--json", help="write the results here as JSON")
+    args = parser.parse_args()
+
+    device, dtype = torch.device(args.device), torch.bfloat16
+    contexts = [int(c) for c in args.contexts.split(",")]
+    batches = [int(b) for b in args.batches.split(",") if b]
+    prefills = [int(p) for p in args.prefills.split(",") if p]
+    if args.tiny:
+        text = dict(tiny_config(args.format)["text_config"])
+        contexts, prefills, batches = [min(c, 64) for c in contexts], [min(p, 96) for p in prefills], batches[:1]
+    else:
+        text = slice_text_config(args.layers)
+    qc = tiny_config(args.format).get("quantization_config")
+    cfg = ModelConfig.from_dict({"text_config": text, "quantization_config": qc})
+    result: dict[str, Any] = {}
+
+    def report(values: dict[str, Any]) -> None:
+        """Print as soon as measured, so a later failure keeps the earlier figures."""
+        result.update(values)
+        for key, value in values.items():
+            print(f"{key}={value:.4g}" if isinstance(value, float) else f"{key}={value}", flush=True)
+
+    start = time.perf_counter()
+    weights = synthetic_weights(cfg, args.format, device, dtype)
+    sync(device)
+    report({"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+            "torch": torch.__version__, "layers": cfg.num_layers, "format": args.format,
+            "build_s": time.perf_counter() - start})
+    bandwidth = copy_bandwidth(device, 4 << 30 if device.type == "cuda" else 256 << 20) * 1e9
+    report({"copy_bandwidth_gbs": bandwidth / 1e9})
+    max_len = max(contexts + prefills) + args.steps + 8
+    start = time.perf_counter()
+    llm = LLM.from_weights(cfg, weights, max_num_seqs=max(batches + [1]), max_model_len=max_len,
+                           max_num_batched_tokens=max(prefills + [2048]))
+    report({"engine_init_s": time.perf_counter() - start})
+
+    def decode_figures(name: str, batch: int, context: int) -> None:
+        step = decode_step_s(llm, batch, context, args.steps, device)
+        experts = distinct_experts(llm, batch, context)
+        moved = step_bytes(cfg, weights, batch, context, experts)
+        roof = moved / bandwidth
+        report({f"{name}_step_ms": step * 1e3, f"{name}_tok_s": batch / step,
+                f"{name}_ms_per_layer": step * 1e3 / cfg.num_layers, f"{name}_distinct_experts": experts,
+                f"{name}_bytes_per_layer": moved / cfg.num_layers, f"{name}_roofline_ms": roof * 1e3,
+                f"{name}_ratio_to_roofline": step / roof})
+
+    for context in contexts:
+        decode_figures(f"b1_ctx{context}", 1, context)
+    for batch in batches:
+        decode_figures(f"b{batch}_ctx{contexts[0]}", batch, contexts[0])
+    for length in prefills:
+        report({f"prefill{length}_tok_s": prefill_tok_s(llm, length, device)})
+
+    # Per layer: the step less the head at its roofline (the head runs once per step, whatever the depth).
+    head_ms = (nbytes(weights["lm_head"]) + nbytes(weights["norm.weight"])) / bandwidth * 1e3
+    b1 = (result[f"b1_ctx{contexts[0]}_step_ms"] - head_ms) / cfg.num_layers
+    report({"extrapolated_45_layers_ms_per_token (est.)": b1 * FULL_LAYERS + head_ms,
+            "extrapolated_45_layers_tok_s (est.)": 1e3 / (b1 * FULL_LAYERS + head_ms)})
+    if args.profile:
+        profile_step(llm, contexts[0], device)
+    del llm
+
+    if args.reference_layers and not args.tiny:
+        keep = {k: v for k, v in weights.items() if not k.startswith("layers.")
+                or int(k.split(".")[1]) < args.reference_layers}
+        del weights
+        ref_text = slice_text_config(args.reference_layers)
+        model, lm_head = reference_model(ref_text, keep, dtype, device)
+        prompt = prompts(1, contexts[0], cfg.vocab_size, seed=1)[0]
+        ref = time_reference(model, lm_head, prompt, 12, device)
+        ref_layer_ms = ref["decode_ms"] / args.reference_layers
+        report({"reference_layers": args.reference_layers, "reference_decode_ms_per_layer": ref_layer_ms,
+                "reference_prefill_tok_s": contexts[0] / ref["prefill_s"],
+                "speedup_decode_per_layer": ref_layer_ms / b1})
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=2)
+
+
+def profile_step(llm: LLM, context: int, device: torch.device) -> None:
+    from torch.profiler import ProfilerActivity, profile
+
+    ps = prompts(1, context, llm.config.vocab_size, seed=3)
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    llm.generate(ps, SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True))
+    graphs, llm.runner.graphs = llm.runner.graphs, None  # eager, so the profile names each op
+    try:
+        with profile(activities=activities) as prof:
+            llm.generate(ps, SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True))
+            sync(device)
+    finally:
+        llm.runner.graphs = graphs
+    sort = "cuda_time_total" if device.type == "cuda" else "cpu_time_total"
+    print(prof.key_averages().table(sort_by=sort, row_limit=30), flush=True)
+
+
+if __name__ == "__main__":
+    main()
