@@ -32,6 +32,7 @@ class DecodeGraphs:
         self.page_table = torch.full((self.max_batch, max_pages), cache.scratch_page, dtype=torch.long, device=dev)
         self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self._logits: dict[int, torch.Tensor] = {}
+        self._rows: dict[int, torch.Tensor] = {}
         start = time.perf_counter()
         pool = torch.cuda.graph_pool_handle()
         for size in reversed(self.sizes):  # largest first, so smaller graphs reuse its memory pool
@@ -42,7 +43,8 @@ class DecodeGraphs:
     def _capture(self, model: Glm5NextModel, slots: RequestSlots, cache: PagedLatents, size: int, pool) -> None:
         meta = DecodeMeta(self.slot_ids[:size], self.positions[:size], self.page_table[:size])
         batch = ForwardBatch(self.tokens[:size], [], meta)
-        rows = torch.arange(size, device=self.tokens.device)
+        # The graph reads these rows' memory at every replay: keep the tensor alive as long as the graph.
+        rows = self._rows[size] = torch.arange(size, device=self.tokens.device)
         side = torch.cuda.Stream(self.tokens.device)
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):  # compile and autotune outside the capture

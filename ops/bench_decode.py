@@ -57,7 +57,7 @@ def decode_step_s(llm: LLM, batch: int, context: int, steps: int, device: torch.
         params = SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
         return timed(lambda: llm.generate(ps, params), device)
 
-    run(2)  # warm: allocator, first-touch of pages
+    run(2), run(2 + steps)  # warm: allocator, pages, and kernels for every token count the steps meet
     short, long = run(2), run(2 + steps)
     return (long - short) / steps
 
@@ -92,8 +92,8 @@ def distinct_experts(llm: LLM, batch: int, context: int) -> float:
         for moe in moes:
             moe.experts = moe.experts.inner
         llm.runner.graphs = graphs
-    decode_counts = seen[len(moes):]  # the first pass over the layers was the prefill
-    return sum(decode_counts) / max(len(decode_counts), 1)
+    decode_counts = seen[-len(moes):]  # the last pass over the layers is the decode step
+    return sum(decode_counts) / len(decode_counts)
 
 
 def step_bytes(cfg: ModelConfig, weights: dict, batch: int, context: int, experts_per_layer: float) -> float:

@@ -11,6 +11,8 @@ from typing import Protocol
 import torch
 
 from engine.experts.torch_experts import TorchExperts
+from engine.kernels.dispatch import fast_kernels_enabled
+from engine.experts.triton_experts import TritonExperts
 
 
 class ExpertExecutor(Protocol):
@@ -19,4 +21,10 @@ class ExpertExecutor(Protocol):
         ...
 
 
-__all__ = ["ExpertExecutor", "TorchExperts"]
+def default_executor(weights: dict, layers: list[int], swiglu_limit: float, device: torch.device) -> ExpertExecutor:
+    """Triton kernels for CUDA weights (unless GLMFLASH_KERNELS=torch), the torch reference elsewhere."""
+    fast = device.type == "cuda" and fast_kernels_enabled()
+    return (TritonExperts if fast else TorchExperts).from_weights(weights, layers, swiglu_limit)
+
+
+__all__ = ["ExpertExecutor", "TorchExperts", "TritonExperts", "default_executor"]

@@ -6,7 +6,7 @@ import torch
 
 from engine.cache import PagedLatents, RequestSlots
 from engine.config import ModelConfig
-from engine.experts import ExpertExecutor, TorchExperts
+from engine.experts import ExpertExecutor, default_executor
 from engine.model.batch import ForwardBatch
 from engine.model.dsa import DsaMixer
 from engine.model.kda import KdaMixer
@@ -46,7 +46,7 @@ class DecoderLayer:
 class Glm5NextModel:
     def __init__(self, cfg: ModelConfig, weights: dict, experts: ExpertExecutor | None = None) -> None:
         self.cfg = cfg
-        experts = experts or TorchExperts.from_weights(weights, cfg.moe_layers, cfg.swiglu_limit)
+        experts = experts or default_executor(weights, cfg.moe_layers, cfg.swiglu_limit, weights["norm.weight"].device)
         self.embed = weights["embed_tokens.weight"]
         self.layers = [DecoderLayer(cfg, weights, i, experts) for i in range(cfg.num_layers)]
         self.norm, self.lm_head = weights["norm.weight"], weights["lm_head"]

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
 import torch
@@ -12,6 +14,9 @@ from safetensors.torch import save_file
 
 from engine.checkpoint.quant import dequantize_fp8_block, dequantize_nvfp4
 from engine.tiny.factory import write_tiny_model
+
+if TYPE_CHECKING:  # imported where used: transformers takes seconds to import, most tests never need it
+    from transformers import Glm5NextForConditionalGeneration
 
 FORMATS = ["bf16", "fp8", "nvfp4-ct", "nvfp4-modelopt"]
 
@@ -67,30 +72,74 @@ def dequantized_copy(src: Path, dst: Path) -> Path:
     return dst
 
 
-@pytest.fixture(scope="session")
-def reference(tmp_path_factory):
-    """reference(snapshot) -> transformers Glm5NextForConditionalGeneration in float32 on the dequantized weights."""
-    transformers = pytest.importorskip("transformers")
+# Bound to fla's Triton kernels when fla is installed; those need a GPU, and the reference is the spec's
+# own PyTorch code on every machine.
+FALLBACK_KERNELS = ("chunk_kimi_delta_attention", "recurrent_kimi_delta_attention", "causal_conv1d_fn",
+                    "causal_conv1d_update")
+
+
+def use_reference_kernels() -> None:
+    """Make transformers' glm5_next run its plain PyTorch implementations (idempotent)."""
+    from transformers.models.glm5_next import modeling_glm5_next
+
+    for name in FALLBACK_KERNELS:
+        fn = getattr(modeling_glm5_next, name)
+        setattr(modeling_glm5_next, name, getattr(fn, "__wrapped__", fn))
+
+
+def load_reference(plain: Path, dtype: torch.dtype) -> Glm5NextForConditionalGeneration:
+    """transformers' glm5_next on a dequantized snapshot, in eval mode on CPU."""
+    from transformers import Glm5NextForConditionalGeneration
     from transformers.utils import logging
 
+    use_reference_kernels()
     logging.set_verbosity_error()
-    cache: dict[Path, object] = {}
+    return Glm5NextForConditionalGeneration.from_pretrained(plain, dtype=dtype).eval()
 
-    def load(snapshot: Path):
-        if snapshot not in cache:
-            plain = dequantized_copy(snapshot, tmp_path_factory.mktemp("dequantized"))
-            model = transformers.Glm5NextForConditionalGeneration.from_pretrained(plain, dtype=torch.float32)
-            cache[snapshot] = model.eval()
-        return cache[snapshot]
+
+@dataclass(frozen=True)
+class Outputs:
+    """One forward pass over a token sequence: the mHC streams after each decoder layer, and fp32 logits."""
+
+    layers: list[torch.Tensor]
+    logits: torch.Tensor
+
+
+def reference_outputs(model: Glm5NextForConditionalGeneration, ids: list[int]) -> Outputs:
+    layers: list[torch.Tensor] = []
+    hooks = [layer.register_forward_hook(lambda _m, _i, out: layers.append(out[0][0]))
+             for layer in model.model.language_model.layers]
+    try:
+        with torch.no_grad():
+            logits = model(input_ids=torch.tensor([ids])).logits[0].float()
+    finally:
+        for hook in hooks:
+            hook.remove()
+    return Outputs(layers, logits)
+
+
+@pytest.fixture(scope="session")
+def reference(tmp_path_factory):
+    """reference(snapshot, dtype=float32) -> transformers' model on the snapshot's dequantized weights."""
+    plain: dict[Path, Path] = {}
+    models: dict[tuple[Path, torch.dtype], Glm5NextForConditionalGeneration] = {}
+
+    def load(snapshot: Path, dtype: torch.dtype = torch.float32):
+        if snapshot not in plain:
+            plain[snapshot] = dequantized_copy(snapshot, tmp_path_factory.mktemp("dequantized"))
+        if (snapshot, dtype) not in models:
+            models[snapshot, dtype] = load_reference(plain[snapshot], dtype)
+        return models[snapshot, dtype]
 
     return load
 
 
+def random_prompt(length: int, seed: int = 0) -> list[int]:
+    """Random token ids inside the tiny tokenizer's vocabulary."""
+    return torch.randint(0, 283, (length,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
 @pytest.fixture(scope="session")
 def prompt():
-    """prompt(length, seed) -> random token ids inside the tiny tokenizer's vocabulary."""
-
-    def make(length: int, seed: int = 0) -> list[int]:
-        return torch.randint(0, 283, (length,), generator=torch.Generator().manual_seed(seed)).tolist()
-
-    return make
+    """prompt(length, seed) -> random_prompt(length, seed)."""
+    return random_prompt

@@ -12,6 +12,7 @@ import json
 import pathlib
 
 import pytest
+import transformers
 from tokenizers import Tokenizer
 
 from engine.tiny.tokenizer import (
@@ -22,8 +23,6 @@ from engine.tiny.tokenizer import (
     TinyTokenizerInfo,
     write_tokenizer,
 )
-
-transformers = pytest.importorskip("transformers")
 
 EXPECTED_IDS = {
     "<|endoftext|>": 256,

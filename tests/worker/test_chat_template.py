@@ -12,6 +12,7 @@ import json
 import pathlib
 
 import pytest
+import transformers
 
 from engine.tiny.tokenizer import write_tokenizer
 from worker.chat_template import (
@@ -22,8 +23,6 @@ from worker.chat_template import (
     prompt_ends_in_reasoning,
 )
 from worker.protocol import ChatCompletionRequest
-
-transformers = pytest.importorskip("transformers")
 
 TOOLS = [
     {

@@ -9,6 +9,10 @@ from __future__ import annotations
 import json
 
 import pytest
+from openai.types import Completion as OAICompletion
+from openai.types import Model as OAIModel
+from openai.types.chat import ChatCompletion as OAIChatCompletion
+from openai.types.chat import ChatCompletionChunk as OAIChatCompletionChunk
 from pydantic import ValidationError
 
 from worker import protocol as p
@@ -40,12 +44,6 @@ from worker.protocol import (
     parse_request,
     validation_error_body,
 )
-
-openai = pytest.importorskip("openai")
-from openai.types import Completion as OAICompletion  # noqa: E402
-from openai.types import Model as OAIModel  # noqa: E402
-from openai.types.chat import ChatCompletion as OAIChatCompletion  # noqa: E402
-from openai.types.chat import ChatCompletionChunk as OAIChatCompletionChunk  # noqa: E402
 
 MSGS = [{"role": "user", "content": "hi"}]
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]

@@ -22,6 +22,25 @@ def test_selection_mask_pools_and_tail():
     assert mask[0].nonzero().flatten().tolist() == [0, 1, 2, 3]
 
 
+def test_just_completed_pool_is_in_only_if_selected():
+    """Query at 4p+3 completes pool p: no tail any more, so an unselected pool p is attended nowhere."""
+    kpool, p = 4, 2
+    position = torch.tensor([kpool * p + kpool - 1])
+    # The indexer sees pools 0..p, all complete, but pool p scores lowest: the top 2 are pools 1 and 0.
+    q, weights, visible = torch.ones(1, 1, 1), torch.ones(1, 1), (position + 1) // kpool
+    chosen = index_select(q, weights, torch.tensor([[2.0], [3.0], [1.0]]), visible, select=2)
+    assert sorted(chosen[0].tolist()) == [0, 1]
+    mask = selection_mask(chosen, position, kpool, kpool * (p + 1), with_tail=True)
+    assert mask[0].nonzero().flatten().tolist() == list(range(kpool * p))
+    # sparse_mla: the latents of pool p do not reach the output.
+    g = torch.Generator().manual_seed(4)
+    q_latent, latents = torch.randn(1, 2, 8, generator=g), torch.randn(kpool * (p + 1), 8, generator=g)
+    out = sparse_mla(q_latent, latents, chosen, position, kpool, 0.5, True)
+    changed = latents.clone()
+    changed[kpool * p:] = torch.randn(kpool, 8, generator=g)
+    assert torch.equal(out, sparse_mla(q_latent, changed, chosen, position, kpool, 0.5, True))
+
+
 def test_absorbed_equals_naive_mla():
     g = torch.Generator().manual_seed(0)
     t, h, dn, dv, r, n = 6, 3, 8, 5, 12, 30

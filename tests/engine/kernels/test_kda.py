@@ -7,6 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.kernels.kda.torch_ref import kda_chunk, kda_step, short_conv
+from tests.engine.conftest import use_reference_kernels
 
 
 def inputs(n: int, h: int = 3, d: int = 16, seed: int = 0):
@@ -51,7 +52,9 @@ def test_step_equals_recurrence_batched():
 
 
 def test_chunk_matches_transformers_reference():
-    modeling = pytest.importorskip("transformers.models.glm5_next.modeling_glm5_next")
+    from transformers.models.glm5_next import modeling_glm5_next as modeling
+
+    use_reference_kernels()
     q, k, v, g, beta, state = (t.float() for t in inputs(100, seed=3))
     ref_o, ref_s = modeling.chunk_kimi_delta_attention(q[None], k[None], v[None], g[None], beta[None],
                                                        initial_state=state[None], output_final_state=True,

@@ -1,0 +1,180 @@
+"""Prefill-shaped MoE (many tokens): grouped GEMMs over (token, expert) pairs sorted and padded per expert.
+
+`align_by_expert` sorts the T*k pairs by expert with device-side torch ops and pads each expert's
+run to BLOCK_M rows (the moe-align layout); the number of row blocks is a static bound, blocks past
+the end carry expert id E and exit at once. Each program of the gate/up launch multiplies one block
+of rows by BLOCK_N rows of its expert's gate and up (tiles dequantized in registers, tl.dot on the
+activation dtype), applies the globals and the clamped SwiGLU and writes h per pair. The down launch
+does the same over h, scales by the routing weight and writes one row per pair; the sum over k is a
+plain reduction of those rows afterwards, so the result is deterministic. No host sync anywhere.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from engine.kernels.experts.decode import tile
+from engine.kernels.experts.dequant import (
+    code_position, global_multiplier, paired_operands, stack_operands, to_code_order, weight_tile,
+)
+from engine.kernels.experts.epilogue import clamped_swiglu
+from engine.weights import DenseWeight, Nvfp4Weight
+
+
+@dataclass(frozen=True)
+class PrefillTiles:
+    """Compile-time launch shape of the prefill kernels (clamped to the dims); tune on the GPU.
+
+    block_m None picks 16, 32 or 64 rows from the mean pairs per expert, so short prompts do not
+    multiply mostly padding (64 rows take wgmma, fewer mma.sync). block_k 128 makes a 64-row NVFP4
+    scale tile 512 bytes, 4 per thread, the least cp.async pipelines; at 64 they load synchronously.
+    """
+
+    block_m: int | None = None
+    block_n: int = 64
+    block_k: int = 128
+    num_warps: int = 4
+    num_stages: int = 3
+
+
+def align_by_expert(expert_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """[T, k] expert ids -> (pair index per padded row [B * block_m], expert per row block [B]).
+
+    Padding rows hold T*k; row blocks past the last expert's hold `num_experts`. B is the static
+    bound cdiv(T*k, block_m) + min(E, T*k): each expert that gets pairs adds at most one part block.
+    """
+    flat = expert_ids.flatten().long()
+    pairs = flat.numel()
+    blocks = triton.cdiv(pairs, block_m) + min(num_experts, pairs)
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=flat.device)
+    counts.scatter_add_(0, flat, torch.ones_like(flat))  # bincount would sync to size its output
+    padded = (counts + block_m - 1) // block_m * block_m
+    padded_end = padded.cumsum(0)
+    order = flat.argsort(stable=True)
+    by_expert = flat[order]
+    rank = torch.arange(pairs, device=flat.device) - (counts.cumsum(0) - counts)[by_expert]
+    rows = torch.full((blocks * block_m,), pairs, dtype=torch.int32, device=flat.device)
+    rows.scatter_(0, (padded_end - padded)[by_expert] + rank, order.to(torch.int32))
+    starts = torch.arange(blocks, device=flat.device) * block_m
+    block_expert = torch.searchsorted(padded_end, starts, right=True).to(torch.int32)
+    return rows, block_expert
+
+
+@triton.jit
+def _dot_step(acc, a, w_ptr, s_ptr, cols, k0, stride_wn, stride_sn, FP4: tl.constexpr, BLOCK_K: tl.constexpr,
+              DOT_F32: tl.constexpr):
+    """acc + a [M, BLOCK_K] @ (the expert's rows `cols`, columns k0 ..)^T, the tile dequantized to a's dtype.
+
+    DOT_F32 multiplies in IEEE fp32 instead: fp32 activations (tf32 would lose ~3 digits) and the
+    interpreter, whose tl.dot cannot multiply 16-bit floats.
+    """
+    if DOT_F32:
+        w = weight_tile(w_ptr, s_ptr, cols, k0, stride_wn, stride_sn, FP4, BLOCK_K, tl.float32)
+        return tl.dot(a.to(tl.float32), tl.trans(w), acc, input_precision="ieee")
+    w = weight_tile(w_ptr, s_ptr, cols, k0, stride_wn, stride_sn, FP4, BLOCK_K, a.dtype)
+    return tl.dot(a, tl.trans(w), acc)
+
+
+@triton.jit
+def _gate_up_kernel(x_ptr, rows_ptr, block_expert_ptr, h_ptr, gw_ptr, gs_ptr, gg_ptr, uw_ptr, us_ptr, ug_ptr,
+                    pairs, experts, stride_xt, stride_hp,
+                    stride_we, stride_wn, stride_se, stride_sn, stride_ge, stride_gn, limit,
+                    K: tl.constexpr, N_TILES: tl.constexpr, TOPK: tl.constexpr, FP4: tl.constexpr,
+                    H_CODE_ORDER: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                    NUM_STAGES: tl.constexpr, DOT_F32: tl.constexpr):
+    block = tl.program_id(0) // N_TILES  # feature tiles of one row block run side by side
+    cols = (tl.program_id(0) % N_TILES) * BLOCK_N + tl.arange(0, BLOCK_N)
+    expert = tl.load(block_expert_ptr + block).to(tl.int64)
+    if expert >= experts:
+        return
+    pair = tl.load(rows_ptr + block * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
+    live = pair < pairs
+    x_rows = x_ptr + (pair // TOPK)[:, None] * stride_xt
+    gw_ptr += expert * stride_we
+    uw_ptr += expert * stride_we
+    gs_ptr += expert * stride_se
+    us_ptr += expert * stride_se
+    acc_gate = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    acc_up = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for k0 in tl.range(0, K, BLOCK_K, num_stages=NUM_STAGES):
+        x = tl.load(x_rows + (k0 + tl.arange(0, BLOCK_K))[None, :], mask=live[:, None], other=0.0)
+        acc_gate = _dot_step(acc_gate, x, gw_ptr, gs_ptr, cols, k0, stride_wn, stride_sn, FP4, BLOCK_K, DOT_F32)
+        acc_up = _dot_step(acc_up, x, uw_ptr, us_ptr, cols, k0, stride_wn, stride_sn, FP4, BLOCK_K, DOT_F32)
+    gate = acc_gate * global_multiplier(gg_ptr + expert * stride_ge, cols, stride_gn, FP4)[None, :]
+    up = acc_up * global_multiplier(ug_ptr + expert * stride_ge, cols, stride_gn, FP4)[None, :]
+    h = clamped_swiglu(gate, up, limit)
+    h_cols = cols
+    if H_CODE_ORDER:  # h meets an NVFP4 down stack
+        h_cols = code_position(cols)
+    tl.store(h_ptr + pair[:, None] * stride_hp + h_cols[None, :], h.to(h_ptr.dtype.element_ty), mask=live[:, None])
+
+
+@triton.jit
+def _down_kernel(h_ptr, rows_ptr, block_expert_ptr, route_ptr, y_ptr, w_ptr, s_ptr, g_ptr,
+                 pairs, experts, stride_hp, stride_yp,
+                 stride_we, stride_wn, stride_se, stride_sn, stride_ge, stride_gn,
+                 K: tl.constexpr, N_TILES: tl.constexpr, FP4: tl.constexpr,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                 NUM_STAGES: tl.constexpr, DOT_F32: tl.constexpr):
+    block = tl.program_id(0) // N_TILES
+    cols = (tl.program_id(0) % N_TILES) * BLOCK_N + tl.arange(0, BLOCK_N)
+    expert = tl.load(block_expert_ptr + block).to(tl.int64)
+    if expert >= experts:
+        return
+    pair = tl.load(rows_ptr + block * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
+    live = pair < pairs
+    h_rows = h_ptr + pair[:, None] * stride_hp
+    w_ptr += expert * stride_we
+    s_ptr += expert * stride_se
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for k0 in tl.range(0, K, BLOCK_K, num_stages=NUM_STAGES):
+        h = tl.load(h_rows + (k0 + tl.arange(0, BLOCK_K))[None, :], mask=live[:, None], other=0.0)
+        acc = _dot_step(acc, h, w_ptr, s_ptr, cols, k0, stride_wn, stride_sn, FP4, BLOCK_K, DOT_F32)
+    route = tl.load(route_ptr + pair, mask=live, other=0.0)
+    y = acc * global_multiplier(g_ptr + expert * stride_ge, cols, stride_gn, FP4)[None, :] * route[:, None]
+    tl.store(y_ptr + pair[:, None] * stride_yp + cols[None, :], y.to(y_ptr.dtype.element_ty), mask=live[:, None])
+
+
+def _block_m(pairs: int, experts: int, tiles: PrefillTiles) -> int:
+    if tiles.block_m is not None:
+        return tiles.block_m
+    mean = pairs / experts
+    return 16 if mean <= 16 else 32 if mean <= 32 else 64
+
+
+def moe_prefill(x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor,
+                gate: DenseWeight | Nvfp4Weight, up: DenseWeight | Nvfp4Weight, down: DenseWeight | Nvfp4Weight,
+                limit: float, tiles: PrefillTiles = PrefillTiles()) -> torch.Tensor:
+    """x [T, D]; expert_ids [T, k]; weights [T, k] -> sum_k w * down(clamped_swiglu(gate x, up x)) [T, D]."""
+    tokens, hidden = x.shape
+    topk = expert_ids.shape[1]
+    experts, inter = gate.shape[0], gate.shape[1]
+    pairs = tokens * topk
+    g, u = paired_operands(gate, up)
+    d = stack_operands(down)
+    acts = to_code_order(x, x.dtype) if g.fp4 else x.contiguous()
+    route = weights.contiguous().float()
+    block_m, block_k = _block_m(pairs, experts, tiles), tiles.block_k
+    if x.dtype == torch.float32:  # IEEE fp32 dots run on the FMA units: smaller tiles stay in registers
+        block_m, block_k = min(block_m, 32), min(block_k, 32)
+    rows, block_expert = align_by_expert(expert_ids, experts, block_m)
+    dot_f32 = x.dtype == torch.float32 or not x.is_cuda  # see _dot_step
+    common = dict(BLOCK_M=block_m, NUM_STAGES=tiles.num_stages, DOT_F32=dot_f32, num_warps=tiles.num_warps)
+
+    h = torch.empty(pairs, inter, dtype=x.dtype, device=x.device)
+    bn, bk = tile(inter, tiles.block_n), tile(hidden, block_k)
+    _gate_up_kernel[(block_expert.numel() * (inter // bn),)](
+        acts, rows, block_expert, h, *g.tensors(), *u.tensors(), pairs, experts, acts.stride(0), h.stride(0),
+        *g.strides(), limit, K=hidden, N_TILES=inter // bn, TOPK=topk, FP4=g.fp4, H_CODE_ORDER=d.fp4,
+        BLOCK_N=bn, BLOCK_K=bk, **common)
+
+    y = torch.empty(pairs, hidden, dtype=x.dtype, device=x.device)
+    bn, bk = tile(hidden, tiles.block_n), tile(inter, block_k)
+    _down_kernel[(block_expert.numel() * (hidden // bn),)](
+        h, rows, block_expert, route, y, *d.tensors(), pairs, experts, h.stride(0), y.stride(0), *d.strides(),
+        K=inter, N_TILES=hidden // bn, FP4=d.fp4, BLOCK_N=bn, BLOCK_K=bk, **common)
+    return y.view(tokens, topk, hidden).sum(1)

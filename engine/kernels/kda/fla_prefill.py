@@ -1,0 +1,56 @@
+"""KDA prefill for CUDA: fla-core's chunked KDA over the whole flat ragged batch in one set of launches.
+
+`chunk_kda` with `cu_seqlens` (varlen: tensors [1, N, H, d], one initial/final state per sequence)
+does the reference's math: g is taken as the natural-log decay we already computed (it cumsums it
+per chunk and rescales by 1/ln 2 for exp2 itself), `use_qk_l2norm_in_kernel` applies fla's
+`l2norm_fwd`, x / sqrt(sum x^2 + 1e-6), the same eps inside the root as ours, and q is scaled by
+d^-0.5 after it. What differs is rounding: fla stores the normalised q/k, the WY factors and the
+per-chunk states in the input dtype (bf16 when serving) where the reference keeps fp32, and its
+fp32-input matmuls may run in TF32. The exact-fp32 intra-chunk path is used (`safe_gate` off), so
+any g is valid, not only gates bounded below by -5.
+
+Not for CUDA graphs: fla sizes its chunk list from cu_seqlens with a host sync (repeat_interleave)
+and memoises the list by cu_seqlens tensor identity, so pass a fresh cu_seqlens per batch, never a
+buffer refilled in place.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from engine.kernels.dispatch import register
+
+
+@register("kda_prefill", "triton")
+def kda_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                rec_state: torch.Tensor, slots: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
+    """Same contract as the torch reference `kda_prefill`."""
+    from fla.ops.kda import chunk_kda  # here, not at import: importing fla.ops loads every fla op (slow)
+
+    assert rec_state.dtype == torch.float32
+    out, final = chunk_kda(q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), g.unsqueeze(0), beta.unsqueeze(0),
+                           initial_state=rec_state[slots], output_final_state=True,
+                           use_qk_l2norm_in_kernel=True, cu_seqlens=cu_seqlens)
+    rec_state[slots] = final
+    return out[0]
+
+
+def warm_up_kda_prefill(device: torch.device | str, heads: int, dim: int, dtype: torch.dtype) -> None:
+    """Run fla's autotuners now (seconds per kernel) so the first request does not wait for them.
+
+    The autotune keys never include the token count or the number of sequences: l2norm_fwd (D, and
+    NB = ceil(tokens / 65536)), chunk_local_cumsum (H, S=d, BT, IS_VARLEN), the token-parallel intra
+    kernel (K, H, HV), inter_solve_fused (H, HV, K, BT, BC, NC), recompute_w_u (H, HV, K, V, BT, BK,
+    BV, IS_VARLEN), fwd_h (H, HV, K, V, BT, STATE_V_FIRST) and fwd_o (BT, HV, K, V, STATE_V_FIRST);
+    Triton adds the dtype of every tensor argument. So one small ragged batch per (heads, dim, dtype)
+    tunes every prefill under 65,536 tokens; a larger step would tune l2norm once more. Results also
+    persist in Triton's cache directory (fla sets cache_results), so a restart skips the search.
+    """
+    lengths = torch.tensor([0, 1, 64, 65], device=device)  # a lone token, a full chunk, a chunk and one
+    n = int(lengths.sum())
+    gen = torch.Generator(device=device).manual_seed(0)
+    q, k, v = (torch.randn(n, heads, dim, device=device, dtype=dtype, generator=gen) for _ in range(3))
+    g = -torch.rand(n, heads, dim, device=device, generator=gen)
+    beta = torch.rand(n, heads, device=device, dtype=dtype, generator=gen)
+    state = torch.zeros(len(lengths) - 1, heads, dim, dim, device=device)
+    kda_prefill(q, k, v, g, beta, state, torch.arange(len(lengths) - 1, device=device), lengths.cumsum(0))

@@ -1,0 +1,182 @@
+"""Triton routed-expert kernels (run by Triton's interpreter on CPU) against the reference TorchExperts."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import triton
+import triton.language as tl
+
+from engine.checkpoint.quant import quantize_fp8_block, quantize_nvfp4, unpack_e2m1
+from engine.experts import TorchExperts, TritonExperts
+from engine.kernels.experts import DecodeTiles, PrefillTiles, align_by_expert, moe_decode, moe_prefill
+from engine.kernels.experts.dequant import E2M1_UNIT, e2m1_values, to_code_order
+from engine.weights import DenseWeight, Fp8BlockWeight, Nvfp4Weight
+
+D, I, E, LIMIT = 64, 32, 6, 10.0
+SHAPES = ((I, D), (I, D), (D, I))  # gate, up, down
+# The interpreter's cost is per program, so most tests run one row tile per pair (gate/up) or token (down) ...
+WIDE_DECODE = DecodeTiles(gate_up_n=I, down_n=D)
+# ... and these run several row tiles and K steps per launch (the defaults clamp to one K step here).
+SPLIT_DECODE = DecodeTiles(gate_up_n=16, gate_up_k=32, down_n=32, down_k=16)
+SPLIT_PREFILL = PrefillTiles(block_m=16, block_n=16, block_k=16)
+
+
+def gen(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+def nvfp4_stack(rows: int, cols: int, g: torch.Generator) -> Nvfp4Weight:
+    """Each expert quantized on its own (one global per expert), then stacked as the loader does."""
+    parts = [quantize_nvfp4(torch.randn(rows, cols, generator=g)) for _ in range(E)]
+    return Nvfp4Weight(*(torch.stack(t) for t in zip(*parts)))
+
+
+def all_bytes_stack(rows: int, cols: int, g: torch.Generator) -> Nvfp4Weight:
+    """Every byte value, hence every code in both nibbles, in every expert; random scales, one global per row."""
+    per_expert = rows * cols // 2
+    assert per_expert % 256 == 0
+    every = torch.arange(256, dtype=torch.uint8).repeat(per_expert // 256)
+    packed = torch.stack([every[torch.randperm(per_expert, generator=g)] for _ in range(E)]).view(E, rows, cols // 2)
+    scale = (torch.rand(E, rows, cols // 16, generator=g) * 3 + 0.01).to(torch.float8_e4m3fn)
+    glob = torch.rand(E, rows, generator=g) * 0.2 + 0.05
+    return Nvfp4Weight(packed, scale, glob)
+
+
+def nvfp4_layer(seed: int = 0) -> tuple[Nvfp4Weight, Nvfp4Weight, Nvfp4Weight]:
+    g = gen(seed)
+    return nvfp4_stack(I, D, g), nvfp4_stack(I, D, g), nvfp4_stack(D, I, g)
+
+
+def routes(tokens: int, topk: int, g: torch.Generator,
+           experts: list[int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Distinct experts per token, drawn from `experts` (all by default), and positive routing weights."""
+    pool = torch.tensor(experts if experts is not None else range(E))
+    ids = pool[torch.rand(tokens, len(pool), generator=g).argsort(1)[:, :topk]]
+    return ids, torch.rand(tokens, topk, generator=g) + 0.1
+
+
+def rel(got: torch.Tensor, want: torch.Tensor) -> float:
+    assert got.dtype == want.dtype and got.shape == want.shape and not got.isnan().any()
+    return ((got.float() - want.float()).norm() / want.float().norm()).item()
+
+
+# The interpreter truncates to bf16 where the GPU rounds, so bf16 gets twice the usual 1e-2.
+TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
+
+
+def check(layer: tuple, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor, run=None) -> torch.Tensor:
+    """run(x, ids, w, gate, up, down, limit) (default: TritonExperts) against TorchExperts; returns the reference."""
+    want = TorchExperts({0: layer}, LIMIT)(0, x, ids, w)
+    executor = TritonExperts({0: layer}, LIMIT, decode_tiles=WIDE_DECODE)
+    got = run(x, ids, w, *layer, LIMIT) if run else executor(0, x, ids, w)
+    assert rel(got, want) < TOL[x.dtype]
+    return want
+
+
+@triton.jit
+def _decode_words(words_ptr, out_ptr, ROWS: tl.constexpr, WORDS: tl.constexpr):
+    rows = tl.arange(0, ROWS)[:, None]
+    values = e2m1_values(tl.load(words_ptr + rows * WORDS + tl.arange(0, WORDS)[None, :]))
+    tl.store(out_ptr + rows * WORDS * 8 + tl.arange(0, WORDS * 8)[None, :], values)
+
+
+def test_e2m1_values_decode_every_byte_exactly_in_code_order():
+    packed = torch.arange(256, dtype=torch.uint8).view(4, 64)
+    out = torch.empty(4, 128)
+    _decode_words[(1,)](packed.view(torch.int32), out, 4, 16)
+    assert torch.equal(out * E2M1_UNIT.value, to_code_order(unpack_e2m1(packed), torch.float32))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("tokens,topk", [(1, 4), (3, 3), (16, 2), (40, 4)])  # 40 x 4 pairs take the prefill path
+def test_nvfp4_matches_reference(tokens, topk, dtype):
+    g = gen(tokens)
+    ids, w = routes(tokens, topk, g)
+    check(nvfp4_layer(tokens), torch.randn(tokens, D, generator=g).to(dtype), ids, w)
+
+
+@pytest.mark.parametrize("weight_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("tokens", [3, 40])
+def test_dense_matches_reference(tokens, dtype, weight_dtype):
+    g = gen(1)
+    layer = tuple(DenseWeight((torch.randn(E, n, k, generator=g) / k**0.5).to(weight_dtype)) for n, k in SHAPES)
+    ids, w = routes(tokens, 4, g)
+    check(layer, torch.randn(tokens, D, generator=g).to(dtype), ids, w)
+
+
+def wide_decode(*args) -> torch.Tensor:
+    return moe_decode(*args, tiles=WIDE_DECODE)
+
+
+@pytest.mark.parametrize("run", [wide_decode, moe_prefill])
+def test_every_code_and_per_row_globals(run):
+    g = gen(2)
+    layer = (all_bytes_stack(I, D, g), all_bytes_stack(I, D, g), all_bytes_stack(D, I, g))
+    ids, w = routes(5, 3, g)
+    check(layer, torch.randn(5, D, generator=g), ids, w, run)
+
+
+@pytest.mark.parametrize("run,tokens", [(wide_decode, 4), (moe_prefill, 20)])  # 20 pairs on one expert: 2 blocks
+def test_empty_experts_and_one_expert_for_all(run, tokens):
+    g = gen(3)
+    layer = nvfp4_layer(3)
+    x = torch.randn(tokens, D, generator=g)
+    ids, w = routes(tokens, 3, g, experts=[1, 3, 4, 5])  # experts 0 and 2 get nothing
+    check(layer, x, ids, w, run)
+    ids[:, 1:][ids[:, 1:] == 5] = 0  # every token on expert 5, in slot 0; the other slots stay distinct
+    ids[:, 0] = 5
+    check(layer, x, ids, w, run)
+
+
+@pytest.mark.filterwarnings("ignore:overflow encountered in exp")  # the interpreter's sigmoid(-100) is exactly 0
+@pytest.mark.parametrize("run", [wide_decode, moe_prefill])
+def test_gate_and_up_saturate_the_clamp(run):
+    g = gen(4)
+    layer = nvfp4_layer(4)
+    x = 8 * torch.randn(4, D, generator=g)
+    ids, w = routes(4, 4, g)
+    gate = torch.einsum("td,tkid->tki", x, layer[0].dequantize(torch.float32)[ids])
+    up = torch.einsum("td,tkid->tki", x, layer[1].dequantize(torch.float32)[ids])
+    assert (gate > LIMIT).float().mean() > 0.2 and (up.abs() > LIMIT).float().mean() > 0.3
+    check(layer, x, ids, w, run)
+
+
+@pytest.mark.parametrize("run,tokens,dtype", [(lambda *a: moe_decode(*a, tiles=SPLIT_DECODE), 3, torch.float32),
+                                              (lambda *a: moe_prefill(*a, tiles=SPLIT_PREFILL), 12, torch.bfloat16)],
+                         ids=["decode", "prefill"])
+def test_several_row_tiles_and_k_steps(run, tokens, dtype):
+    g = gen(5)
+    ids, w = routes(tokens, 2, g)
+    check(nvfp4_layer(5), torch.randn(tokens, D, generator=g).to(dtype), ids, w, run)
+
+
+def test_align_by_expert_groups_pairs_in_padded_blocks():
+    ids = torch.tensor([[4, 1], [4, 2], [1, 4], [4, 0], [4, 1]])
+    rows, block_expert = align_by_expert(ids, 8, 4)
+    pairs = ids.numel()
+    assert len(block_expert) == 3 + 8 and rows.shape == (4 * len(block_expert),)  # cdiv(10, 4) + min(8, 10)
+    blocks = rows.view(-1, 4)
+    live = [(int(b), [int(p) for p in blk if p < pairs]) for b, blk in zip(block_expert, blocks)]
+    assert [e for e, _ in live] == [0, 1, 2, 4, 4] + [8] * 6  # sorted by expert; 5 pairs on expert 4 take 2 blocks
+    assert sorted(p for _, ps in live for p in ps) == list(range(pairs))  # each pair exactly once
+    for expert, ps in live:
+        assert all(ids.flatten()[p] == expert for p in ps)
+    assert all(not ps for e, ps in live if e == 8)
+
+
+def test_other_formats_go_to_their_kernel_or_the_reference():
+    g = gen(6)
+    layer = tuple(Fp8BlockWeight(*quantize_fp8_block(torch.randn(E, n, k, generator=g))) for n, k in SHAPES)
+    x, (ids, w) = torch.randn(3, D, generator=g), routes(3, 2, g)
+    want = TorchExperts({0: layer}, LIMIT)(0, x, ids, w)
+    assert torch.equal(TritonExperts({0: layer}, LIMIT, delegates={})(0, x, ids, w), want)
+    calls = []
+
+    def fake(*args):
+        calls.append(args)
+        return want
+
+    assert TritonExperts({0: layer}, LIMIT, delegates={Fp8BlockWeight: fake})(0, x, ids, w) is want
+    assert calls[0][3:] == (*layer, LIMIT)

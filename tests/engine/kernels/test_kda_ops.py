@@ -1,0 +1,134 @@
+"""KDA decode/prefill ops: the references equal the unfused paths; the Triton decode equals the reference.
+
+The Triton kernels run in Triton's interpreter here. fla's chunk_kda (the CUDA prefill) cannot: its
+autotuners need a GPU driver to benchmark, its token-parallel intra kernel takes Python `min` of
+tensors and its safe-gate kernel calls a gather helper outside JIT; tests/gpu/test_kda_kernels.py
+checks it on CUDA.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.kernels.kda import torch_ref
+from engine.kernels.kda.torch_ref import kda_chunk, kda_step, short_conv
+from engine.kernels.kda.triton_decode import kda_decode as triton_kda_decode
+
+SLOTS = 6
+CONV = 4
+
+
+def decode_inputs(b: int, h: int, d: int, dtype: torch.dtype, seed: int) -> dict:
+    """One decode step's arguments; states for SLOTS requests, `b` of them (in shuffled order) stepping."""
+    gen = torch.Generator().manual_seed(seed)
+
+    def rnd(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=gen)
+
+    p = h * d
+    return {"qkv": rnd(b, 3 * p).to(dtype), "f": rnd(b, p).to(dtype), "beta_logits": rnd(b, h).to(dtype),
+            "gate_out": rnd(b, p).to(dtype), "conv_state": rnd(SLOTS, 3 * p, CONV - 1).to(dtype),
+            "conv_weight": rnd(3 * p, CONV) * 0.5, "rec_state": rnd(SLOTS, h, d, d) * 0.1,
+            "slots": torch.randperm(SLOTS, generator=gen)[:b], "decay_rate": rnd(h).exp(), "dt_bias": rnd(p),
+            "o_norm": (1 + 0.1 * rnd(d)).to(dtype), "lower_bound": -5.0, "eps": 1e-5}
+
+
+def unfused_decode(qkv, f, beta_logits, gate_out, conv_state, conv_weight, rec_state, slots, decay_rate, dt_bias,
+                   o_norm, lower_bound, eps):
+    """The mixer's single-token path before the fused op: conv, gate, beta, kda_step, gated norm, separately."""
+    b, h, d = qkv.shape[0], decay_rate.shape[0], o_norm.shape[0]
+    mixed, conv_state[slots] = short_conv(qkv.unsqueeze(1), conv_state[slots], conv_weight)
+    q, k, v = mixed.squeeze(1).view(b, 3, h, d).unbind(1)
+    gate = f.float() + dt_bias
+    g = lower_bound * torch.sigmoid(decay_rate.view(h, 1) * gate.view(-1, h, d))
+    out, rec_state[slots] = kda_step(q, k, v, g, torch.sigmoid(beta_logits), rec_state[slots])
+    of = out.float()
+    normed = o_norm.float() * (of * torch.rsqrt(of.square().mean(-1, keepdim=True) + eps))
+    return (normed * torch.sigmoid(gate_out.view(b, h, d).float())).to(qkv.dtype).reshape(b, h * d)
+
+
+def run_steps(fn, b: int, h: int, d: int, dtype: torch.dtype, steps: int, **launch) -> tuple:
+    """`steps` consecutive decode steps on the same states (so the conv state shift is exercised)."""
+    first = decode_inputs(b, h, d, dtype, seed=0)
+    conv, rec = first["conv_state"], first["rec_state"]
+    outs = []
+    for step in range(steps):
+        args = {**decode_inputs(b, h, d, dtype, seed=step), "conv_state": conv, "rec_state": rec,
+                "slots": first["slots"]}
+        outs.append(fn(**args, **launch))
+    return torch.stack(outs), conv, rec, first["slots"]
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.float() - b.float()).norm() / b.float().norm()).item()
+
+
+@pytest.mark.parametrize("b", [1, 2, 3, 4, 5])
+def test_decode_reference_equals_unfused(b):
+    got, conv, rec, slots = run_steps(torch_ref.kda_decode, b, 3, 16, torch.float32, steps=2)
+    want, want_conv, want_rec, _ = run_steps(unfused_decode, b, 3, 16, torch.float32, steps=2)
+    assert torch.allclose(got, want, rtol=1e-6, atol=1e-6)
+    assert torch.equal(conv, want_conv) and torch.allclose(rec, want_rec, rtol=1e-6, atol=1e-7)
+    untouched = torch.ones(SLOTS, dtype=torch.bool)
+    untouched[slots] = False
+    start = decode_inputs(b, 3, 16, torch.float32, seed=0)
+    assert torch.equal(conv[untouched], start["conv_state"][untouched])
+    assert torch.equal(rec[untouched], start["rec_state"][untouched])
+    assert not torch.equal(rec[slots], start["rec_state"][slots])
+
+
+# Triton's interpreter truncates fp32 -> bf16 where the GPU (and torch) round to nearest; that alone
+# gives ~6e-3 here, hence bf16's 1.5e-2. fp32 checks the logic tightly.
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 1.5e-2)])
+@pytest.mark.parametrize("b,h,d,block_v", [(1, 2, 16, None), (3, 3, 32, 16), (5, 2, 32, 32)])
+def test_triton_decode_matches_reference(dtype, tol, b, h, d, block_v):
+    got, conv, rec, slots = run_steps(triton_kda_decode, b, h, d, dtype, steps=2, block_v=block_v)
+    want, want_conv, want_rec, _ = run_steps(torch_ref.kda_decode, b, h, d, dtype, steps=2)
+    assert not got.isnan().any()
+    assert rel(got, want) < tol
+    assert rel(rec, want_rec) < tol
+    assert torch.equal(conv, want_conv)  # the conv state is copied values, never rounded
+    untouched = torch.ones(SLOTS, dtype=torch.bool)
+    untouched[slots] = False
+    assert torch.equal(rec[untouched], decode_inputs(b, h, d, dtype, seed=0)["rec_state"][untouched])
+
+
+def prefill_inputs(lengths: list[int], h: int = 3, d: int = 16, seed: int = 0):
+    gen = torch.Generator().manual_seed(seed)
+    n = sum(lengths)
+    q, k, v = (torch.randn(n, h, d, generator=gen) for _ in range(3))
+    g = -5.0 * torch.sigmoid(torch.randn(n, h, d, generator=gen))
+    beta = torch.sigmoid(torch.randn(n, h, generator=gen))
+    state = torch.randn(SLOTS, h, d, d, generator=gen) * 0.1
+    slots = torch.randperm(SLOTS, generator=gen)[:len(lengths)]
+    cu = torch.tensor([0] + lengths).cumsum(0)
+    return q, k, v, g, beta, state, slots, cu
+
+
+def test_prefill_reference_equals_per_sequence_chunk():
+    lengths = [1, 7, 64, 65]
+    q, k, v, g, beta, state, slots, cu = prefill_inputs(lengths)
+    rec = state.clone()
+    out = torch_ref.kda_prefill(q, k, v, g, beta, rec, slots, cu)
+    for i, slot in enumerate(slots.tolist()):
+        sl = slice(cu[i].item(), cu[i + 1].item())
+        want_o, want_s = kda_chunk(q[sl], k[sl], v[sl], g[sl], beta[sl], state[slot])
+        assert torch.equal(out[sl], want_o) and torch.equal(rec[slot], want_s)
+    untouched = torch.ones(SLOTS, dtype=torch.bool)
+    untouched[slots] = False
+    assert torch.equal(rec[untouched], state[untouched])
+
+
+def test_prefill_reference_equals_token_steps():
+    """Independent of kda_chunk: the same sequences fed one token at a time through kda_step."""
+    lengths = [5, 70, 1]
+    q, k, v, g, beta, state, slots, cu = prefill_inputs(lengths, seed=1)
+    rec = state.clone()
+    out = torch_ref.kda_prefill(q, k, v, g, beta, rec, slots, cu)
+    for i, slot in enumerate(slots.tolist()):
+        s = state[slot:slot + 1]
+        for t in range(cu[i].item(), cu[i + 1].item()):
+            o, s = kda_step(q[t:t + 1], k[t:t + 1], v[t:t + 1], g[t:t + 1], beta[t:t + 1], s)
+            assert torch.allclose(out[t], o[0], rtol=1e-4, atol=1e-5)
+        assert torch.allclose(rec[slot], s[0], rtol=1e-4, atol=1e-5)

@@ -1,0 +1,111 @@
+"""The static decode path (one token per request, static shapes for CUDA graphs) against the span path."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine import LLM, SamplingParams
+from engine.engine_core import graph_sizes
+from engine.kernels.indexer.torch_ref import index_select
+from engine.model.batch import DecodeMeta, ForwardBatch
+from engine.sampler import sample, sample_batch
+from engine.sequence import Sequence
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_dir):
+    return LLM(tiny_dir("nvfp4-ct"), dtype="float32", max_model_len=256)
+
+
+def test_decode_steps_equal_teacher_forced_prefill(llm, prompt):
+    """Each decode step's logits equal the span path's logits for the same position (one prefill of the
+    whole text), across pool completions and past the sparse-selection length."""
+    ids = prompt(90, seed=11)
+    seq = Sequence("d", ids, SamplingParams(max_tokens=40))
+    llm.scheduler.add(seq)
+    rows = []
+    try:
+        for _ in range(26):
+            logits = llm.runner.run(llm.scheduler.schedule())
+            rows.append(logits[-1])
+            seq.output_token_ids.append(int(logits[-1].argmax()))
+    finally:
+        llm.scheduler.finish(seq)
+    full = llm.prompt_logits(ids + seq.output_token_ids[:-1])[len(ids) - 1:]
+    ours = torch.stack(rows)
+    assert ((ours - full).abs().amax(-1) / full.abs().amax(-1)).max() < 1e-4
+
+
+def test_padding_rows_on_scratch_state_change_nothing(llm, prompt):
+    """A captured batch pads with the scratch slot and page: the real rows' logits stay the same."""
+    seqs = [Sequence(f"p{i}", prompt(n, seed=20 + i), SamplingParams(max_tokens=4)) for i, n in enumerate((9, 40))]
+    for seq in seqs:
+        llm.scheduler.add(seq)
+    try:
+        llm.runner.run(llm.scheduler.schedule())  # prefill both
+        for seq in seqs:
+            seq.output_token_ids.append(7)
+        core, dev = llm.core, llm.model.device
+        max_pages = llm.runner.max_pages
+
+        def step(pad: int) -> torch.Tensor:
+            slots = [s.slot for s in seqs] + [core.slots.scratch_slot] * pad
+            positions = [s.cached for s in seqs] + [0] * pad
+            table = torch.full((len(slots), max_pages), core.cache.scratch_page, dtype=torch.long)
+            for row, s in enumerate(seqs):
+                table[row, :len(s.pages)] = torch.tensor(s.pages)
+            tokens = torch.tensor([7] * len(slots), device=dev)
+            meta = DecodeMeta(torch.tensor(slots, device=dev), torch.tensor(positions, device=dev), table.to(dev))
+            state = (core.slots.recurrent.clone(), core.slots.conv.clone(), core.slots.open_pool.clone(),
+                     core.cache.latents.clone(), core.cache.pool_keys.clone())
+            logits = llm.model.forward(ForwardBatch(tokens, [], meta), core.slots, core.cache,
+                                       torch.arange(len(seqs), device=dev))
+            for live, saved in zip((core.slots.recurrent, core.slots.conv, core.slots.open_pool,
+                                    core.cache.latents, core.cache.pool_keys), state):
+                live.copy_(saved)  # undo, so the next call sees the same state
+            return logits
+
+        alone, padded = step(pad=0), step(pad=3)
+        assert (padded - alone).abs().max() / alone.abs().max() < 1e-5  # matmul rounding differs with M
+    finally:
+        for seq in seqs:
+            llm.scheduler.finish(seq)
+
+
+def test_mixed_and_decode_batches_equal_each_alone(llm, prompt):
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    prompts = [prompt(n, seed=30 + n) for n in (1, 5, 38, 90)]
+    together = [o.token_ids for o in llm.generate(prompts, params)]
+    assert together == [llm.generate([p], params)[0].token_ids for p in prompts]
+
+
+def test_pool_ties_break_toward_earlier_pools_whatever_the_row_width():
+    """Pools whose heads all clip to zero tie exactly; decode scans a wider row than prefill, so the
+    tie must not be broken by position in the row."""
+    q = -torch.ones(1, 2, 4)  # every score relu-clips to zero against positive keys
+    keys = torch.ones(12, 4)
+    weights = torch.ones(1, 2)
+    narrow = index_select(q, weights, keys[:6], torch.tensor([6]), select=3)
+    wide = index_select(q, weights, keys.unsqueeze(0), torch.tensor([6]), select=3)
+    assert narrow.tolist() == wide.tolist() == [[0, 1, 2]]
+
+
+def test_graph_sizes_cover_every_batch():
+    assert graph_sizes(1) == (1,)
+    assert graph_sizes(8) == (1, 2, 4, 8)
+    assert graph_sizes(12) == (1, 2, 4, 8, 12)
+    for n in range(1, 13):
+        assert any(s >= n for s in graph_sizes(12))
+
+
+def test_batched_sampling_equals_per_row_sampling():
+    logits = torch.randn(4, 50, generator=torch.Generator().manual_seed(0))
+    greedy = [Sequence(str(i), [1], SamplingParams(temperature=0.0)) for i in range(2)]
+    seeded = [Sequence(str(i), [1], SamplingParams(temperature=0.8, top_p=0.9, seed=5)) for i in range(2, 4)]
+    twins = [Sequence(str(i), [1], SamplingParams(temperature=0.8, top_p=0.9, seed=5)) for i in range(2, 4)]
+    got = sample_batch(logits, greedy + seeded)
+    assert [t for t, _ in got[:2]] == logits[:2].argmax(-1).tolist()
+    assert [t for t, _ in got[2:]] == [sample(logits[i + 2], s)[0] for i, s in enumerate(twins)]
+    unseeded = [Sequence("u", [1], SamplingParams(temperature=1.0, top_k=1))]  # top-k 1: must be the argmax
+    assert sample_batch(logits[:1], unseeded)[0][0] == int(logits[0].argmax())
