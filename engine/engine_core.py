@@ -7,6 +7,7 @@ its own thread.
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -15,6 +16,7 @@ import torch
 from engine.cache import PagedLatents, RequestSlots
 from engine.checkpoint.loader import LoadedWeights, load_weights
 from engine.kernels.dispatch import fast_kernels_enabled
+from engine.kernels.kda.fla_prefill import warm_up_kda_prefill
 from engine.config import ModelConfig
 from engine.model.glm5_next import Glm5NextModel
 from engine.model_runner import ModelRunner
@@ -76,6 +78,10 @@ class EngineCore:
         self.scheduler = Scheduler(self.slots, self.cache, limits)
         self.runner = ModelRunner(self.model, self.slots, self.cache, self.cache.pages_for(options.max_model_len))
         self._by_id: dict[str, Sequence] = {}
+        if dev.type == "cuda" and fast_kernels_enabled():
+            start = time.perf_counter()
+            warm_up_kda_prefill(dev, config.linear_num_heads, config.linear_head_dim, dtype)
+            log.info("event=kda_prefill_autotune seconds=%.2f", time.perf_counter() - start)
         if options.cuda_graphs and dev.type == "cuda" and fast_kernels_enabled():
             sizes = graph_sizes(options.max_num_seqs)
             seconds = self.runner.capture_graphs(sizes)

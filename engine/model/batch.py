@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 
@@ -53,3 +54,14 @@ class ForwardBatch:
     @property
     def multi_token(self) -> list[int]:
         return [i for i, s in enumerate(self.spans) if s.new > 1]
+
+    @cached_property
+    def prefill_layout(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(rows [N], slots [B], cu_seqlens [B+1]) of the multi-token spans, built once per step: every
+        KDA layer reuses the same tensors (fla memoises its chunk list by the cu_seqlens tensor)."""
+        spans = [self.spans[i] for i in self.multi_token]
+        dev = self.token_ids.device
+        rows = torch.cat([torch.arange(s.offset, s.offset + s.new) for s in spans]).to(dev)
+        slots = torch.tensor([s.slot for s in spans], device=dev)
+        cu_seqlens = torch.tensor([0] + [s.new for s in spans]).cumsum(0).to(dev)
+        return rows, slots, cu_seqlens

@@ -8,7 +8,7 @@ from engine.cache import RequestSlots
 from engine.config import ModelConfig
 from engine.kernels import kernel
 from engine.kernels.kda.torch_ref import forget_gate, gated_rms_norm
-from engine.model.batch import ForwardBatch, SeqSpan
+from engine.model.batch import ForwardBatch
 from engine.model.layers import linear
 
 
@@ -40,10 +40,8 @@ class KdaMixer:
             rows = torch.tensor([batch.spans[i].offset for i in single], device=x.device)
             idx = torch.tensor([batch.spans[i].slot for i in single], device=x.device)
             o[rows] = self._decode(qkv[rows], forget[rows], beta_logits[rows], gate_out[rows], rec, conv, idx)
-        multi = [batch.spans[i] for i in batch.multi_token]
-        if multi:
-            rows = torch.cat([torch.arange(s.offset, s.offset + s.new, device=x.device) for s in multi])
-            o[rows] = self._prefill(qkv, forget, beta_logits, gate_out, rec, conv, multi)
+        if batch.multi_token:
+            o[batch.prefill_layout[0]] = self._prefill(qkv, forget, beta_logits, gate_out, rec, conv, batch)
         return linear(o, self.o)
 
     def _decode(self, qkv: torch.Tensor, forget: torch.Tensor, beta_logits: torch.Tensor, gate_out: torch.Tensor,
@@ -55,21 +53,18 @@ class KdaMixer:
             self.o_norm, cfg.gate_lower_bound, cfg.rms_norm_eps)
 
     def _prefill(self, qkv: torch.Tensor, forget: torch.Tensor, beta_logits: torch.Tensor, gate_out: torch.Tensor,
-                 rec: torch.Tensor, conv: torch.Tensor, spans: list[SeqSpan]) -> torch.Tensor:
-        """Several multi-token spans at once: per-span short conv, then one chunked KDA over the flat batch."""
-        cfg, dev = self.cfg, qkv.device
+                 rec: torch.Tensor, conv: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        """Every multi-token span at once: per-span short conv, then one chunked KDA over the flat batch."""
+        cfg, dev = self.cfg, qkv.device.type
         h, d = cfg.linear_num_heads, cfg.linear_head_dim
+        rows, slot_ids, cu_seqlens = batch.prefill_layout
         mixed = []
-        for span in spans:
+        for span in (batch.spans[i] for i in batch.multi_token):
             s = span.slot
-            out, new_conv = kernel("short_conv", dev.type)(qkv[span.rows].unsqueeze(0), conv[s:s + 1], self.conv)
+            out, new_conv = kernel("short_conv", dev)(qkv[span.rows].unsqueeze(0), conv[s:s + 1], self.conv)
             conv[s] = new_conv[0]
             mixed.append(out[0])
         q, k, v = torch.cat(mixed).view(-1, 3, h, d).unbind(1)
-        rows = torch.cat([torch.arange(s.offset, s.offset + s.new, device=dev) for s in spans])
         g = forget_gate(forget[rows], self.dt_bias, self.decay_rate, cfg.gate_lower_bound)
-        lengths = torch.tensor([0] + [s.new for s in spans], device=dev)
-        out = kernel("kda_prefill", dev.type)(
-            q, k, v, g, torch.sigmoid(beta_logits[rows]), rec, torch.tensor([s.slot for s in spans], device=dev),
-            lengths.cumsum(0))
+        out = kernel("kda_prefill", dev)(q, k, v, g, torch.sigmoid(beta_logits[rows]), rec, slot_ids, cu_seqlens)
         return gated_rms_norm(out, gate_out[rows].view(-1, h, d), self.o_norm, cfg.rms_norm_eps).flatten(1)
