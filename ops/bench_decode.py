@@ -78,7 +78,8 @@ def distinct_experts(llm: LLM, batch: int, context: int) -> float:
             self.inner = inner
 
         def __call__(self, layer, x, expert_ids, weights):
-            seen.append(int(expert_ids.unique().numel()))
+            if x.shape[0] == batch:  # a step of the decode batch (prefill chunks have other sizes)
+                seen.append(int(expert_ids.unique().numel()))
             return self.inner(layer, x, expert_ids, weights)
 
     moes = [layer.mlp for layer in llm.model.layers if isinstance(layer.mlp, MoE)]
@@ -92,7 +93,7 @@ def distinct_experts(llm: LLM, batch: int, context: int) -> float:
         for moe in moes:
             moe.experts = moe.experts.inner
         llm.runner.graphs = graphs
-    decode_counts = seen[-len(moes):]  # the last pass over the layers is the decode step
+    decode_counts = seen[-len(moes):]  # the last pass over the layers is a decode step of the whole batch
     return sum(decode_counts) / len(decode_counts)
 
 
