@@ -50,6 +50,8 @@ class TritonExperts:
                 return moe_decode(x, expert_ids, weights, gate, up, down, self.limit, self.decode_tiles)
             return moe_prefill(x, expert_ids, weights, gate, up, down, self.limit, self.prefill_tiles)
         kernel = self.delegates.get(type(gate))
-        if kernel is None:
+        # The FP8 grouped prefill missed its bound at T=2,048 on the H200 (tests/gpu/test_fp8_kernels.py):
+        # until it passes there, prefill-sized batches of delegated formats take the reference.
+        if kernel is None or expert_ids.numel() > self.decode_max_pairs:
             return self.reference(layer, x, expert_ids, weights)
         return kernel(x, expert_ids, weights, gate, up, down, self.limit)

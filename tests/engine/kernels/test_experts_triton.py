@@ -180,3 +180,15 @@ def test_other_formats_go_to_their_kernel_or_the_reference():
 
     assert TritonExperts({0: layer}, LIMIT, delegates={Fp8BlockWeight: fake})(0, x, ids, w) is want
     assert calls[0][3:] == (*layer, LIMIT)
+
+
+def test_prefill_sized_batches_of_delegated_formats_take_the_reference():
+    g = gen(7)
+    layer = tuple(Fp8BlockWeight(*quantize_fp8_block(torch.randn(E, n, k, generator=g))) for n, k in SHAPES)
+    x, (ids, w) = torch.randn(70, D, generator=g), routes(70, 2, g)  # 140 pairs: past the decode size
+
+    def fake(*args):
+        raise AssertionError("the FP8 grouped prefill is not used until it passes on the GPU")
+
+    want = TorchExperts({0: layer}, LIMIT)(0, x, ids, w)
+    assert torch.equal(TritonExperts({0: layer}, LIMIT, delegates={Fp8BlockWeight: fake})(0, x, ids, w), want)
