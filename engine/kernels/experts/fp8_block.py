@@ -20,6 +20,7 @@ import triton
 import triton.language as tl
 
 from engine.checkpoint.quant import FP8_BLOCK
+from engine.kernels.experts.epilogue import clamped_swiglu
 from engine.kernels.experts.prefill import align_by_expert
 from engine.kernels.linear.triton_linear import (
     QBLOCK, dot_f32, fp8_block_step, quantize_activations, quantize_tile, sm_count,
@@ -29,13 +30,6 @@ from engine.weights import Fp8BlockWeight
 DECODE_MAX_TOKENS = 16
 _GEMV_TILE = 8192  # weight elements a GEMV program loads per step and matrix (rows x columns)
 _TILE_ROWS = 64  # pairs per grouped-GEMM row block: about the tokens one expert gets in a 2k-token prefill
-
-
-@triton.jit
-def _swiglu(gate, up, limit):
-    """clamped_swiglu in fp32: silu(min(gate, L)) * clamp(up, -L, L)."""
-    gate = tl.minimum(gate, limit)
-    return gate * tl.sigmoid(gate) * tl.clamp(up, -limit, limit)
 
 
 @triton.jit
@@ -63,7 +57,7 @@ def _gate_up_gemv(x_ptr, ids_ptr, gw_ptr, gs_ptr, uw_ptr, us_ptr, h_ptr, I, limi
         su = tl.load(us_ptr + s_row + cols // QBLOCK, mask=col_ok, other=0.0)
         g += tl.sum(wg * (xv * sg)[None, :], axis=1)
         u += tl.sum(wu * (xv * su)[None, :], axis=1)
-    tl.store(h_ptr + pair.to(tl.int64) * I + rows, _swiglu(g, u, limit), mask=row_ok)
+    tl.store(h_ptr + pair.to(tl.int64) * I + rows, clamped_swiglu(g, u, limit), mask=row_ok)
 
 
 @triton.jit
@@ -130,7 +124,7 @@ def _gate_up_grouped(a_ptr, a_s_ptr, rows_ptr, block_expert_ptr, gw_ptr, gs_ptr,
         su = tl.load(us_ptr + s_cols + k0 // QBLOCK, mask=col_ok, other=0.0)
         g = fp8_block_step(g, a, a_scales + k0 // QBLOCK, row_ok, bg, sg, A_FP8, DOT_F32)
         u = fp8_block_step(u, a, a_scales + k0 // QBLOCK, row_ok, bu, su, A_FP8, DOT_F32)
-    h = _swiglu(g, u, limit)
+    h = clamped_swiglu(g, u, limit)
     h_rows = pair.to(tl.int64)
     out_ok = row_ok[:, None] & col_ok[None, :]
     if A_FP8:
@@ -243,7 +237,7 @@ def fp8_block_moe(x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tens
                   up: Fp8BlockWeight, down: Fp8BlockWeight, limit: float) -> torch.Tensor:
     """x [T, D]; expert_ids [T, k] int64; weights [T, k] fp32; stacks [E, I, D], [E, I, D], [E, D, I] -> [T, D].
 
-    sum_k weights_k * down_e(clamped_swiglu(gate_e x, up_e x, limit)) in x's dtype, as TorchExperts.
+    sum_k weights_k * down_e(clampedclamped_swiglu(gate_e x, up_e x, limit)) in x's dtype, as TorchExperts.
     """
     _check(gate, up, down)
     x, ids, rw = x.contiguous(), expert_ids.contiguous(), weights.float().contiguous()
