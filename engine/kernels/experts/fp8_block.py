@@ -21,7 +21,7 @@ import triton.language as tl
 
 from engine.checkpoint.quant import FP8_BLOCK
 from engine.kernels.experts.epilogue import clamped_swiglu
-from engine.kernels.experts.prefill import align_by_expert
+from engine.kernels.experts.prefill import align_by_expert, sorted_block
 from engine.kernels.linear.triton_linear import (
     QBLOCK, dot_f32, fp8_block_step, quantize_activations, quantize_tile, sm_count,
 )
@@ -99,11 +99,9 @@ def _gate_up_grouped(a_ptr, a_s_ptr, rows_ptr, block_expert_ptr, gw_ptr, gs_ptr,
     row per program), ready for the down GEMM.
     """
     block = tl.program_id(0)
-    expert = tl.load(block_expert_ptr + block).to(tl.int64)
-    if expert >= experts:
+    expert, pair, row_ok = sorted_block(rows_ptr, block_expert_ptr, block, pairs, BM)
+    if expert >= experts:  # a padding block past the last expert's rows
         return
-    pair = tl.load(rows_ptr + block * BM + tl.arange(0, BM))
-    row_ok = pair < pairs
     tokens = (tl.where(row_ok, pair, 0) // TOPK).to(tl.int64)
     cols = tl.program_id(1) * BN + tl.arange(0, BN)
     col_ok = cols < I
@@ -142,11 +140,9 @@ def _down_grouped(h_ptr, h_s_ptr, rows_ptr, block_expert_ptr, dw_ptr, ds_ptr, rw
                   BM: tl.constexpr, BN: tl.constexpr):
     """Program (row block of one expert, column block): y[pair] = weight[pair] * down_e h[pair]."""
     block = tl.program_id(0)
-    expert = tl.load(block_expert_ptr + block).to(tl.int64)
-    if expert >= experts:
+    expert, pair, row_ok = sorted_block(rows_ptr, block_expert_ptr, block, pairs, BM)
+    if expert >= experts:  # a padding block past the last expert's rows
         return
-    pair = tl.load(rows_ptr + block * BM + tl.arange(0, BM))
-    row_ok = pair < pairs
     h_rows = tl.where(row_ok, pair, 0).to(tl.int64)
     cols = tl.program_id(1) * BN + tl.arange(0, BN)
     col_ok = cols < D

@@ -80,6 +80,14 @@ def _dot_step(acc, a, w_ptr, s_ptr, cols, k0, stride_wn, stride_sn, FP4: tl.cons
 
 
 @triton.jit
+def sorted_block(rows_ptr, block_expert_ptr, block, pairs, BLOCK_M: tl.constexpr):
+    """Row block `block` of the pairs sorted by expert: (its expert, its pair ids, which ids are real)."""
+    expert = tl.load(block_expert_ptr + block).to(tl.int64)
+    pair = tl.load(rows_ptr + block * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
+    return expert, pair, pair < pairs
+
+
+@triton.jit
 def _gate_up_kernel(x_ptr, rows_ptr, block_expert_ptr, h_ptr, gw_ptr, gs_ptr, gg_ptr, uw_ptr, us_ptr, ug_ptr,
                     pairs, experts, stride_xt, stride_hp,
                     stride_we, stride_wn, stride_se, stride_sn, stride_ge, stride_gn, limit,
@@ -88,11 +96,9 @@ def _gate_up_kernel(x_ptr, rows_ptr, block_expert_ptr, h_ptr, gw_ptr, gs_ptr, gg
                     NUM_STAGES: tl.constexpr, DOT_F32: tl.constexpr):
     block = tl.program_id(0) // N_TILES  # feature tiles of one row block run side by side
     cols = (tl.program_id(0) % N_TILES) * BLOCK_N + tl.arange(0, BLOCK_N)
-    expert = tl.load(block_expert_ptr + block).to(tl.int64)
-    if expert >= experts:
+    expert, pair, live = sorted_block(rows_ptr, block_expert_ptr, block, pairs, BLOCK_M)
+    if expert >= experts:  # a padding block past the last expert's rows
         return
-    pair = tl.load(rows_ptr + block * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
-    live = pair < pairs
     x_rows = x_ptr + (pair // TOPK)[:, None] * stride_xt
     gw_ptr += expert * stride_we
     uw_ptr += expert * stride_we
@@ -122,11 +128,9 @@ def _down_kernel(h_ptr, rows_ptr, block_expert_ptr, route_ptr, y_ptr, w_ptr, s_p
                  NUM_STAGES: tl.constexpr, DOT_F32: tl.constexpr):
     block = tl.program_id(0) // N_TILES
     cols = (tl.program_id(0) % N_TILES) * BLOCK_N + tl.arange(0, BLOCK_N)
-    expert = tl.load(block_expert_ptr + block).to(tl.int64)
-    if expert >= experts:
+    expert, pair, live = sorted_block(rows_ptr, block_expert_ptr, block, pairs, BLOCK_M)
+    if expert >= experts:  # a padding block past the last expert's rows
         return
-    pair = tl.load(rows_ptr + block * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
-    live = pair < pairs
     h_rows = h_ptr + pair[:, None] * stride_hp
     w_ptr += expert * stride_we
     s_ptr += expert * stride_se
