@@ -79,10 +79,15 @@ class EngineCore:
         self.runner = ModelRunner(self.model, self.slots, self.cache, self.cache.pages_for(options.max_model_len))
         self._by_id: dict[str, Sequence] = {}
         if dev.type == "cuda" and fast_kernels_enabled():
-            start = time.perf_counter()
-            warm_up_kda_prefill(dev, config.linear_num_heads, config.linear_head_dim, dtype)
-            log.info("event=kda_prefill_autotune seconds=%.2f", time.perf_counter() - start)
-        if options.cuda_graphs and dev.type == "cuda" and fast_kernels_enabled():
+            self._warm_up(options)
+
+    def _warm_up(self, options: EngineOptions) -> None:
+        """Autotune fla's prefill kernels and capture the decode graphs now, not inside the first requests."""
+        cfg, dev = self.config, self.model.device
+        start = time.perf_counter()
+        warm_up_kda_prefill(dev, cfg.linear_num_heads, cfg.linear_head_dim, self.model.dtype)
+        log.info("event=kda_prefill_autotune seconds=%.2f", time.perf_counter() - start)
+        if options.cuda_graphs:
             sizes = graph_sizes(options.max_num_seqs)
             seconds = self.runner.capture_graphs(sizes)
             log.info("event=decode_graphs sizes=%s capture_s=%.2f", ",".join(map(str, sizes)), seconds)

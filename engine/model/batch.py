@@ -56,6 +56,14 @@ class ForwardBatch:
         return [i for i, s in enumerate(self.spans) if s.new > 1]
 
     @cached_property
+    def decode_layout(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(rows [n], slots [n]) of the one-token spans, built once per step for every KDA layer."""
+        dev = self.token_ids.device
+        single = [self.spans[i] for i in self.single_token]
+        return (torch.tensor([s.offset for s in single], device=dev),
+                torch.tensor([s.slot for s in single], device=dev))
+
+    @cached_property
     def prefill_layout(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(rows [N], slots [B], cu_seqlens [B+1]) of the multi-token spans, built once per step: every
         KDA layer reuses the same tensors (fla memoises its chunk list by the cu_seqlens tensor)."""

@@ -35,10 +35,8 @@ class KdaMixer:
             o = self._decode(qkv, forget, beta_logits, gate_out, rec, conv, batch.decode.slots)
             return linear(o, self.o)
         o = torch.empty(x.shape[0], self.cfg.linear_dim, dtype=x.dtype, device=x.device)
-        single = batch.single_token
-        if single:  # decoding requests inside a mixed step: the same fused step as a pure decode batch
-            rows = torch.tensor([batch.spans[i].offset for i in single], device=x.device)
-            idx = torch.tensor([batch.spans[i].slot for i in single], device=x.device)
+        if batch.single_token:  # decoding requests in a mixed step: the fused step of a pure decode batch
+            rows, idx = batch.decode_layout
             o[rows] = self._decode(qkv[rows], forget[rows], beta_logits[rows], gate_out[rows], rec, conv, idx)
         if batch.multi_token:
             o[batch.prefill_layout[0]] = self._prefill(qkv, forget, beta_logits, gate_out, rec, conv, batch)
