@@ -84,3 +84,33 @@ class Nvfp4Weight:
 
 
 Weight = Union[DenseWeight, Fp8BlockWeight, Nvfp4Weight]
+
+
+def stack_rows(parts: list[Weight]) -> Weight | None:
+    """The parts' output rows stacked into one weight of the same format, or None where they cannot be:
+    mixed formats, 16-bit dtypes that differ, or an FP8 part (not the last) whose rows end inside a block."""
+    kind = type(parts[0])
+    if any(type(p) is not kind for p in parts) or len({p.shape[-1] for p in parts}) != 1:
+        return None
+    if kind is DenseWeight:
+        if len({p.data.dtype for p in parts}) != 1:
+            return None
+        return DenseWeight(torch.cat([p.data for p in parts], dim=-2))
+    if kind is Fp8BlockWeight:
+        if len({p.block for p in parts}) != 1 or any(p.shape[-2] % p.block[0] for p in parts[:-1]):
+            return None
+        return Fp8BlockWeight(torch.cat([p.data for p in parts], dim=-2),
+                              torch.cat([p.scale_inv for p in parts], dim=-2), parts[0].block)
+    rows = [p.global_scale.expand(p.shape[-2]) if p.global_scale.numel() == 1 else p.global_scale for p in parts]
+    return Nvfp4Weight(torch.cat([p.packed for p in parts], dim=-2), torch.cat([p.scale for p in parts], dim=-2),
+                       torch.cat(rows, dim=-1))
+
+
+def row_slice(weight: Weight, start: int, stop: int) -> Weight:
+    """Rows [start, stop) of a 2-D weight as views (FP8: `start` on a block boundary)."""
+    if isinstance(weight, DenseWeight):
+        return DenseWeight(weight.data[start:stop])
+    if isinstance(weight, Fp8BlockWeight):
+        bn = weight.block[0]
+        return Fp8BlockWeight(weight.data[start:stop], weight.scale_inv[start // bn: -(-stop // bn)], weight.block)
+    return Nvfp4Weight(weight.packed[start:stop], weight.scale[start:stop], weight.global_scale[start:stop])

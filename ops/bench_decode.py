@@ -88,7 +88,9 @@ def distinct_experts(llm: LLM, batch: int, context: int) -> float:
         moe.experts = Recorder(moe.experts)
     try:
         ps = prompts(batch, context, llm.config.vocab_size, seed=batch * 7919 + context)
-        llm.generate(ps, SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True))
+        # Chunked prefill lets early requests decode while later ones prefill: run until all decode together.
+        prefill_steps = -(-batch * context // llm.scheduler.limits.max_num_batched_tokens)
+        llm.generate(ps, SamplingParams(max_tokens=prefill_steps + 2, temperature=0.0, ignore_eos=True))
     finally:
         for moe in moes:
             moe.experts = moe.experts.inner
@@ -182,7 +184,7 @@ def main() -> None:
     report({"extrapolated_45_layers_ms_per_token (est.)": b1 * FULL_LAYERS + head_ms,
             "extrapolated_45_layers_tok_s (est.)": 1e3 / (b1 * FULL_LAYERS + head_ms)})
     if args.profile:
-        profile_step(llm, contexts[0], device)
+        profile_step(llm, device)
     del llm
 
     if args.reference_layers and not args.tiny:
@@ -202,22 +204,27 @@ def main() -> None:
             json.dump(result, f, indent=2)
 
 
-def profile_step(llm: LLM, context: int, device: torch.device) -> None:
+def profile_step(llm: LLM, device: torch.device, steps: int = 8) -> None:
+    """Top ops of `steps` eager batch-1 decode steps after a 16-token prompt (the prefill is a small share)."""
     from torch.profiler import ProfilerActivity, profile
 
-    ps = prompts(1, context, llm.config.vocab_size, seed=3)
+    ps = prompts(1, 16, llm.config.vocab_size, seed=3)
+    params = SamplingParams(max_tokens=steps + 1, temperature=0.0, ignore_eos=True)
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
-    llm.generate(ps, SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True))
+    llm.generate(ps, params)
     graphs, llm.runner.graphs = llm.runner.graphs, None  # eager, so the profile names each op
     try:
         with profile(activities=activities) as prof:
-            llm.generate(ps, SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True))
+            llm.generate(ps, params)
             sync(device)
     finally:
         llm.runner.graphs = graphs
     sort = "cuda_time_total" if device.type == "cuda" else "cpu_time_total"
-    print(prof.key_averages().table(sort_by=sort, row_limit=30), flush=True)
-
+    print(f"profile: {steps} decode steps + one 16-token prefill, {llm.config.num_layers} layers", flush=True)
+    print(prof.key_averages().table(sort_by=sort, row_limit=45, max_name_column_width=70), flush=True)
+    if device.type == "cuda":
+        kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+        print(f"profile_kernels_per_step={len(kernels) / (steps + 1):.0f}", flush=True)
 
 if __name__ == "__main__":
     main()

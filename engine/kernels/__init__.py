@@ -9,6 +9,10 @@ from engine.kernels.linear import torch_ref as _linear  # noqa: F401
 from engine.kernels.linear import triton_linear as _linear_triton  # noqa: F401
 from engine.kernels.mhc import torch_ref as _mhc  # noqa: F401
 from engine.kernels.mhc import triton_kernels as _mhc_triton  # noqa: F401
+from engine.kernels.norm import torch_ref as _norm  # noqa: F401
+from engine.kernels.norm import triton_norm as _norm_triton  # noqa: F401
+from engine.kernels.router import torch_ref as _router  # noqa: F401
+from engine.kernels.router import triton_router as _router_triton  # noqa: F401
 from engine.kernels.sparse_mla import torch_ref as _sparse_mla  # noqa: F401
 
 kernel = dispatch.kernel

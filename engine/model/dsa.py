@@ -9,7 +9,7 @@ from engine.cache import PagedLatents, RequestSlots
 from engine.config import ModelConfig
 from engine.kernels import kernel
 from engine.model.batch import DecodeMeta, ForwardBatch, SeqSpan
-from engine.model.layers import linear, rms_norm
+from engine.model.layers import FusedLinear, linear, rms_norm
 
 
 class Indexer:
@@ -18,17 +18,19 @@ class Indexer:
     def __init__(self, cfg: ModelConfig, w: dict, prefix: str) -> None:
         p = prefix + "indexer."
         self.cfg = cfg
-        self.wq_b, self.wk, self.weights_proj = w[p + "wq_b"], w[p + "wk"], w[p + "weights_proj"]
+        self.wq_b = w[p + "wq_b"]
         self.k_norm_w, self.k_norm_b = w[p + "k_norm.weight"], w[p + "k_norm.bias"]
         self.gate, self.ape = w[p + "index_kpool_compress_gate"], w[p + "index_kpool_compress_ape"]
 
-    def project(self, x: torch.Tensor, q_latent: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """-> (queries [T, Hi, d], per-head weights [T, Hi] fp32, keys|gate logits [T, 2d])."""
+    def project(self, x: torch.Tensor, q_latent: torch.Tensor, k: torch.Tensor,
+                head_logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """k = wk x, head_logits = weights_proj x (computed with the mixer's other projections of x)
+        -> (queries [T, Hi, d], per-head weights [T, Hi] fp32, keys|gate logits [T, 2d])."""
         c = self.cfg
         q = linear(q_latent, self.wq_b).view(-1, c.index_n_heads, c.index_head_dim)
-        k = F.layer_norm(linear(x, self.wk), (c.index_head_dim,), self.k_norm_w, self.k_norm_b, 1e-6)
+        k = F.layer_norm(k, (c.index_head_dim,), self.k_norm_w, self.k_norm_b, 1e-6)
         gate = x @ self.gate.t()
-        weights = linear(x, self.weights_proj).float() * c.index_n_heads ** -0.5
+        weights = head_logits.float() * c.index_n_heads ** -0.5
         return q, weights, torch.cat([k, gate], dim=-1)
 
     def add_tokens(self, keys_gates: torch.Tensor, span: SeqSpan, open_pool: torch.Tensor, cache: PagedLatents,
@@ -77,8 +79,11 @@ class DsaMixer:
     def __init__(self, cfg: ModelConfig, w: dict, prefix: str, cache_index: int) -> None:
         p = prefix + "self_attn."
         self.cfg, self.cache_index = cfg, cache_index
-        self.q_a, self.q_a_norm, self.q_b = w[p + "q_a_proj"], w[p + "q_a_layernorm.weight"], w[p + "q_b_proj"]
-        self.kv_a, self.kv_a_norm = w[p + "kv_a_proj_with_mqa"], w[p + "kv_a_layernorm.weight"]
+        # Every projection of x in one matmul: query and latent down-projections, the indexer's key and head weights.
+        self.inputs = FusedLinear(w, p + "q_a_proj", p + "kv_a_proj_with_mqa", p + "indexer.wk",
+                                  p + "indexer.weights_proj")
+        self.q_a_norm, self.q_b = w[p + "q_a_layernorm.weight"], w[p + "q_b_proj"]
+        self.kv_a_norm = w[p + "kv_a_layernorm.weight"]
         h, dn, dv = cfg.num_attention_heads, cfg.qk_nope_head_dim, cfg.v_head_dim
         kv_b = w[p + "kv_b_proj"]
         kv_b = kv_b.dequantize(self.q_a_norm.dtype).view(h, dn + dv, cfg.kv_lora_rank)
@@ -89,10 +94,11 @@ class DsaMixer:
 
     def __call__(self, x: torch.Tensor, batch: ForwardBatch, slots: RequestSlots, cache: PagedLatents) -> torch.Tensor:
         cfg, layer = self.cfg, self.cache_index
-        q_latent = rms_norm(linear(x, self.q_a), self.q_a_norm, cfg.rms_norm_eps)
+        q_low, kv_low, index_k, index_heads = self.inputs(x)
+        q_latent = rms_norm(q_low, self.q_a_norm, cfg.rms_norm_eps)
         q = linear(q_latent, self.q_b).view(-1, cfg.num_attention_heads, cfg.qk_nope_head_dim)
-        latent = rms_norm(linear(x, self.kv_a), self.kv_a_norm, cfg.rms_norm_eps)
-        iq, iw, ikg = self.indexer.project(x, q_latent)
+        latent = rms_norm(kv_low, self.kv_a_norm, cfg.rms_norm_eps)
+        iq, iw, ikg = self.indexer.project(x, q_latent, index_k, index_heads)
         q_abs = torch.einsum("thd,hdr->thr", q, self.w_uk)
         open_pool = slots.open_pool[layer]
         if batch.decode is not None:

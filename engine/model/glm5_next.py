@@ -30,7 +30,7 @@ class DecoderLayer:
         self.mixer = (KdaMixer(cfg, w, p, kinds_before.count("kda")) if self.is_kda
                       else DsaMixer(cfg, w, p, kinds_before.count("dsa")))
         self.mlp = (MoE(cfg, w, p, index, experts) if cfg.mlp_kinds[index] == "moe"
-                    else DenseMlp.from_weights(w, p + "mlp.", cfg.swiglu_limit))
+                    else DenseMlp(w, p + "mlp.", cfg.swiglu_limit))
 
     def __call__(self, streams: torch.Tensor, batch: ForwardBatch, slots: RequestSlots,
                  cache: PagedLatents) -> torch.Tensor:

@@ -9,27 +9,26 @@ from engine.config import ModelConfig
 from engine.kernels import kernel
 from engine.kernels.kda.torch_ref import forget_gate, gated_rms_norm
 from engine.model.batch import ForwardBatch
-from engine.model.layers import linear
+from engine.model.layers import FusedLinear, linear
 
 
 class KdaMixer:
     def __init__(self, cfg: ModelConfig, w: dict, prefix: str, state_index: int) -> None:
         self.cfg, self.state_index = cfg, state_index
         p = prefix + "self_attn."
-        self.q, self.k, self.v = w[p + "q_proj"], w[p + "k_proj"], w[p + "v_proj"]
+        # Every projection of x in one matmul: (q|k|v), the two low-rank gate inputs, beta.
+        self.inputs = FusedLinear(w, (p + "q_proj", p + "k_proj", p + "v_proj"), p + "f_a_proj", p + "g_a_proj",
+                                  p + "b_proj")
         # The three depthwise convs are independent channels; one [3P, k] kernel runs them together.
         self.conv = torch.cat([w[p + f"{x}_conv1d.weight"].squeeze(1) for x in "qkv"]).contiguous()
-        self.f_a, self.f_b, self.g_a, self.g_b = w[p + "f_a_proj"], w[p + "f_b_proj"], w[p + "g_a_proj"], w[p + "g_b_proj"]
-        self.b = w[p + "b_proj"]
+        self.f_b, self.g_b = w[p + "f_b_proj"], w[p + "g_b_proj"]
         self.decay_rate = w[p + "A_log"].float().exp()
         self.dt_bias = w[p + "dt_bias"]
         self.o_norm, self.o = w[p + "o_norm.weight"], w[p + "o_proj"]
 
     def __call__(self, x: torch.Tensor, batch: ForwardBatch, slots: RequestSlots) -> torch.Tensor:
-        qkv = torch.cat([linear(x, self.q), linear(x, self.k), linear(x, self.v)], dim=-1)
-        forget = linear(linear(x, self.f_a), self.f_b)
-        beta_logits = linear(x, self.b)
-        gate_out = linear(linear(x, self.g_a), self.g_b)
+        qkv, forget_low, gate_low, beta_logits = self.inputs(x)
+        forget, gate_out = linear(forget_low, self.f_b), linear(gate_low, self.g_b)
         rec, conv = slots.recurrent[self.state_index], slots.conv[self.state_index]
         if batch.decode is not None:
             o = self._decode(qkv, forget, beta_logits, gate_out, rec, conv, batch.decode.slots)

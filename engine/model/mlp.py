@@ -4,17 +4,14 @@ from __future__ import annotations
 
 import torch
 
-from engine.model.layers import clamped_swiglu, linear
-from engine.weights import Weight
+from engine.model.layers import FusedLinear, clamped_swiglu, linear
 
 
 class DenseMlp:
-    def __init__(self, gate: Weight, up: Weight, down: Weight, swiglu_limit: float) -> None:
-        self.gate, self.up, self.down, self.limit = gate, up, down, swiglu_limit
+    def __init__(self, w: dict, prefix: str, swiglu_limit: float) -> None:
+        self.gate_up = FusedLinear(w, prefix + "gate_proj", prefix + "up_proj")
+        self.down, self.limit = w[prefix + "down_proj"], swiglu_limit
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(clamped_swiglu(linear(x, self.gate), linear(x, self.up), self.limit), self.down)
-
-    @classmethod
-    def from_weights(cls, w: dict, prefix: str, swiglu_limit: float) -> "DenseMlp":
-        return cls(w[prefix + "gate_proj"], w[prefix + "up_proj"], w[prefix + "down_proj"], swiglu_limit)
+        gate, up = self.gate_up(x)
+        return linear(clamped_swiglu(gate, up, self.limit), self.down)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from engine.config import ModelConfig
+from engine.kernels import kernel
 from engine.experts import ExpertExecutor
 from engine.model.mlp import DenseMlp
 
@@ -15,12 +16,9 @@ class Router:
 
     def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """-> (expert ids [T, k], weights [T, k] fp32)."""
-        scores = torch.sigmoid(x.float() @ self.weight.t())
-        ids = torch.topk(scores + self.bias, self.cfg.num_experts_per_tok, dim=-1, sorted=False).indices
-        weights = scores.gather(1, ids)
-        if self.cfg.norm_topk_prob:
-            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
-        return ids, weights * self.cfg.routed_scaling_factor
+        c = self.cfg
+        return kernel("route", x.device.type)(x.float() @ self.weight.t(), self.bias, c.num_experts_per_tok,
+                                              c.norm_topk_prob, c.routed_scaling_factor)
 
 
 class MoE:
@@ -28,7 +26,7 @@ class MoE:
         p = prefix + "mlp."
         self.layer, self.experts = layer, experts
         self.router = Router(cfg, w[p + "gate.weight"], w[p + "gate.e_score_correction_bias"])
-        self.shared = DenseMlp.from_weights(w, p + "shared_experts.", cfg.swiglu_limit)
+        self.shared = DenseMlp(w, p + "shared_experts.", cfg.swiglu_limit)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         ids, weights = self.router(x)

@@ -58,12 +58,12 @@ class Bf16Comparison:
         return "\n".join(f"  {n:8s} engine {o:.2e}  reference {b:.2e}  ratio {o / b:.2f}"
                          for n, o, b in zip(names, self.ours, self.base))
 
-    def first_excess(self) -> str | None:
-        """The first layer (or the logits) where the engine loses more than FACTOR x bf16's own loss."""
+    def first_excess(self, factor: float = FACTOR) -> str | None:
+        """The first layer (or the logits) where the engine loses more than `factor` x bf16's own loss."""
         for i, (o, b) in enumerate(zip(self.ours, self.base)):
-            if o > FACTOR * b:
+            if o > factor * b:
                 where = "logits" if i == len(self.ours) - 1 else f"layer {i}"
-                return f"{where}: engine bf16 error {o:.2e} > {FACTOR} x reference bf16 error {b:.2e}\n{self.table()}"
+                return f"{where}: engine bf16 error {o:.2e} > {factor} x reference bf16 error {b:.2e}\n{self.table()}"
         return None
 
 
@@ -83,9 +83,9 @@ def compare_bf16(llm: LLM, fp32_model, bf16_model, prompt_ids: list[int]) -> Bf1
                           float((base.logits[rows].argmax(-1) == target).float().mean()))
 
 
-def assert_within_bf16_error(c: Bf16Comparison) -> None:
+def assert_within_bf16_error(c: Bf16Comparison, factor: float = FACTOR) -> None:
     assert c.base_cosine >= MIN_REFERENCE_COSINE, f"reference bf16 logits cosine {c.base_cosine:.6f}: ill-conditioned"
-    excess = c.first_excess()
+    excess = c.first_excess(factor)
     assert excess is None, excess
 
 

@@ -13,7 +13,13 @@ import torch
 from engine import LLM
 from engine.tiny.factory import write_tiny_model
 from tests.engine.conftest import FORMATS, dequantized_copy, load_reference, random_prompt
-from tests.engine.test_bf16 import PROMPT_LEN, assert_greedy_agreement, assert_within_bf16_error, compare_bf16
+from tests.engine.test_bf16 import FACTOR, PROMPT_LEN, assert_greedy_agreement, assert_within_bf16_error, compare_bf16
+
+# FP8 prefill quantizes activations per token per 128 columns as the checkpoint declares
+# (`activation_scheme: dynamic`), an error transformers' dequantized reference does not make: measured
+# 3.1-4.0x the reference's bf16 error on every layer. A real bug (a wrong scale, a block off by one)
+# moves the error by orders of magnitude, not by this factor.
+W8A8_FACTOR = 5.0
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (none on this machine)")]
@@ -25,5 +31,5 @@ def test_cuda_bf16_within_bf16_error(tmp_path, fmt):
     plain = dequantized_copy(snapshot, tmp_path / "dequantized")
     comparison = compare_bf16(LLM(snapshot, "cuda", "bfloat16"), load_reference(plain, torch.float32),
                               load_reference(plain, torch.bfloat16), random_prompt(PROMPT_LEN, seed=5))
-    assert_within_bf16_error(comparison)
+    assert_within_bf16_error(comparison, W8A8_FACTOR if fmt == "fp8" else FACTOR)
     assert_greedy_agreement(comparison)
