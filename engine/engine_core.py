@@ -6,6 +6,7 @@ its own thread.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from dataclasses import dataclass
@@ -18,6 +19,8 @@ from engine.checkpoint.loader import LoadedWeights, load_weights
 from engine.kernels.dispatch import fast_kernels_enabled
 from engine.kernels.kda.fla_prefill import warm_up_kda_prefill
 from engine.config import ModelConfig
+from engine.experts import executor_class
+from engine.experts.hybrid import HybridExperts, OffloadStats
 from engine.model.glm5_next import Glm5NextModel
 from engine.model_runner import ModelRunner
 from engine.sampler import TokenLogprobs, sample_batch
@@ -47,6 +50,7 @@ class EngineStats:
     slots_total: int
     pages_used: int
     pages_total: int
+    offload: OffloadStats | None = None  # hybrid expert placement's totals (None: every expert resident)
 
 
 @dataclass(frozen=True)
@@ -57,6 +61,8 @@ class EngineOptions:
     max_waiting: int = 256
     page_size: int = 64
     cuda_graphs: bool = True  # capture decode steps at load (CUDA with the Triton kernels only)
+    moe_vram_budget: int | None = None  # bytes of device memory for routed experts; None: all resident
+    max_expert_swaps: int = 4  # host experts moved into device slots between two steps, at most
 
 
 def graph_sizes(max_num_seqs: int) -> tuple[int, ...]:
@@ -68,7 +74,8 @@ def graph_sizes(max_num_seqs: int) -> tuple[int, ...]:
 class EngineCore:
     def __init__(self, config: ModelConfig, weights: LoadedWeights, options: EngineOptions = EngineOptions()) -> None:
         self.config, self.options = config, options
-        self.model = Glm5NextModel(config, weights)
+        self.offload = self._hybrid_experts(config, weights, options)
+        self.model = Glm5NextModel(config, weights, self.offload)
         dev, dtype = self.model.device, self.model.dtype
         self.slots = RequestSlots(config, options.max_num_seqs, dev, dtype)
         pages = options.max_num_seqs * -(-options.max_model_len // options.page_size)
@@ -87,10 +94,26 @@ class EngineCore:
         start = time.perf_counter()
         warm_up_kda_prefill(dev, cfg.linear_num_heads, cfg.linear_head_dim, self.model.dtype)
         log.info("event=kda_prefill_autotune seconds=%.2f", time.perf_counter() - start)
-        if options.cuda_graphs:
+        if options.cuda_graphs and self.offload is not None:
+            log.info("event=decode_graphs skipped=hybrid_offload")  # host experts need the CPU inside the step
+        elif options.cuda_graphs:
             sizes = graph_sizes(options.max_num_seqs)
             seconds = self.runner.capture_graphs(sizes)
             log.info("event=decode_graphs sizes=%s capture_s=%.2f", ",".join(map(str, sizes)), seconds)
+
+    @staticmethod
+    def _hybrid_experts(config: ModelConfig, weights: LoadedWeights, options: EngineOptions) -> HybridExperts | None:
+        """Experts split between device slots and the host bank when a budget is set (and there are experts)."""
+        if options.moe_vram_budget is None or not config.moe_layers:
+            return None
+        device = weights["norm.weight"].device
+        hybrid = HybridExperts.from_weights(weights, config.moe_layers, config.swiglu_limit, device,
+                                            options.moe_vram_budget, executor_class(device))
+        slots = len(hybrid.resident[config.moe_layers[0]])
+        gib = hybrid.expert_bytes * len(config.moe_layers) / 2 ** 30
+        log.info("event=expert_placement device_slots_per_layer=%d of=%d device_gib=%.2f host_gib=%.2f",
+                 slots, hybrid.num_experts, gib * slots, gib * hybrid.num_experts)
+        return hybrid
 
     @classmethod
     def from_snapshot(cls, model: str | Path, device: str = "cpu", dtype: str = "bfloat16",
@@ -124,6 +147,8 @@ class EngineCore:
         if not scheduled:
             return []
         logits = self.runner.run(scheduled)
+        if self.offload is not None:
+            self.offload.rebalance(self.options.max_expert_swaps)
         done = [seq for seq, _ in scheduled if seq.cached == seq.num_tokens]
         outputs = []
         for seq, (token, logprobs) in zip(done, sample_batch(logits, done)):
@@ -137,4 +162,5 @@ class EngineCore:
     def stats(self) -> EngineStats:
         return EngineStats(len(self.scheduler.running), len(self.scheduler.waiting),
                            self.slots.num_slots - self.slots.free_count, self.slots.num_slots,
-                           self.cache.num_pages - self.cache.free_pages, self.cache.num_pages)
+                           self.cache.num_pages - self.cache.free_pages, self.cache.num_pages,
+                           None if self.offload is None else dataclasses.replace(self.offload.stats))

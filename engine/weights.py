@@ -7,6 +7,7 @@ Quantized weights stay packed (a 181 GiB NVFP4 checkpoint must never be expanded
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
 from typing import Union
 
@@ -84,6 +85,20 @@ class Nvfp4Weight:
 
 
 Weight = Union[DenseWeight, Fp8BlockWeight, Nvfp4Weight]
+
+
+def tensor_fields(weight: Weight) -> tuple[str, ...]:
+    """The names of a weight's tensors, in a fixed order."""
+    return {DenseWeight: ("data",), Fp8BlockWeight: ("data", "scale_inv"),
+            Nvfp4Weight: ("packed", "scale", "global_scale")}[type(weight)]
+
+
+def map_tensors(weight: Weight, fn) -> Weight:
+    """The same weight with `fn` applied to each of its tensors (a gather, a move, pinning)."""
+    out = copy.copy(weight)
+    for name in tensor_fields(weight):
+        setattr(out, name, fn(getattr(weight, name)))
+    return out
 
 
 def stack_rows(parts: list[Weight]) -> Weight | None:

@@ -47,6 +47,9 @@ class Settings(BaseSettings):
                                description="Longest prompt + completion, in tokens")
     max_num_batched_tokens: int = Field(2048, ge=1, validation_alias=_env("MAX_NUM_BATCHED_TOKENS"),
                                         description="Tokens per forward step (decodes + prefill chunks)")
+    moe_vram_budget_gib: float | None = Field(None, ge=0, validation_alias=_env("MOE_VRAM_BUDGET_GIB"),
+                                              description="GPU memory for routed experts, in GiB; the rest stay in "
+                                                          "host RAM and run on the CPU (unset: every expert on the GPU)")
     max_queue: int = Field(256, ge=0, validation_alias=_env("MAX_QUEUE"),
                            description="Requests waiting for a slot; beyond it the server answers 429")
     tool_call_parser: str = Field("glm45", validation_alias=_env("TOOL_CALL_PARSER"))

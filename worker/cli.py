@@ -23,6 +23,7 @@ def main(argv: list[str] | None = None) -> None:
         cmd.add_argument("--dtype", help="bfloat16, float32 or auto")
         cmd.add_argument("--max-model-len", type=int)
         cmd.add_argument("--max-num-seqs", type=int)
+        cmd.add_argument("--moe-vram-budget-gib", type=float, help="GPU memory for routed experts; the rest run from host RAM")
         cmd.add_argument("--served-model-name")
     args = parser.parse_args(argv)
     overrides = {k: v for k, v in vars(args).items() if v is not None and k != "command"}

@@ -32,6 +32,14 @@ class Metrics:
         self.slots_used = Gauge("glmflash_state_slots_used", "Per-request state slots in use", registry=r)
         self.slots_total = Gauge("glmflash_state_slots_total", "Per-request state slots", registry=r)
         self.cache_usage = Gauge("glmflash_cache_usage_ratio", "Fraction of DSA cache pages in use", registry=r)
+        self.expert_hit = Gauge("glmflash_expert_device_hit_ratio",
+                                "Routed (token, expert) pairs served from device slots, of all pairs", registry=r)
+        self.expert_host_pairs = Gauge("glmflash_expert_host_pairs", "Routed pairs computed on the CPU since start",
+                                       registry=r)
+        self.expert_swaps = Gauge("glmflash_expert_swaps", "Experts moved from host RAM into device slots since start",
+                                  registry=r)
+        self.expert_host_gbps = Gauge("glmflash_expert_host_gbps", "Expert bytes the CPU executor read per second",
+                                      registry=r)
 
     def observe_engine(self, stats) -> None:
         """Refresh the occupancy gauges from an engine stats snapshot."""
@@ -40,6 +48,12 @@ class Metrics:
         self.slots_used.set(stats.slots_used)
         self.slots_total.set(stats.slots_total)
         self.cache_usage.set(stats.pages_used / stats.pages_total if stats.pages_total else 0.0)
+        offload = stats.offload
+        if offload is not None:
+            self.expert_hit.set(offload.hit_rate)
+            self.expert_host_pairs.set(offload.host_pairs)
+            self.expert_swaps.set(offload.swaps)
+            self.expert_host_gbps.set(offload.host_bytes / offload.host_seconds / 1e9 if offload.host_seconds else 0.0)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -20,7 +20,7 @@ from safetensors import safe_open
 
 from engine.checkpoint.layout import EXPERT_KEY, TEXT_PREFIX, TensorSpec, stacked_expert_name, text_specs
 from engine.config import ModelConfig
-from engine.weights import DenseWeight, Fp8BlockWeight, Nvfp4Weight, Weight
+from engine.weights import DenseWeight, Fp8BlockWeight, Nvfp4Weight, Weight, map_tensors, tensor_fields
 
 LoadedWeights = dict[str, "Weight | torch.Tensor"]
 
@@ -257,21 +257,9 @@ class _ExpertStacks:
 
 
 def _empty_stack(weight: Weight, count: int) -> Weight:
-    def empty(t: torch.Tensor) -> torch.Tensor:
-        return torch.empty((count, *t.shape), dtype=t.dtype, device=t.device)
-
-    if isinstance(weight, DenseWeight):
-        return DenseWeight(empty(weight.data))
-    if isinstance(weight, Fp8BlockWeight):
-        return Fp8BlockWeight(empty(weight.data), empty(weight.scale_inv), weight.block)
-    return Nvfp4Weight(empty(weight.packed), empty(weight.scale), empty(weight.global_scale))
+    return map_tensors(weight, lambda t: torch.empty((count, *t.shape), dtype=t.dtype, device=t.device))
 
 
 def _copy_into(stack: Weight, index: int, weight: Weight) -> None:
-    for name in _tensor_fields(stack):
+    for name in tensor_fields(stack):
         getattr(stack, name)[index].copy_(getattr(weight, name))
-
-
-def _tensor_fields(weight: Weight) -> tuple[str, ...]:
-    return {DenseWeight: ("data",), Fp8BlockWeight: ("data", "scale_inv"),
-            Nvfp4Weight: ("packed", "scale", "global_scale")}[type(weight)]

@@ -21,10 +21,13 @@ class ExpertExecutor(Protocol):
         ...
 
 
-def default_executor(weights: dict, layers: list[int], swiglu_limit: float, device: torch.device) -> ExpertExecutor:
+def executor_class(device: torch.device) -> type[TorchExperts] | type[TritonExperts]:
     """Triton kernels for CUDA weights (unless GLMFLASH_KERNELS=torch), the torch reference elsewhere."""
-    fast = device.type == "cuda" and fast_kernels_enabled()
-    return (TritonExperts if fast else TorchExperts).from_weights(weights, layers, swiglu_limit)
+    return TritonExperts if device.type == "cuda" and fast_kernels_enabled() else TorchExperts
 
 
-__all__ = ["ExpertExecutor", "TorchExperts", "TritonExperts", "default_executor"]
+def default_executor(weights: dict, layers: list[int], swiglu_limit: float, device: torch.device) -> ExpertExecutor:
+    return executor_class(device).from_weights(weights, layers, swiglu_limit)
+
+
+__all__ = ["ExpertExecutor", "TorchExperts", "TritonExperts", "default_executor", "executor_class"]

@@ -1,0 +1,146 @@
+"""Routed experts split between device slots and host RAM (hybrid offload).
+
+Every MoE layer keeps a few experts in device slots (compact stacks the device executor runs) and all
+of them in a host bank (pinned when a GPU is present). A step's (token, expert) pairs that hit a slot
+run on the device, with misses weighted zero so the launch shape never depends on routing; the
+misses run on the CPU executor over the host bank at the same time, and their sum is added back.
+Routing counts decide, between steps, which host experts move into which slots (a bounded number
+per step, so no step waits on many copies).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+from engine.checkpoint.layout import EXPERT_PROJS, stacked_expert_name
+from engine.experts.torch_experts import TorchExperts
+from engine.offload.placement import hottest, plan_placement
+from engine.weights import Weight, map_tensors, tensor_fields
+
+Stacks = tuple[Weight, Weight, Weight]
+
+
+@dataclass
+class OffloadStats:
+    """Totals since start: pairs that ran on the device and on the CPU, expert swaps, CPU executor time."""
+
+    device_pairs: int = 0
+    host_pairs: int = 0
+    swaps: int = 0
+    host_seconds: float = 0.0
+    host_bytes: int = 0  # expert bytes the CPU executor read
+
+    @property
+    def hit_rate(self) -> float:
+        total = self.device_pairs + self.host_pairs
+        return self.device_pairs / total if total else 1.0
+
+
+def expert_nbytes(stacks: Stacks) -> int:
+    """Bytes of one expert (gate, up and down) in a layer's stacks."""
+    return sum(s.nbytes() for s in stacks) // stacks[0].shape[0]
+
+
+class HybridExperts:
+    def __init__(self, host: dict[int, Stacks], placement: dict[int, list[int]], device: torch.device,
+                 swiglu_limit: float, device_executor=TorchExperts, count_decay: float = 0.99) -> None:
+        self.host, self.device, self.decay = host, device, count_decay
+        self.layers = sorted(host)
+        self.num_experts = host[self.layers[0]][0].shape[0]
+        self.resident = {layer: list(placement[layer]) for layer in self.layers}  # slot -> expert
+        self.slot_of = torch.full((len(self.layers), self.num_experts), -1, dtype=torch.long, device=device)
+        self.counts = torch.zeros(len(self.layers), self.num_experts, device=device)
+        self._index = {layer: i for i, layer in enumerate(self.layers)}
+        stacks = {}
+        for layer, experts in self.resident.items():
+            if experts:
+                self.slot_of[self._index[layer], experts] = torch.arange(len(experts), device=device)
+                picked = torch.tensor(experts)
+                stacks[layer] = tuple(map_tensors(s, lambda t: t[picked].to(device)) for s in host[layer])
+        self.device_run = device_executor(stacks, swiglu_limit) if stacks else None
+        self.device_stacks = stacks
+        self.host_run = TorchExperts(host, swiglu_limit)
+        self.expert_bytes = expert_nbytes(host[self.layers[0]])
+        self.stats = OffloadStats()
+
+    @classmethod
+    def from_weights(cls, w: dict, layers: list[int], swiglu_limit: float, device: torch.device, budget_bytes: int,
+                     device_executor=TorchExperts) -> "HybridExperts":
+        """Takes the expert stacks out of `w` into the host bank (pinned with a GPU) and fills the slots."""
+        pin = device.type == "cuda"
+        host = {}
+        for layer in layers:
+            names = [stacked_expert_name(layer, p) for p in EXPERT_PROJS]
+            host[layer] = tuple(map_tensors(w.pop(n), lambda t: _to_host(t, pin)) for n in names)
+        first = host[layers[0]]
+        placement = plan_placement(layers, first[0].shape[0], expert_nbytes(first), budget_bytes)
+        return cls(host, placement, device, swiglu_limit, device_executor)
+
+    def __call__(self, layer: int, x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        index = self._index[layer]
+        self.counts[index] += torch.bincount(expert_ids.flatten(), minlength=self.num_experts).float()
+        slots = self.slot_of[index][expert_ids]
+        hit = slots >= 0
+        # Find the misses and bring their rows to the host before the device work is queued, so the
+        # CPU computes while the device runs its experts.
+        missed = (~hit).flatten().nonzero().squeeze(1)
+        rows = missed // expert_ids.shape[1]
+        host_in = None
+        if missed.numel():
+            host_in = x[rows].cpu(), expert_ids.flatten()[missed].cpu(), weights.flatten()[missed].cpu()
+        if layer in self.device_stacks:
+            out = self.device_run(layer, x, slots.clamp(min=0), weights * hit)
+        else:
+            out = torch.zeros_like(x)
+        self.stats.device_pairs += expert_ids.numel() - missed.numel()
+        if host_in is not None:
+            out.index_add_(0, rows, self._host(layer, *host_in).to(x.device, non_blocking=True))
+        return out
+
+    def _host(self, layer: int, rows: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """One row per missed pair: each runs its one expert on the CPU -> [P, D]."""
+        start = time.perf_counter()
+        y = self.host_run(layer, rows, ids.unsqueeze(1), weights.unsqueeze(1))
+        self.stats.host_seconds += time.perf_counter() - start
+        self.stats.host_pairs += ids.numel()
+        self.stats.host_bytes += int(ids.unique().numel()) * self.expert_bytes
+        return y
+
+    def rebalance(self, max_swaps: int) -> int:
+        """Move up to `max_swaps` experts routed more often than a resident one into its slot; -> swaps made."""
+        counts = self.counts.cpu()
+        self.counts *= self.decay
+        made = 0
+        for layer in self.layers:
+            experts = self.resident[layer]
+            if not experts or made >= max_swaps:
+                continue
+            c = counts[self._index[layer]]
+            wanted = set(hottest(c, self.num_experts, len(experts)))
+            incoming = sorted(wanted - set(experts), key=lambda e: -float(c[e]))
+            outgoing = sorted(set(experts) - wanted, key=lambda e: float(c[e]))
+            for new, old in zip(incoming, outgoing):
+                if made >= max_swaps or c[new] <= c[old]:
+                    break
+                self._swap(layer, experts.index(old), new)
+                made += 1
+        self.stats.swaps += made
+        return made
+
+    def _swap(self, layer: int, slot: int, expert: int) -> None:
+        """Copy a host expert into a device slot and repoint the routing map."""
+        for dev_stack, host_stack in zip(self.device_stacks[layer], self.host[layer]):
+            for name in tensor_fields(dev_stack):
+                getattr(dev_stack, name)[slot].copy_(getattr(host_stack, name)[expert], non_blocking=True)
+        index = self._index[layer]
+        self.slot_of[index, self.resident[layer][slot]] = -1
+        self.slot_of[index, expert] = slot
+        self.resident[layer][slot] = expert
+
+
+def _to_host(t: torch.Tensor, pin: bool) -> torch.Tensor:
+    host = t.to("cpu")
+    return host.pin_memory() if pin else host

@@ -1,0 +1,1 @@
+"""Hybrid expert offload: which routed experts live in device memory, which in host RAM, and how they move."""

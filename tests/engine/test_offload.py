@@ -1,0 +1,122 @@
+"""Hybrid offload on CPU: placement, the hybrid executor against the all-resident reference, swaps."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.checkpoint.quant import FP8_BLOCK, quantize_fp8_block, quantize_nvfp4
+from engine.experts.hybrid import HybridExperts, expert_nbytes
+from engine.experts.torch_experts import TorchExperts
+from engine.offload.placement import hottest, plan_placement, slots_per_layer
+from engine.weights import DenseWeight, Fp8BlockWeight, Nvfp4Weight
+
+E, D, I, LIMIT = 12, 128, 64, 7.0
+
+
+def stack(fmt: str, n: int, k: int, seed: int):
+    w = torch.randn(E, n, k, generator=torch.Generator().manual_seed(seed)) / k ** 0.5
+    if fmt == "dense":
+        return DenseWeight(w)
+    if fmt == "fp8":
+        parts = [quantize_fp8_block(w[e], FP8_BLOCK) for e in range(E)]
+        return Fp8BlockWeight(torch.stack([p[0] for p in parts]), torch.stack([p[1] for p in parts]))
+    parts = [quantize_nvfp4(w[e]) for e in range(E)]
+    return Nvfp4Weight(*(torch.stack([p[i] for p in parts]) for i in range(3)))
+
+
+def layer_stacks(fmt: str, seed: int):
+    return stack(fmt, I, D, seed), stack(fmt, I, D, seed + 1), stack(fmt, D, I, seed + 2)
+
+
+def routed(t: int, k: int, seed: int, only: list[int] | None = None):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(t, D, generator=g)
+    pool = torch.tensor(only) if only is not None else torch.arange(E)
+    ids = torch.stack([pool[torch.randperm(len(pool), generator=g)[:k]] for _ in range(t)])
+    return x, ids, torch.rand(t, k, generator=g)
+
+
+def test_slots_split_the_budget_evenly_over_layers():
+    assert slots_per_layer(10 * 100 * 3, 100, 3, 288) == 10
+    assert slots_per_layer(10 ** 12, 100, 3, 288) == 288  # never more slots than experts
+    assert slots_per_layer(0, 100, 3, 288) == 0
+    with pytest.raises(ValueError, match="budget"):
+        slots_per_layer(-1, 100, 3, 288)
+
+
+def test_hottest_experts_take_the_slots():
+    counts = torch.tensor([0.0, 5.0, 1.0, 5.0, 9.0])
+    assert hottest(counts, 5, 3) == [1, 3, 4]
+    assert hottest(counts, 5, 2) == [1, 4]  # 1 and 3 tie: the lower id
+    assert hottest(None, 5, 2) == [0, 1]
+    plan = plan_placement([3, 5], 5, 10, 2 * 2 * 10, {5: counts})
+    assert plan == {3: [0, 1], 5: [1, 4]}
+
+
+@pytest.mark.parametrize("fmt", ["dense", "fp8", "nvfp4"])
+@pytest.mark.parametrize("resident", [[], [0, 3, 7], list(range(E))])
+def test_hybrid_equals_all_resident(fmt, resident):
+    stacks = {1: layer_stacks(fmt, 1), 4: layer_stacks(fmt, 7)}
+    reference = TorchExperts(stacks, LIMIT)
+    hybrid = HybridExperts(stacks, {1: resident, 4: resident}, torch.device("cpu"), LIMIT)
+    for layer in (1, 4):
+        for t, k, seed in [(1, 4, 0), (9, 4, 1), (5, 1, 2)]:  # decode, ragged batch, top-1
+            x, ids, w = routed(t, k, seed)
+            torch.testing.assert_close(hybrid(layer, x, ids, w), reference(layer, x, ids, w), rtol=1e-5, atol=1e-5)
+    stats = hybrid.stats
+    assert stats.device_pairs + stats.host_pairs == 2 * (4 + 36 + 5)
+    assert (stats.host_pairs == 0) == (resident == list(range(E)))
+
+
+def test_all_hits_touch_no_host_expert():
+    stacks = {0: layer_stacks("dense", 3)}
+    hybrid = HybridExperts(stacks, {0: [2, 5, 6, 9]}, torch.device("cpu"), LIMIT)
+    x, ids, w = routed(6, 3, 4, only=[2, 5, 6, 9])
+    torch.testing.assert_close(hybrid(0, x, ids, w), TorchExperts(stacks, LIMIT)(0, x, ids, w), rtol=1e-5, atol=1e-5)
+    assert hybrid.stats.host_pairs == 0 and hybrid.stats.hit_rate == 1.0
+
+
+def test_rebalance_moves_hot_experts_in_and_keeps_outputs():
+    stacks = {0: layer_stacks("nvfp4", 5)}
+    reference = TorchExperts(stacks, LIMIT)
+    hybrid = HybridExperts(stacks, {0: [0, 1, 2]}, torch.device("cpu"), LIMIT)
+    x, ids, w = routed(8, 2, 6, only=[8, 9, 10, 11])
+    hybrid(0, x, ids, w)
+    assert hybrid.stats.hit_rate == 0.0
+    assert hybrid.rebalance(max_swaps=2) == 2  # bounded per call
+    assert hybrid.rebalance(max_swaps=5) == 1  # three slots: the three hottest of 8..11
+    assert len(set(hybrid.resident[0]) & {8, 9, 10, 11}) == 3
+    assert hybrid.rebalance(max_swaps=5) == 0  # nothing hotter is left outside
+    torch.testing.assert_close(hybrid(0, x, ids, w), reference(0, x, ids, w), rtol=1e-5, atol=1e-5)
+    assert hybrid.stats.device_pairs > 0
+
+
+def test_from_weights_moves_stacks_out_of_the_dict():
+    w = {f"layers.2.mlp.experts.{p}": s for p, s in zip(("gate_proj", "up_proj", "down_proj"), layer_stacks("fp8", 9))}
+    per_expert = expert_nbytes(tuple(w.values()))
+    hybrid = HybridExperts.from_weights(w, [2], LIMIT, torch.device("cpu"), budget_bytes=5 * per_expert)
+    assert not w and hybrid.resident[2] == [0, 1, 2, 3, 4]
+
+
+@pytest.mark.parametrize("fmt", ["nvfp4-ct", "fp8"])
+def test_tiny_model_with_experts_on_the_host_gives_the_same_tokens(tiny_dir, prompt, fmt):
+    """A budget of two experts per layer puts most routed experts in the host bank; greedy tokens of
+    several requests decoding together equal the all-resident engine's, and experts swap meanwhile."""
+    from engine import LLM, SamplingParams
+
+    snapshot = tiny_dir(fmt)
+    resident = LLM(snapshot, dtype="float32", max_model_len=256)
+    hybrid_probe = LLM(snapshot, dtype="float32", max_model_len=256, moe_vram_budget=0)
+    per_expert = hybrid_probe.core.offload.expert_bytes
+    layers = len(hybrid_probe.config.moe_layers)
+    hybrid = LLM(snapshot, dtype="float32", max_model_len=256, moe_vram_budget=2 * per_expert * layers)
+    assert {len(r) for r in hybrid.core.offload.resident.values()} == {2}
+    prompts = [prompt(n, seed=n) for n in (5, 40, 17, 64)]
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    want = [o.token_ids for o in resident.generate(prompts, params)]
+    assert [o.token_ids for o in hybrid.generate(prompts, params)] == want
+    assert [o.token_ids for o in hybrid_probe.generate(prompts, params)] == want  # no expert on the device
+    stats = hybrid.core.stats().offload
+    assert stats.host_pairs > 0 and stats.device_pairs > 0 and stats.swaps > 0
+    assert hybrid_probe.core.stats().offload.device_pairs == 0
