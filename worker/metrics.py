@@ -49,7 +49,9 @@ class Metrics:
         self.slots_total.set(stats.slots_total)
         self.cache_usage.set(stats.pages_used / stats.pages_total if stats.pages_total else 0.0)
         offload = stats.offload
-        if offload is not None:
+        if offload is None:  # every expert resident
+            self.expert_hit.set(1.0)
+        else:
             self.expert_hit.set(offload.hit_rate)
             self.expert_host_pairs.set(offload.host_pairs)
             self.expert_swaps.set(offload.swaps)
