@@ -110,9 +110,9 @@ class EngineCore:
         hybrid = HybridExperts.from_weights(weights, config.moe_layers, config.swiglu_limit, device,
                                             options.moe_vram_budget, executor_class(device))
         slots = len(hybrid.resident[config.moe_layers[0]])
-        gib = hybrid.expert_bytes * len(config.moe_layers) / 2 ** 30
+        gib_per_slot = hybrid.expert_bytes * len(config.moe_layers) / 2 ** 30  # one expert in every MoE layer
         log.info("event=expert_placement device_slots_per_layer=%d of=%d device_gib=%.2f host_gib=%.2f",
-                 slots, hybrid.num_experts, gib * slots, gib * hybrid.num_experts)
+                 slots, hybrid.num_experts, gib_per_slot * slots, gib_per_slot * hybrid.num_experts)
         return hybrid
 
     @classmethod

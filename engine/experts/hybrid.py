@@ -60,8 +60,8 @@ class HybridExperts:
                 self.slot_of[self._index[layer], experts] = torch.arange(len(experts), device=device)
                 picked = torch.tensor(experts)
                 stacks[layer] = tuple(map_tensors(s, lambda t: t[picked].to(device)) for s in host[layer])
-        self.device_run = device_executor(stacks, swiglu_limit) if stacks else None
-        self.device_stacks = stacks
+        self.device_stacks = stacks  # layers with no slot are absent: every pair there runs on the host
+        self.device_run = device_executor(stacks, swiglu_limit)
         self.host_run = TorchExperts(host, swiglu_limit)
         self.expert_bytes = expert_nbytes(host[self.layers[0]])
         self.stats = OffloadStats()

@@ -24,11 +24,11 @@ class FusedLinear:
     """
 
     def __init__(self, w: dict, *groups: str | tuple[str, ...]) -> None:
-        self.groups = [(g,) if isinstance(g, str) else tuple(g) for g in groups]
-        names = [n for g in self.groups for n in g]
-        self.sizes = [sum(w[n].shape[-2] for n in g) for g in self.groups]
+        named = [(g,) if isinstance(g, str) else tuple(g) for g in groups]
+        names = [n for g in named for n in g]
+        self.sizes = [sum(w[n].shape[-2] for n in g) for g in named]
         self.stacked = stack_rows([w[n] for n in names])
-        self.parts = [[w[n] for n in g] for g in self.groups] if self.stacked is None else []
+        self.parts = [[w[n] for n in g] for g in named] if self.stacked is None else []
         if self.stacked is not None:
             start = 0
             for name in names:
