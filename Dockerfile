@@ -24,8 +24,9 @@ ENV DEBIAN_FRONTEND=noninteractive \
     VIRTUAL_ENV=/opt/venv \
     PATH=/opt/venv/bin:${PATH}
 
-# 1. System packages: Python with venv, CA certificates. Skipped when the base already has them,
-#    so a prepared base image builds without reaching a Debian/Ubuntu mirror.
+# 1. System packages: Python with venv, CA certificates, and a C compiler for the CPU expert kernels.
+#    Each is skipped when the base already has it, so a prepared base image builds without reaching a
+#    Debian/Ubuntu mirror (without a compiler the kernels fall back to torch, and the build goes on).
 RUN set -eux; \
     if python3 -c 'import sys, venv, ensurepip; assert sys.version_info >= (3, 10)' 2>/dev/null \
        && [ -s /etc/ssl/certs/ca-certificates.crt ]; then \
@@ -34,6 +35,14 @@ RUN set -eux; \
         apt-get update; \
         apt-get install -y --no-install-recommends python3 python3-venv ca-certificates; \
         rm -rf /var/lib/apt/lists/*; \
+    fi; \
+    if ! command -v gcc >/dev/null 2>&1; then \
+        if command -v apt-get >/dev/null 2>&1 && apt-get update \
+           && apt-get install -y --no-install-recommends gcc libc6-dev; then \
+            rm -rf /var/lib/apt/lists/*; \
+        else \
+            echo "no C compiler: the CPU expert kernels will run their torch path"; \
+        fi; \
     fi; \
     [ -x /opt/venv/bin/python ] || python3 -m venv /opt/venv; \
     mkdir -p /workspace
@@ -64,7 +73,7 @@ RUN set -eux; \
     rm /tmp/requirements.txt
 
 # 4. The source, installed without touching the network.
-COPY README.md ./
+COPY README.md setup.py ./
 COPY engine ./engine
 COPY worker ./worker
 COPY provision ./provision

@@ -63,6 +63,7 @@ class EngineOptions:
     cuda_graphs: bool = True  # capture decode steps at load (CUDA with the Triton kernels only)
     moe_vram_budget: int | None = None  # bytes of device memory for routed experts; None: all resident
     max_expert_swaps: int = 4  # host experts moved into device slots between two steps, at most
+    cpu_expert_threads: int | None = None  # threads of the CPU expert executor; None: torch's thread count
 
 
 def graph_sizes(max_num_seqs: int) -> tuple[int, ...]:
@@ -108,7 +109,8 @@ class EngineCore:
             return None
         device = weights["norm.weight"].device
         hybrid = HybridExperts.from_weights(weights, config.moe_layers, config.swiglu_limit, device,
-                                            options.moe_vram_budget, executor_class(device))
+                                            options.moe_vram_budget, executor_class(device),
+                                            options.cpu_expert_threads)
         slots = len(hybrid.resident[config.moe_layers[0]])
         gib_per_slot = hybrid.expert_bytes * len(config.moe_layers) / 2 ** 30  # one expert in every MoE layer
         log.info("event=expert_placement device_slots_per_layer=%d of=%d device_gib=%.2f host_gib=%.2f",

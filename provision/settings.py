@@ -50,6 +50,9 @@ class Settings(BaseSettings):
     moe_vram_budget_gib: float | None = Field(None, ge=0, validation_alias=_env("MOE_VRAM_BUDGET_GIB"),
                                               description="GPU memory for routed experts, in GiB; the rest stay in "
                                                           "host RAM and run on the CPU (unset: every expert on the GPU)")
+    cpu_expert_threads: int | None = Field(None, ge=1, validation_alias=_env("CPU_EXPERT_THREADS"),
+                                           description="CPU threads computing the routed experts kept in host RAM "
+                                                       "(default: torch's thread count)")
     max_queue: int = Field(256, ge=0, validation_alias=_env("MAX_QUEUE"),
                            description="Requests waiting for a slot; beyond it the server answers 429")
     tool_call_parser: str = Field("glm45", validation_alias=_env("TOOL_CALL_PARSER"))

@@ -38,7 +38,8 @@ def build_served_model(loaded: LoadedModel, settings: Settings) -> ServedModel:
     options = EngineOptions(max_num_seqs=settings.max_num_seqs, max_model_len=settings.max_model_len,
                             max_num_batched_tokens=settings.max_num_batched_tokens, max_waiting=settings.max_queue,
                             moe_vram_budget=None if settings.moe_vram_budget_gib is None
-                            else int(settings.moe_vram_budget_gib * 2 ** 30))
+                            else int(settings.moe_vram_budget_gib * 2 ** 30),
+                            cpu_expert_threads=settings.cpu_expert_threads)
     core = EngineCore(loaded.config, loaded.weights, options)
     files = loaded.files
     tokenizer = Tokenizer.from_file(str(files / "tokenizer.json"))

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.checkpoint.layout import EXPERT_PROJS, stacked_expert_name
+from engine.experts.cpu_experts import CpuExperts
 from engine.experts.torch_experts import TorchExperts
 from engine.offload.placement import hottest, plan_placement
 from engine.weights import Weight, map_tensors, tensor_fields
@@ -46,7 +47,8 @@ def expert_nbytes(stacks: Stacks) -> int:
 
 class HybridExperts:
     def __init__(self, host: dict[int, Stacks], placement: dict[int, list[int]], device: torch.device,
-                 swiglu_limit: float, device_executor=TorchExperts, count_decay: float = 0.99) -> None:
+                 swiglu_limit: float, device_executor=TorchExperts, count_decay: float = 0.99,
+                 host_threads: int | None = None) -> None:
         self.host, self.device, self.decay = host, device, count_decay
         self.layers = sorted(host)
         self.num_experts = host[self.layers[0]][0].shape[0]
@@ -62,13 +64,13 @@ class HybridExperts:
                 stacks[layer] = tuple(map_tensors(s, lambda t: t[picked].to(device)) for s in host[layer])
         self.device_stacks = stacks  # layers with no slot are absent: every pair there runs on the host
         self.device_run = device_executor(stacks, swiglu_limit)
-        self.host_run = TorchExperts(host, swiglu_limit)
+        self.host_run = CpuExperts(host, swiglu_limit, host_threads)
         self.expert_bytes = expert_nbytes(host[self.layers[0]])
         self.stats = OffloadStats()
 
     @classmethod
     def from_weights(cls, w: dict, layers: list[int], swiglu_limit: float, device: torch.device, budget_bytes: int,
-                     device_executor=TorchExperts) -> "HybridExperts":
+                     device_executor=TorchExperts, host_threads: int | None = None) -> "HybridExperts":
         """Takes the expert stacks out of `w` into the host bank (pinned with a GPU) and fills the slots."""
         pin = device.type == "cuda"
         host = {}
@@ -77,7 +79,7 @@ class HybridExperts:
             host[layer] = tuple(map_tensors(w.pop(n), lambda t: _to_host(t, pin)) for n in names)
         first = host[layers[0]]
         placement = plan_placement(layers, first[0].shape[0], expert_nbytes(first), budget_bytes)
-        return cls(host, placement, device, swiglu_limit, device_executor)
+        return cls(host, placement, device, swiglu_limit, device_executor, host_threads=host_threads)
 
     def __call__(self, layer: int, x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         index = self._index[layer]

@@ -1,0 +1,126 @@
+/* NVFP4 matrix-vector products on the CPU, for routed experts kept in host RAM.
+ *
+ * y[r, n] = sum_k x[r, k] * e2m1(code[n, k]) * fp8(scale[n, k / 16]) * global[n]
+ *
+ * Decode-sized batches read each weight byte once and never expand the matrix: per output row the
+ * packed codes stream through, two 4-bit codes per byte are looked up in registers (AVX2: an 8-entry
+ * permute gives the magnitude, bit 3 the sign), and every row of x reuses the looked-up values.
+ * x is split into its even and odd columns first, so the low nibbles of 8 bytes meet 8 contiguous
+ * even columns and the high nibbles 8 odd ones. Output rows are shared among `threads` OpenMP
+ * threads (the caller sizes the pool; it is not torch's intra-op pool).
+ *
+ * Called through ctypes (no Python or torch headers): buffers are contiguous, the group scales'
+ * fp8 -> float table comes from the caller so the codec lives in one place.
+ */
+#include <immintrin.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define GROUP 16
+#define MAX_ROWS 8 /* rows of x handled per pass over the weights */
+
+static const float E2M1[16] = {0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f,
+                               -0.0f, -0.5f, -1.0f, -1.5f, -2.0f, -3.0f, -4.0f, -6.0f};
+
+/* One output row for `rows` rows of split x: portable C, the reference for the SIMD path. */
+static void row_scalar(const float *xe, const float *xo, int64_t rows, int64_t half_k, const uint8_t *codes,
+                       const uint8_t *scales, const float *fp8_table, float global, float *out, int64_t out_stride) {
+    for (int64_t r = 0; r < rows; r++) {
+        const float *e = xe + r * half_k, *o = xo + r * half_k;
+        float acc = 0.0f;
+        for (int64_t g = 0; g < half_k / (GROUP / 2); g++) {
+            float part = 0.0f;
+            for (int j = 0; j < GROUP / 2; j++) {
+                uint8_t b = codes[g * (GROUP / 2) + j];
+                part += E2M1[b & 15] * e[g * (GROUP / 2) + j] + E2M1[b >> 4] * o[g * (GROUP / 2) + j];
+            }
+            acc += part * fp8_table[scales[g]];
+        }
+        out[r * out_stride] = acc * global;
+    }
+}
+
+__attribute__((target("avx2,fma"))) static inline __m256 lookup(__m256i codes, __m256 magnitudes) {
+    __m256 mag = _mm256_permutevar8x32_ps(magnitudes, codes); /* uses the low 3 bits */
+    __m256i sign = _mm256_slli_epi32(_mm256_and_si256(codes, _mm256_set1_epi32(8)), 28);
+    return _mm256_xor_ps(mag, _mm256_castsi256_ps(sign));
+}
+
+__attribute__((target("avx2,fma"))) static inline float hsum(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+/* The same row with AVX2: one group (8 bytes, 16 codes) per step, its values scaled once and reused
+ * by every row of x. Even and odd columns, and alternate groups, go to four separate accumulators
+ * per row, so the adds of one group never wait on the previous group's. */
+__attribute__((target("avx2,fma"))) static void row_avx2(const float *xe, const float *xo, int64_t rows,
+                                                        int64_t half_k, const uint8_t *codes,
+                                                        const uint8_t *scales, const float *fp8_table,
+                                                        float global, float *out, int64_t out_stride) {
+    const __m256 magnitudes = _mm256_loadu_ps(E2M1);
+    const __m256i low = _mm256_set1_epi32(15);
+    __m256 acc[MAX_ROWS][4];
+    for (int64_t r = 0; r < rows; r++)
+        for (int a = 0; a < 4; a++) acc[r][a] = _mm256_setzero_ps();
+    const int64_t groups = half_k / 8;
+    for (int64_t g = 0; g < groups; g += 2) {
+        const int pair = g + 1 < groups; /* a last odd group runs alone */
+        __m256 w[4];
+        for (int j = 0; j <= pair; j++) {
+            __m256i b = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(codes + (g + j) * 8)));
+            __m256 scale = _mm256_set1_ps(fp8_table[scales[g + j]]);
+            w[2 * j] = _mm256_mul_ps(lookup(_mm256_and_si256(b, low), magnitudes), scale);
+            w[2 * j + 1] = _mm256_mul_ps(lookup(_mm256_srli_epi32(b, 4), magnitudes), scale);
+        }
+        for (int64_t r = 0; r < rows; r++) {
+            const float *e = xe + r * half_k + g * 8, *o = xo + r * half_k + g * 8;
+            acc[r][0] = _mm256_fmadd_ps(w[0], _mm256_loadu_ps(e), acc[r][0]);
+            acc[r][1] = _mm256_fmadd_ps(w[1], _mm256_loadu_ps(o), acc[r][1]);
+            if (pair) {
+                acc[r][2] = _mm256_fmadd_ps(w[2], _mm256_loadu_ps(e + 8), acc[r][2]);
+                acc[r][3] = _mm256_fmadd_ps(w[3], _mm256_loadu_ps(o + 8), acc[r][3]);
+            }
+        }
+    }
+    for (int64_t r = 0; r < rows; r++) {
+        __m256 sum = _mm256_add_ps(_mm256_add_ps(acc[r][0], acc[r][1]), _mm256_add_ps(acc[r][2], acc[r][3]));
+        out[r * out_stride] = hsum(sum) * global;
+    }
+}
+
+/* x [rows, k] fp32; codes [n, k/2]; scales [n, k/16] (fp8 bytes); global [n] with stride 0 or 1;
+ * y [rows, n] fp32. simd: 1 = AVX2 where the CPU has it, 0 = portable. Returns 0, or -1 on bad shapes. */
+int nvfp4_gemv(const float *x, int64_t rows, int64_t k, const uint8_t *codes, const uint8_t *scales,
+               const float *global, int64_t global_stride, int64_t n, const float *fp8_table, float *y,
+               int threads, int simd) {
+    if (k % GROUP || rows < 0 || n < 0) return -1;
+    const int64_t half_k = k / 2;
+    float *split = malloc(sizeof(float) * (size_t)(rows * k + 1));
+    if (!split) return -1;
+    float *xe = split, *xo = split + rows * half_k;
+    for (int64_t r = 0; r < rows; r++)
+        for (int64_t j = 0; j < half_k; j++) {
+            xe[r * half_k + j] = x[r * k + 2 * j];
+            xo[r * half_k + j] = x[r * k + 2 * j + 1];
+        }
+    const int avx2 = simd && __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t row = 0; row < n; row++) {
+        const uint8_t *c = codes + row * half_k, *s = scales + row * (k / GROUP);
+        const float gs = global[row * global_stride];
+        for (int64_t r0 = 0; r0 < rows; r0 += MAX_ROWS) {
+            int64_t count = rows - r0 < MAX_ROWS ? rows - r0 : MAX_ROWS;
+            const float *e = xe + r0 * half_k, *o = xo + r0 * half_k;
+            if (avx2)
+                row_avx2(e, o, count, half_k, c, s, fp8_table, gs, y + r0 * n + row, n);
+            else
+                row_scalar(e, o, count, half_k, c, s, fp8_table, gs, y + r0 * n + row, n);
+        }
+    }
+    free(split);
+    return 0;
+}

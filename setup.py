@@ -1,0 +1,11 @@
+"""Builds the CPU expert kernels (plain C loaded through ctypes, no Python or torch headers).
+
+`optional=True`: on a machine without a C compiler the install still succeeds and the CPU expert
+executor runs its torch path instead (engine/kernels/experts/cpu_gemv.py says which one is active).
+"""
+
+from setuptools import Extension, setup
+
+setup(ext_modules=[Extension(
+    "engine.kernels.experts._cpu_nvfp4", ["engine/kernels/experts/cpu_nvfp4.c"],
+    extra_compile_args=["-O3", "-fopenmp", "-std=c11"], extra_link_args=["-fopenmp"], optional=True)])

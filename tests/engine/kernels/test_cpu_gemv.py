@@ -1,0 +1,62 @@
+"""The compiled CPU NVFP4 GEMV against float64 on the dequantized weight, SIMD and portable alike.
+
+`pip install -e .` builds the kernel; a machine where it is not built fails here rather than
+silently testing only the torch fallback.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.checkpoint.quant import quantize_nvfp4
+from engine.experts.cpu_experts import CpuExperts
+from engine.experts.torch_experts import TorchExperts
+from engine.kernels.experts import cpu_gemv
+from engine.weights import Nvfp4Weight
+
+
+def random_nvfp4(n: int, k: int, seed: int, per_row_global: bool = False) -> Nvfp4Weight:
+    g = torch.Generator().manual_seed(seed)
+    packed = torch.randint(0, 256, (n, k // 2), dtype=torch.uint8, generator=g)  # every code, both nibbles
+    scale = (torch.rand(n, k // 16, generator=g) * 4 + 0.01).to(torch.float8_e4m3fn)
+    glob = torch.rand(n if per_row_global else 1, generator=g) + 0.5
+    return Nvfp4Weight(packed, scale, glob)
+
+
+def test_kernel_is_built():
+    assert cpu_gemv.available(), "engine/kernels/experts/_cpu_nvfp4 was not built by `pip install -e .`"
+
+
+@pytest.mark.parametrize("mode", ["auto", "portable"])
+@pytest.mark.parametrize("rows,n,k,per_row", [(1, 64, 256, False), (3, 40, 96, True), (11, 17, 512, True)])
+def test_gemv_matches_float64(monkeypatch, mode, rows, n, k, per_row):
+    """Ragged rows (11 > the kernel's 8-row pass), ragged N, K of one and of many groups."""
+    monkeypatch.setenv("GLMFLASH_CPU_KERNELS", mode)
+    weight = random_nvfp4(n, k, seed=rows + n, per_row_global=per_row)
+    x = torch.randn(rows, k, generator=torch.Generator().manual_seed(k))
+    want = x.double() @ weight.dequantize(torch.float64).t()
+    got = cpu_gemv.nvfp4_gemv(x, weight, threads=2)
+    assert got.dtype == torch.float32 and got.shape == (rows, n)
+    assert ((got.double() - want).norm() / want.norm()).item() < 1e-6  # fp32 sums of exact products
+
+
+def test_gemv_names_a_shape_mismatch():
+    with pytest.raises(ValueError, match="against weight"):
+        cpu_gemv.nvfp4_gemv(torch.randn(1, 64), random_nvfp4(8, 128, 0), threads=1)
+
+
+def test_cpu_experts_equal_the_reference_on_quantized_experts():
+    e, d, i = 6, 128, 64
+    g = torch.Generator().manual_seed(3)
+
+    def stack(n: int, k: int) -> Nvfp4Weight:
+        parts = [quantize_nvfp4(torch.randn(n, k, generator=g) / k ** 0.5) for _ in range(e)]
+        return Nvfp4Weight(*(torch.stack([p[j] for p in parts]) for j in range(3)))
+
+    stacks = {0: (stack(i, d), stack(i, d), stack(d, i))}
+    x = torch.randn(5, d, generator=g)
+    ids = torch.tensor([[0, 2], [2, 5], [0, 5], [5, 2], [0, 2]])  # experts 1, 3 and 4 get no token
+    w = torch.rand(5, 2, generator=g)
+    want = TorchExperts(stacks, 7.0)(0, x, ids, w)
+    torch.testing.assert_close(CpuExperts(stacks, 7.0, threads=2)(0, x, ids, w), want, rtol=1e-5, atol=1e-5)
