@@ -21,6 +21,7 @@ from engine.kernels.kda.fla_prefill import warm_up_kda_prefill
 from engine.config import ModelConfig
 from engine.experts import executor_class
 from engine.experts.hybrid import HybridExperts, OffloadStats
+from engine.offload.placement import expert_load_device
 from engine.model.glm5_next import Glm5NextModel
 from engine.model_runner import ModelRunner
 from engine.sampler import TokenLogprobs, sample_batch
@@ -123,7 +124,10 @@ class EngineCore:
         if dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
         config = ModelConfig.from_dir(model)
-        return cls(config, load_weights(model, config, torch.device(device), DTYPES[dtype]), options)
+        device = torch.device(device)
+        weights = load_weights(model, config, device, DTYPES[dtype],
+                               expert_load_device(device, options.moe_vram_budget))
+        return cls(config, weights, options)
 
     def add(self, seq: Sequence) -> None:
         if seq.request_id in self._by_id:

@@ -94,6 +94,10 @@ class Settings(BaseSettings):
                                          description="max_tokens assumed for workload units when a chat request omits it")
 
     @property
+    def moe_vram_budget_bytes(self) -> int | None:
+        return None if self.moe_vram_budget_gib is None else int(self.moe_vram_budget_gib * 2 ** 30)
+
+    @property
     def vast_mode(self) -> bool:
         """Running under Vast's serverless controller: a Vast container (CONTAINER_ID) that either got
         REPORT_ADDR or was told so by its template. A plain Vast instance stays in plain mode."""

@@ -130,3 +130,11 @@ def quantized_in_release(cfg: ModelConfig, spec: TensorSpec) -> bool:
 def stacked_expert_name(layer: int, proj: str) -> str:
     """Name under which the loader holds one layer's projection for all experts, stacked on dim 0."""
     return f"layers.{layer}.mlp.experts.{proj}"
+
+
+STACKED_EXPERT_NAME = re.compile(r"^layers\.(\d+)\.mlp\.experts\.(gate_proj|up_proj|down_proj)$")
+
+
+def is_expert_stack(name: str) -> bool:
+    """Whether a loaded weight's name is one layer's stack of routed experts (see `stacked_expert_name`)."""
+    return STACKED_EXPERT_NAME.match(name) is not None

@@ -87,8 +87,9 @@ def logical_name(key: str, num_layers: int) -> str | None:
 
 
 def load_weights(snapshot: Path | str, cfg: ModelConfig, device: torch.device | str = "cpu",
-                 dtype: torch.dtype = torch.bfloat16) -> LoadedWeights:
-    """Load the text model's tensors; see the module docstring for the guarantees."""
+                 dtype: torch.dtype = torch.bfloat16, expert_device: torch.device | str | None = None) -> LoadedWeights:
+    """Load the text model's tensors; see the module docstring for the guarantees. With `expert_device`
+    the routed experts are stacked there (host RAM, pinned when `device` is a GPU) instead of on `device`."""
     snapshot = Path(snapshot)
     files = shard_files(snapshot)
     groups, key_file = _plan(files, cfg)
@@ -106,25 +107,28 @@ def load_weights(snapshot: Path | str, cfg: ModelConfig, device: torch.device | 
                         yield group.spec, group.tensors
                         group.tensors = {}
 
-    return assemble(cfg, complete_groups(), device, dtype)
+    return assemble(cfg, complete_groups(), device, dtype, expert_device)
 
 
 def assemble(cfg: ModelConfig, groups: Iterable[tuple[TensorSpec, dict[str, torch.Tensor]]],
-             device: torch.device | str = "cpu", dtype: torch.dtype = torch.bfloat16) -> LoadedWeights:
+             device: torch.device | str = "cpu", dtype: torch.dtype = torch.bfloat16,
+             expert_device: torch.device | str | None = None) -> LoadedWeights:
     """Turn complete tensor groups (suffix -> tensor; "" for plain tensors) into weight objects.
 
     Shared by file loading and by synthetic weights built in memory for benchmarks.
     """
+    device = torch.device(device)
+    experts_at = torch.device(expert_device) if expert_device is not None else device
     out: LoadedWeights = {}
-    stacks = _ExpertStacks(cfg)
-    builder = _Builder(cfg, torch.device(device), dtype)
+    stacks = _ExpertStacks(cfg, pin=experts_at.type == "cpu" and device.type == "cuda")
+    builder, expert_builder = _Builder(cfg, device, dtype), _Builder(cfg, experts_at, dtype)
     for spec, tensors in groups:
-        weight = builder.build(spec, tensors)
         expert = EXPERT_KEY.match(spec.name)
         if expert:
+            weight = expert_builder.build(spec, tensors)
             stacks.put(int(expert.group(1)), int(expert.group(2)), expert.group(3), weight)
         else:
-            out[spec.name] = weight
+            out[spec.name] = builder.build(spec, tensors)
     out.update(stacks.finish())
     return out
 
@@ -238,14 +242,14 @@ class _Builder:
 class _ExpertStacks:
     """Per-layer, per-projection stacks of all routed experts, filled one expert at a time."""
 
-    def __init__(self, cfg: ModelConfig) -> None:
-        self.cfg = cfg
+    def __init__(self, cfg: ModelConfig, pin: bool = False) -> None:
+        self.cfg, self.pin = cfg, pin  # pin: host stacks in page-locked memory, for copies to a GPU
         self.stacks: dict[tuple[int, str], Weight] = {}
 
     def put(self, layer: int, expert: int, proj: str, weight: Weight) -> None:
         slot = (layer, proj)
         if slot not in self.stacks:
-            self.stacks[slot] = _empty_stack(weight, self.cfg.n_routed_experts)
+            self.stacks[slot] = _empty_stack(weight, self.cfg.n_routed_experts, self.pin)
         stack = self.stacks[slot]
         if type(stack) is not type(weight):
             raise CheckpointError(f"layers.{layer}.mlp.experts.{expert}.{proj}: stored as {type(weight).__name__}, "
@@ -256,8 +260,9 @@ class _ExpertStacks:
         return {stacked_expert_name(layer, proj): stack for (layer, proj), stack in self.stacks.items()}
 
 
-def _empty_stack(weight: Weight, count: int) -> Weight:
-    return map_tensors(weight, lambda t: torch.empty((count, *t.shape), dtype=t.dtype, device=t.device))
+def _empty_stack(weight: Weight, count: int, pin: bool) -> Weight:
+    return map_tensors(weight, lambda t: torch.empty((count, *t.shape), dtype=t.dtype, device=t.device,
+                                                     pin_memory=pin))
 
 
 def _copy_into(stack: Weight, index: int, weight: Weight) -> None:

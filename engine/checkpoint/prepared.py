@@ -14,6 +14,7 @@ from pathlib import Path
 
 import torch
 
+from engine.checkpoint.layout import is_expert_stack
 from engine.checkpoint.loader import LoadedWeights
 from engine.weights import DenseWeight, Fp8BlockWeight, Nvfp4Weight
 from provision.prepared_store import PIECE_BYTES, PreparedPlan, ReadStats, read_plan, read_regions, write_prepared
@@ -62,7 +63,7 @@ def file_groups(weights: LoadedWeights) -> list[tuple[str, list[tuple[str, torch
     experts: dict[str, list[tuple[str, torch.Tensor]]] = {}
     for name, weight in weights.items():
         items = [(f"{name}#{f}", t) for f, t in _buffers(weight).items()]
-        if ".mlp.experts." in name:
+        if is_expert_stack(name):
             layer = int(name.split(".")[1])
             experts.setdefault(f"experts-{layer:03d}.bin", []).extend(items)
         else:
@@ -75,12 +76,19 @@ def as_bytes(tensor: torch.Tensor) -> memoryview:
     return memoryview(tensor.contiguous().view(torch.uint8).reshape(-1).numpy())
 
 
-def allocate(meta: dict, device: torch.device | str = "cpu") -> tuple[LoadedWeights, dict[str, torch.Tensor]]:
-    """Empty weights of the recorded layout on `device`, and their buffers by key (to be filled from disk)."""
+def allocate(meta: dict, device: torch.device | str = "cpu",
+             expert_device: torch.device | str | None = None) -> tuple[LoadedWeights, dict[str, torch.Tensor]]:
+    """Empty weights of the recorded layout on `device` (routed experts on `expert_device` when given:
+    host RAM, pinned when a GPU is present), and their buffers by key (to be filled from disk)."""
+    device = torch.device(device)
+    experts_at = torch.device(expert_device) if expert_device is not None else device
+    pin = experts_at.type == "cpu" and device.type == "cuda"
     weights: LoadedWeights = {}
     buffers: dict[str, torch.Tensor] = {}
     for name, record in meta["weights"].items():
-        made = {f: torch.empty(b["shape"], dtype=DTYPES[b["dtype"]], device=device)
+        expert = is_expert_stack(name)
+        made = {f: torch.empty(b["shape"], dtype=DTYPES[b["dtype"]], device=experts_at if expert else device,
+                               pin_memory=pin and expert)
                 for f, b in record["buffers"].items()}
         buffers.update({f"{name}#{f}": t for f, t in made.items()})
         kind = record["kind"]
@@ -106,25 +114,28 @@ def save_prepared(weights: LoadedWeights, directory: Path, extra_meta: dict | No
 
 
 def load_prepared(directory: Path, device: torch.device | str = "cpu", workers: int = 8,
-                  verify: bool = True) -> tuple[LoadedWeights, ReadStats]:
+                  verify: bool = True, expert_device: torch.device | str | None = None
+                  ) -> tuple[LoadedWeights, ReadStats]:
     """Read a prepared snapshot into its final buffers: host memory directly, or GPU memory through one
-    pinned 64 MiB staging buffer per reader thread (the host never holds more than those)."""
+    pinned 64 MiB staging buffer per reader thread (the host never holds more than those). With
+    `expert_device` the routed experts go straight to their place there (see `allocate`)."""
     plan = read_plan(directory)
     if plan is None:
         raise FileNotFoundError(f"{directory}: no prepared snapshot")
     device = torch.device(device)
-    weights, buffers = allocate(plan.meta, device)
+    weights, buffers = allocate(plan.meta, device, expert_device)
     if device.type != "cuda":
         return weights, read_regions(directory, plan, {k: as_bytes(t) for k, t in buffers.items()}, workers, verify)
     flat = {key: t.view(torch.uint8).reshape(-1) for key, t in buffers.items()}
     staging = [torch.empty(PIECE_BYTES, dtype=torch.uint8, pin_memory=True) for _ in range(workers)]
     streams: dict[int, torch.cuda.Stream] = {}
 
-    def to_gpu(key: str, offset: int, piece: memoryview) -> None:
+    def to_buffer(key: str, offset: int, piece: memoryview) -> None:
+        """Into a GPU buffer through the stream, or a host (expert) buffer by a plain copy."""
         stream = streams.setdefault(threading.get_ident(), torch.cuda.Stream(device))
         with torch.cuda.stream(stream):
             flat[key][offset:offset + len(piece)].copy_(torch.frombuffer(piece, dtype=torch.uint8), non_blocking=True)
         stream.synchronize()  # the staging buffer is reused as soon as this returns
 
-    stats = read_regions(directory, plan, None, workers, verify, sink=to_gpu, staging=[as_bytes(t) for t in staging])
+    stats = read_regions(directory, plan, None, workers, verify, sink=to_buffer, staging=[as_bytes(t) for t in staging])
     return weights, stats

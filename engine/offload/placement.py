@@ -30,3 +30,9 @@ def plan_placement(layers: list[int], num_experts: int, expert_nbytes: int, budg
     """layer -> the experts resident on the device (slot i holds the i-th), under the byte budget."""
     slots = slots_per_layer(budget_bytes, expert_nbytes, len(layers), num_experts)
     return {layer: hottest(None if counts is None else counts.get(layer), num_experts, slots) for layer in layers}
+
+
+def expert_load_device(device: torch.device, budget_bytes: int | None) -> torch.device | None:
+    """Where the loader should put routed experts: host RAM when a GPU serves with an expert budget
+    (the placement then copies the resident ones to the GPU), else with everything else (None)."""
+    return torch.device("cpu") if budget_bytes is not None and device.type == "cuda" else None

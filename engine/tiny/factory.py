@@ -188,8 +188,9 @@ def encode(spec: TensorSpec, value: torch.Tensor, fmt: str, cfg: ModelConfig) ->
 
 
 def synthetic_weights(cfg: ModelConfig, fmt: str, device: torch.device | str, dtype: torch.dtype,
-                      seed: int = 0) -> LoadedWeights:
-    """Random weights in a release format, built directly on `device` (no files): for benchmarks at full width."""
+                      seed: int = 0, expert_device: torch.device | str | None = None) -> LoadedWeights:
+    """Random weights in a release format, built directly on `device` (no files): for benchmarks at full
+    width. Routed experts are generated there too and then stacked on `expert_device` when given."""
     generator = torch.Generator(device).manual_seed(seed)
 
     def groups():
@@ -197,7 +198,7 @@ def synthetic_weights(cfg: ModelConfig, fmt: str, device: torch.device | str, dt
             entries = encode(spec, value, fmt, cfg)
             yield spec, {_suffix(spec, key): t for key, t in entries.items() if not key.endswith("input_scale")}
 
-    return assemble(cfg, groups(), device, dtype)
+    return assemble(cfg, groups(), device, dtype, expert_device)
 
 
 def _suffix(spec: TensorSpec, key: str) -> str:

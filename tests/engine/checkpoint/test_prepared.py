@@ -74,3 +74,23 @@ def test_staged_reads_hand_every_piece_to_the_sink(tiny_dir, tmp_path, monkeypat
     read_regions(tmp_path, plan, None, workers=3, sink=sink, staging=buffers)
     for key, tensor in direct.items():
         assert torch.equal(flat[key], tensor.view(torch.uint8).reshape(-1)), key
+
+
+
+def test_experts_can_be_placed_apart_from_the_rest(tiny_dir, tmp_path):
+    """Under an expert budget both loaders put routed experts in host RAM and the rest on the GPU; the
+    meta device stands in for the GPU here (it holds no data, but is a device of its own)."""
+    from engine.checkpoint.layout import is_expert_stack
+    from engine.checkpoint.prepared import allocate
+
+    snapshot = tiny_dir("nvfp4-ct")
+    cfg = ModelConfig.from_dir(snapshot)
+    weights = load_weights(snapshot, cfg, "meta", torch.bfloat16, expert_device="cpu")
+    save_prepared(load_weights(snapshot, cfg, "cpu", torch.bfloat16), tmp_path)
+    allocated, _ = allocate(read_plan(tmp_path).meta, "meta", expert_device="cpu")
+    for loaded in (weights, allocated):
+        experts = {n for n in loaded if is_expert_stack(n)}
+        assert len(experts) == 3 * len(cfg.moe_layers)
+        for name, weight in loaded.items():
+            want = "cpu" if name in experts else "meta"
+            assert {t.device.type for t in buffers(weight)} == {want}, name
