@@ -15,13 +15,13 @@ from pathlib import Path
 import torch
 
 from engine.cache import PagedLatents, RequestSlots
-from engine.checkpoint.loader import LoadedWeights, load_weights
+from engine.checkpoint.loader import LoadedWeights, checkpoint_bytes, load_weights
 from engine.kernels.dispatch import fast_kernels_enabled
 from engine.kernels.kda.fla_prefill import warm_up_kda_prefill
 from engine.config import ModelConfig
 from engine.experts import executor_class
 from engine.experts.hybrid import HybridExperts, OffloadStats
-from engine.offload.placement import expert_load_device
+from engine.offload.placement import AUTO, auto_budget, expert_load_device, resolve_budget
 from engine.model.glm5_next import Glm5NextModel
 from engine.model_runner import ModelRunner
 from engine.sampler import TokenLogprobs, sample_batch
@@ -62,7 +62,9 @@ class EngineOptions:
     max_waiting: int = 256
     page_size: int = 64
     cuda_graphs: bool = True  # capture decode steps at load (CUDA with the Triton kernels only)
-    moe_vram_budget: int | None = None  # bytes of device memory for routed experts; None: all resident
+    # Bytes of device memory for routed experts, the rest in host RAM; "auto": what is free once the
+    # caches are allocated; None: every expert resident.
+    moe_vram_budget: int | str | None = None
     max_expert_swaps: int = 4  # host experts moved into device slots between two steps, at most
     cpu_expert_threads: int | None = None  # threads of the CPU expert executor; None: torch's thread count
 
@@ -76,12 +78,14 @@ def graph_sizes(max_num_seqs: int) -> tuple[int, ...]:
 class EngineCore:
     def __init__(self, config: ModelConfig, weights: LoadedWeights, options: EngineOptions = EngineOptions()) -> None:
         self.config, self.options = config, options
-        self.offload = self._hybrid_experts(config, weights, options)
-        self.model = Glm5NextModel(config, weights, self.offload)
-        dev, dtype = self.model.device, self.model.dtype
+        embed = weights["embed_tokens.weight"]
+        dev, dtype = embed.device, embed.dtype
+        # Caches first: an automatic expert budget is the device memory they leave.
         self.slots = RequestSlots(config, options.max_num_seqs, dev, dtype)
         pages = options.max_num_seqs * -(-options.max_model_len // options.page_size)
         self.cache = PagedLatents(config, pages, options.page_size, dev, dtype)
+        self.offload = self._hybrid_experts(config, weights, options)
+        self.model = Glm5NextModel(config, weights, self.offload)
         limits = SchedulerLimits(options.max_model_len, max(options.max_num_batched_tokens, options.max_num_seqs),
                                  options.max_waiting)
         self.scheduler = Scheduler(self.slots, self.cache, limits)
@@ -109,9 +113,11 @@ class EngineCore:
         if options.moe_vram_budget is None or not config.moe_layers:
             return None
         device = weights["norm.weight"].device
-        hybrid = HybridExperts.from_weights(weights, config.moe_layers, config.swiglu_limit, device,
-                                            options.moe_vram_budget, executor_class(device),
-                                            options.cpu_expert_threads)
+        budget = options.moe_vram_budget
+        if budget == AUTO:
+            budget = auto_budget(*torch.cuda.mem_get_info(device)) if device.type == "cuda" else 0
+        hybrid = HybridExperts.from_weights(weights, config.moe_layers, config.swiglu_limit, device, budget,
+                                            executor_class(device), options.cpu_expert_threads)
         slots = len(hybrid.resident[config.moe_layers[0]])
         gib_per_slot = hybrid.expert_bytes * len(config.moe_layers) / 2 ** 30  # one expert in every MoE layer
         log.info("event=expert_placement device_slots_per_layer=%d of=%d device_gib=%.2f host_gib=%.2f",
@@ -125,9 +131,9 @@ class EngineCore:
             raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
         config = ModelConfig.from_dir(model)
         device = torch.device(device)
-        weights = load_weights(model, config, device, DTYPES[dtype],
-                               expert_load_device(device, options.moe_vram_budget))
-        return cls(config, weights, options)
+        budget = resolve_budget(options.moe_vram_budget, device, checkpoint_bytes(Path(model)))
+        weights = load_weights(model, config, device, DTYPES[dtype], expert_load_device(device, budget))
+        return cls(config, weights, dataclasses.replace(options, moe_vram_budget=budget))
 
     def add(self, seq: Sequence) -> None:
         if seq.request_id in self._by_id:

@@ -49,7 +49,8 @@ class Settings(BaseSettings):
                                         description="Tokens per forward step (decodes + prefill chunks)")
     moe_vram_budget_gib: float | None = Field(None, ge=0, validation_alias=_env("MOE_VRAM_BUDGET_GIB"),
                                               description="GPU memory for routed experts, in GiB; the rest stay in "
-                                                          "host RAM and run on the CPU (unset: every expert on the GPU)")
+                                                          "host RAM and run on the CPU (unset: every expert on the GPU "
+                                                          "when the model fits, else whatever memory the caches leave)")
     cpu_expert_threads: int | None = Field(None, ge=1, validation_alias=_env("CPU_EXPERT_THREADS"),
                                            description="CPU threads computing the routed experts kept in host RAM "
                                                        "(default: torch's thread count)")

@@ -17,11 +17,11 @@ from pathlib import Path
 
 import torch
 
-from engine.checkpoint.loader import LoadedWeights, load_weights
+from engine.checkpoint.loader import LoadedWeights, checkpoint_bytes, load_weights
 from engine.checkpoint.prepared import FORMAT_VERSION, engine_version, load_prepared, save_prepared
 from engine.config import ModelConfig
 from engine.engine_core import DTYPES
-from engine.offload.placement import expert_load_device
+from engine.offload.placement import expert_load_device, resolve_budget
 from engine.tiny.factory import write_tiny_model
 from provision.cache import check_snapshot
 from provision.download import DownloadProgress, download_snapshot
@@ -41,6 +41,7 @@ class LoadedModel:
     weights: LoadedWeights
     files: Path  # config, tokenizer and chat template live here
     name: str
+    moe_vram_budget: int | str | None = None  # as resolved for this device and model (engine_core.EngineOptions)
 
 
 def model_spec(settings: Settings) -> tuple[str, str]:
@@ -58,7 +59,6 @@ def model_spec(settings: Settings) -> tuple[str, str]:
 def provision_and_load(settings: Settings, clock: StageClock) -> LoadedModel:
     spec, name = model_spec(settings)
     device, dtype = torch.device(settings.resolved_device()), settings.resolved_dtype()
-    experts_at = expert_load_device(device, settings.moe_vram_budget_bytes)  # host RAM under an expert budget
     home = settings.cache_dir / "models" / _slug(spec, settings.model_revision)
     snapshot, prepared = home / "snapshot", home / "prepared"
     wanted = {"spec": spec, "revision": settings.model_revision, "dtype": dtype}
@@ -67,9 +67,11 @@ def provision_and_load(settings: Settings, clock: StageClock) -> LoadedModel:
         clock.stage("fast_resume")
         clock.stage("load", path=str(prepared))
         try:
-            weights, stats = load_prepared(prepared, device, settings.download_workers, expert_device=experts_at)
+            budget = resolve_budget(settings.moe_vram_budget_bytes, device, sum(read_plan(prepared).files.values()))
+            weights, stats = load_prepared(prepared, device, settings.download_workers,
+                                           expert_device=expert_load_device(device, budget))
             clock.progress(read_gb_s=round(stats.gb_per_s, 3), bytes=stats.bytes)
-            return LoadedModel(ModelConfig.from_dir(snapshot), weights, snapshot, name)
+            return LoadedModel(ModelConfig.from_dir(snapshot), weights, snapshot, name, budget)
         except ProvisionError as exc:
             clock.stage("repair", reason=_quote(str(exc)))
             shutil.rmtree(prepared, ignore_errors=True)
@@ -84,10 +86,11 @@ def provision_and_load(settings: Settings, clock: StageClock) -> LoadedModel:
         raise ProvisionError(f"{snapshot}: snapshot still {status.state} after download: {status.problems[:3]}")
     clock.stage("prepare", path=str(prepared))
     config = ModelConfig.from_dir(snapshot)
-    weights = load_weights(snapshot, config, device, DTYPES[dtype], experts_at)
+    budget = resolve_budget(settings.moe_vram_budget_bytes, device, checkpoint_bytes(snapshot))
+    weights = load_weights(snapshot, config, device, DTYPES[dtype], expert_load_device(device, budget))
     save_prepared(weights, prepared, {"source": wanted})
     clock.stage("load", path="in-memory (converted)")
-    return LoadedModel(config, weights, snapshot, name)
+    return LoadedModel(config, weights, snapshot, name, budget)
 
 
 def _resume_problems(snapshot: Path, prepared: Path, wanted: dict) -> list[str]:

@@ -37,7 +37,7 @@ def build_served_model(loaded: LoadedModel, settings: Settings) -> ServedModel:
     """An engine over loaded weights, with the tokenizer and chat template from the snapshot's files."""
     options = EngineOptions(max_num_seqs=settings.max_num_seqs, max_model_len=settings.max_model_len,
                             max_num_batched_tokens=settings.max_num_batched_tokens, max_waiting=settings.max_queue,
-                            moe_vram_budget=settings.moe_vram_budget_bytes,
+                            moe_vram_budget=loaded.moe_vram_budget,
                             cpu_expert_threads=settings.cpu_expert_threads)
     core = EngineCore(loaded.config, loaded.weights, options)
     files = loaded.files

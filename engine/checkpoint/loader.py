@@ -70,6 +70,11 @@ def shard_files(snapshot: Path) -> list[Path]:
     return [snapshot / n for n in names]
 
 
+def checkpoint_bytes(snapshot: Path) -> int:
+    """Bytes of the snapshot's weight shards: what loading it will need, near enough to decide placement."""
+    return sum(path.stat().st_size for path in shard_files(snapshot))
+
+
 def logical_name(key: str, num_layers: int) -> str | None:
     """The layout name for a checkpoint key, or None for tensors the text model does not use."""
     if SKIPPED.match(key):

@@ -32,7 +32,30 @@ def plan_placement(layers: list[int], num_experts: int, expert_nbytes: int, budg
     return {layer: hottest(None if counts is None else counts.get(layer), num_experts, slots) for layer in layers}
 
 
-def expert_load_device(device: torch.device, budget_bytes: int | None) -> torch.device | None:
+AUTO = "auto"  # a budget of whatever device memory is free once the caches are allocated
+RESERVE_FRACTION = 0.08  # of device memory kept for activations, workspace and allocator slack
+MIN_RESERVE = 2 << 30
+
+
+def reserve_bytes(total_bytes: int) -> int:
+    return max(MIN_RESERVE, int(total_bytes * RESERVE_FRACTION))
+
+
+def resolve_budget(requested: int | None, device: torch.device, weight_bytes: int) -> int | str | None:
+    """The expert budget to serve with: the one asked for; else, on a GPU the weights do not fit
+    (their bytes against free memory less the reserve), AUTO; else None (every weight resident)."""
+    if requested is not None or device.type != "cuda":
+        return requested
+    free, total = torch.cuda.mem_get_info(device)
+    return None if weight_bytes <= free - reserve_bytes(total) else AUTO
+
+
+def auto_budget(free_bytes: int, total_bytes: int) -> int:
+    """Device bytes for expert slots once everything else is allocated: what is free less the reserve."""
+    return max(0, free_bytes - reserve_bytes(total_bytes))
+
+
+def expert_load_device(device: torch.device, budget_bytes: int | str | None) -> torch.device | None:
     """Where the loader should put routed experts: host RAM when a GPU serves with an expert budget
     (the placement then copies the resident ones to the GPU), else with everything else (None)."""
     return torch.device("cpu") if budget_bytes is not None and device.type == "cuda" else None

@@ -8,7 +8,9 @@ import torch
 from engine.checkpoint.quant import FP8_BLOCK, quantize_fp8_block, quantize_nvfp4
 from engine.experts.hybrid import HybridExperts, expert_nbytes
 from engine.experts.torch_experts import TorchExperts
-from engine.offload.placement import hottest, plan_placement, slots_per_layer
+from engine.offload.placement import (
+    AUTO, auto_budget, expert_load_device, hottest, plan_placement, resolve_budget, slots_per_layer,
+)
 from engine.weights import DenseWeight, Fp8BlockWeight, Nvfp4Weight
 
 E, D, I, LIMIT = 12, 128, 64, 7.0
@@ -120,3 +122,15 @@ def test_tiny_model_with_experts_on_the_host_gives_the_same_tokens(tiny_dir, pro
     stats = hybrid.core.stats().offload
     assert stats.host_pairs > 0 and stats.device_pairs > 0 and stats.swaps > 0
     assert hybrid_probe.core.stats().offload.device_pairs == 0
+
+
+def test_budget_resolution():
+    cpu = torch.device("cpu")
+    assert resolve_budget(None, cpu, 10 ** 12) is None  # the CPU serves from its own memory
+    assert resolve_budget(123, cpu, 10 ** 12) == 123  # what was asked for stands
+    assert expert_load_device(torch.device("cuda"), AUTO) == cpu
+    assert expert_load_device(torch.device("cuda"), None) is None and expert_load_device(cpu, 5) is None
+    gib = 2 ** 30
+    assert auto_budget(50 * gib, 100 * gib) == 42 * gib  # 8% of the device kept back
+    assert auto_budget(3 * gib, 10 * gib) == 1 * gib  # at least 2 GiB kept back
+    assert auto_budget(1 * gib, 10 * gib) == 0

@@ -52,3 +52,12 @@ def test_release_shape_hybrid_matches_the_reference(tokens):
     err = ((got.double() - want.double()).norm() / want.double().norm()).item()
     assert err < 1e-2, err  # bf16 activations against fp32
     assert hybrid.stats.host_pairs > 0 and hybrid.stats.device_pairs >= tokens
+
+
+def test_auto_budget_takes_the_memory_the_caches_leave(tmp_path):
+    """On an H200 the tiny model's experts all fit the automatic budget: every one gets a slot."""
+    snapshot = write_tiny_model(tmp_path / "auto", "nvfp4-ct")
+    llm = LLM(snapshot, "cuda", "float32", max_model_len=256, moe_vram_budget="auto")
+    assert {len(r) for r in llm.core.offload.resident.values()} == {llm.config.n_routed_experts}
+    out = llm.generate([random_prompt(12, seed=1)], SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))
+    assert len(out[0].token_ids) == 8 and llm.core.stats().offload.host_pairs == 0
