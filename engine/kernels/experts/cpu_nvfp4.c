@@ -3,8 +3,8 @@
  * y[r, n] = sum_k x[r, k] * e2m1(code[n, k]) * fp8(scale[n, k / 16]) * global[n]
  *
  * Decode-sized batches read each weight byte once and never expand the matrix: per output row the
- * packed codes stream through, two 4-bit codes per byte are looked up in registers (AVX2: an 8-entry
- * permute gives the magnitude, bit 3 the sign), and every row of x reuses the looked-up values.
+ * packed codes stream through, their 4-bit codes are looked up in registers (AVX2: a byte shuffle over
+ * a 16-entry table of exact int8 values), and every row of x reuses the looked-up values.
  * x is split into its even and odd columns first, so the low nibbles of 8 bytes meet 8 contiguous
  * even columns and the high nibbles 8 odd ones. Output rows are shared among `threads` OpenMP
  * threads (the caller sizes the pool; it is not torch's intra-op pool).
@@ -41,12 +41,6 @@ static void row_scalar(const float *xe, const float *xo, int64_t rows, int64_t h
     }
 }
 
-__attribute__((target("avx2,fma"))) static inline __m256 lookup(__m256i codes, __m256 magnitudes) {
-    __m256 mag = _mm256_permutevar8x32_ps(magnitudes, codes); /* uses the low 3 bits */
-    __m256i sign = _mm256_slli_epi32(_mm256_and_si256(codes, _mm256_set1_epi32(8)), 28);
-    return _mm256_xor_ps(mag, _mm256_castsi256_ps(sign));
-}
-
 __attribute__((target("avx2,fma"))) static inline float hsum(__m256 v) {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
     s = _mm_add_ps(s, _mm_movehl_ps(s, s));
@@ -54,42 +48,43 @@ __attribute__((target("avx2,fma"))) static inline float hsum(__m256 v) {
     return _mm_cvtss_f32(s);
 }
 
-/* The same row with AVX2: one group (8 bytes, 16 codes) per step, its values scaled once and reused
- * by every row of x. Even and odd columns, and alternate groups, go to four separate accumulators
- * per row, so the adds of one group never wait on the previous group's. */
+/* Twice the E2M1 values as int8, by code: one byte shuffle looks up 16 codes at once, exactly. */
+static const int8_t E2M1_X2[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
+
+__attribute__((target("avx2,fma"))) static inline __m256 widen(__m128i v) {
+    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v)); /* the low 8 int8 lanes as 8 floats */
+}
+
+/* The same row with AVX2, two groups (16 bytes, 32 codes) per step: a byte shuffle turns the low and
+ * the high nibbles into int8 weights (x2), widened 8 at a time and reused by every row of x. Each
+ * group's sum is scaled once; four accumulators per row keep the adds of one group off the next. */
 __attribute__((target("avx2,fma"))) static void row_avx2(const float *xe, const float *xo, int64_t rows,
                                                         int64_t half_k, const uint8_t *codes,
                                                         const uint8_t *scales, const float *fp8_table,
                                                         float global, float *out, int64_t out_stride) {
-    const __m256 magnitudes = _mm256_loadu_ps(E2M1);
-    const __m256i low = _mm256_set1_epi32(15);
-    __m256 acc[MAX_ROWS][4];
-    for (int64_t r = 0; r < rows; r++)
-        for (int a = 0; a < 4; a++) acc[r][a] = _mm256_setzero_ps();
+    const __m128i table = _mm_loadu_si128((const __m128i *)E2M1_X2), nibble = _mm_set1_epi8(15);
     const int64_t groups = half_k / 8;
+    __m256 acc[MAX_ROWS][2];
+    for (int64_t r = 0; r < rows; r++) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
     for (int64_t g = 0; g < groups; g += 2) {
         const int pair = g + 1 < groups; /* a last odd group runs alone */
-        __m256 w[4];
-        for (int j = 0; j <= pair; j++) {
-            __m256i b = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(codes + (g + j) * 8)));
-            __m256 scale = _mm256_set1_ps(fp8_table[scales[g + j]]);
-            w[2 * j] = _mm256_mul_ps(lookup(_mm256_and_si256(b, low), magnitudes), scale);
-            w[2 * j + 1] = _mm256_mul_ps(lookup(_mm256_srli_epi32(b, 4), magnitudes), scale);
-        }
+        __m128i bytes = pair ? _mm_loadu_si128((const __m128i *)(codes + g * 8))
+                             : _mm_loadl_epi64((const __m128i *)(codes + g * 8));
+        __m128i even = _mm_shuffle_epi8(table, _mm_and_si128(bytes, nibble));
+        __m128i odd = _mm_shuffle_epi8(table, _mm_and_si128(_mm_srli_epi16(bytes, 4), nibble));
+        __m256 w[4] = {widen(even), widen(odd), widen(_mm_srli_si128(even, 8)), widen(_mm_srli_si128(odd, 8))};
+        __m256 scale[2] = {_mm256_set1_ps(0.5f * fp8_table[scales[g]]),
+                           _mm256_set1_ps(pair ? 0.5f * fp8_table[scales[g + 1]] : 0.0f)};
         for (int64_t r = 0; r < rows; r++) {
             const float *e = xe + r * half_k + g * 8, *o = xo + r * half_k + g * 8;
-            acc[r][0] = _mm256_fmadd_ps(w[0], _mm256_loadu_ps(e), acc[r][0]);
-            acc[r][1] = _mm256_fmadd_ps(w[1], _mm256_loadu_ps(o), acc[r][1]);
-            if (pair) {
-                acc[r][2] = _mm256_fmadd_ps(w[2], _mm256_loadu_ps(e + 8), acc[r][2]);
-                acc[r][3] = _mm256_fmadd_ps(w[3], _mm256_loadu_ps(o + 8), acc[r][3]);
+            for (int j = 0; j <= pair; j++) {
+                __m256 part = _mm256_mul_ps(w[2 * j], _mm256_loadu_ps(e + 8 * j));
+                part = _mm256_fmadd_ps(w[2 * j + 1], _mm256_loadu_ps(o + 8 * j), part);
+                acc[r][j] = _mm256_fmadd_ps(part, scale[j], acc[r][j]);
             }
         }
     }
-    for (int64_t r = 0; r < rows; r++) {
-        __m256 sum = _mm256_add_ps(_mm256_add_ps(acc[r][0], acc[r][1]), _mm256_add_ps(acc[r][2], acc[r][3]));
-        out[r * out_stride] = hsum(sum) * global;
-    }
+    for (int64_t r = 0; r < rows; r++) out[r * out_stride] = hsum(_mm256_add_ps(acc[r][0], acc[r][1])) * global;
 }
 
 /* x [rows, k] fp32; codes [n, k/2]; scales [n, k/16] (fp8 bytes); global [n] with stride 0 or 1;
