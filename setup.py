@@ -7,5 +7,5 @@ executor runs its torch path instead (engine/kernels/experts/cpu_gemv.py says wh
 from setuptools import Extension, setup
 
 setup(ext_modules=[Extension(
-    "engine.kernels.experts._cpu_nvfp4", ["engine/kernels/experts/cpu_nvfp4.c"],
+    "engine.kernels.experts._cpu_gemv", ["engine/kernels/experts/cpu_gemv.c"],
     extra_compile_args=["-O3", "-fopenmp", "-std=c11"], extra_link_args=["-fopenmp"], optional=True)])

@@ -1,4 +1,4 @@
-"""The compiled CPU NVFP4 GEMV (cpu_nvfp4.c) behind a torch-shaped call, and whether it is built.
+"""The compiled CPU NVFP4 GEMV (cpu_gemv.c) behind a torch-shaped call, and whether it is built.
 
 `pip install -e .` compiles it where a C compiler exists; elsewhere `available()` is False and the
 CPU expert executor keeps its torch path. GLMFLASH_CPU_KERNELS=torch forces that path,
@@ -14,9 +14,9 @@ import os
 
 import torch
 
-from engine.weights import Nvfp4Weight
+from engine.weights import Fp8BlockWeight, Nvfp4Weight
 
-_MODULE = "engine.kernels.experts._cpu_nvfp4"
+_MODULE = "engine.kernels.experts._cpu_gemv"
 _P = ctypes.c_void_p
 _I = ctypes.c_int64
 
@@ -29,6 +29,8 @@ def _library() -> ctypes.CDLL | None:
     lib = ctypes.CDLL(spec.origin)
     lib.nvfp4_gemv.argtypes = [_P, _I, _I, _P, _P, _P, _I, _I, _P, _P, ctypes.c_int, ctypes.c_int]
     lib.nvfp4_gemv.restype = ctypes.c_int
+    lib.fp8_block_gemv.argtypes = [_P, _I, _I, _P, _P, _I, _I, _I, _P, _P, ctypes.c_int, ctypes.c_int]
+    lib.fp8_block_gemv.restype = ctypes.c_int
     return lib
 
 
@@ -43,23 +45,44 @@ def _fp8_table() -> torch.Tensor:
     return torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).float()
 
 
+def _simd() -> int:
+    return int(os.environ.get("GLMFLASH_CPU_KERNELS", "auto") != "portable")
+
+
+def _rows(x: torch.Tensor, k: int, weight_shape: tuple[int, ...], what: str) -> torch.Tensor:
+    xf = x.float().contiguous()
+    if xf.dim() != 2 or xf.shape[1] != k:
+        raise ValueError(f"{what}: x {tuple(x.shape)} against weight {weight_shape}")
+    return xf
+
+
 def nvfp4_gemv(x: torch.Tensor, weight: Nvfp4Weight, threads: int) -> torch.Tensor:
     """x [R, K] on the CPU @ dequantize(weight [N, K])^T -> fp32 [R, N], without expanding the weight."""
     lib = _library()
-    assert lib is not None, "the CPU kernel is not built: check available() first"
-    xf = x.float().contiguous()
-    rows, k = xf.shape
-    n = weight.shape[0]
+    assert lib is not None, "the CPU kernels are not built: check available() first"
+    n, k = weight.shape
+    xf = _rows(x, k, weight.shape, "nvfp4_gemv")
     codes, scales = weight.packed.contiguous(), weight.scale.contiguous().view(torch.uint8)
     glob = weight.global_scale.float().contiguous()
-    if k != weight.shape[1] or glob.numel() not in (1, n):
-        raise ValueError(f"nvfp4_gemv: x {tuple(xf.shape)} against weight {weight.shape} "
-                         f"with global scale of {glob.numel()} values")
-    table = _fp8_table()
-    y = torch.empty(rows, n, dtype=torch.float32)
-    simd = int(os.environ.get("GLMFLASH_CPU_KERNELS", "auto") != "portable")
-    status = lib.nvfp4_gemv(xf.data_ptr(), rows, k, codes.data_ptr(), scales.data_ptr(), glob.data_ptr(),
-                            0 if glob.numel() == 1 else 1, n, table.data_ptr(), y.data_ptr(), threads, simd)
+    if glob.numel() not in (1, n):
+        raise ValueError(f"nvfp4_gemv: weight {weight.shape} with a global scale of {glob.numel()} values")
+    y = torch.empty(xf.shape[0], n, dtype=torch.float32)
+    status = lib.nvfp4_gemv(xf.data_ptr(), xf.shape[0], k, codes.data_ptr(), scales.data_ptr(), glob.data_ptr(),
+                            0 if glob.numel() == 1 else 1, n, _fp8_table().data_ptr(), y.data_ptr(), threads, _simd())
     if status:
         raise ValueError(f"nvfp4_gemv: K = {k} is not a multiple of 16")
+    return y
+
+
+def fp8_block_gemv(x: torch.Tensor, weight: Fp8BlockWeight, threads: int) -> torch.Tensor:
+    """x [R, K] on the CPU @ dequantize(weight [N, K])^T -> fp32 [R, N], without expanding the weight."""
+    lib = _library()
+    assert lib is not None, "the CPU kernels are not built: check available() first"
+    n, k = weight.shape
+    xf = _rows(x, k, weight.shape, "fp8_block_gemv")
+    data, scale_inv = weight.data.contiguous().view(torch.uint8), weight.scale_inv.float().contiguous()
+    y = torch.empty(xf.shape[0], n, dtype=torch.float32)
+    bn, bk = weight.block
+    lib.fp8_block_gemv(xf.data_ptr(), xf.shape[0], k, data.data_ptr(), scale_inv.data_ptr(), bn, bk, n,
+                       _fp8_table().data_ptr(), y.data_ptr(), threads, _simd())
     return y

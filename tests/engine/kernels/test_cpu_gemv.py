@@ -1,4 +1,4 @@
-"""The compiled CPU NVFP4 GEMV against float64 on the dequantized weight, SIMD and portable alike.
+"""The compiled CPU GEMVs (NVFP4, FP8 block) against float64 on the dequantized weight, SIMD and portable alike.
 
 `pip install -e .` builds the kernel; a machine where it is not built fails here rather than
 silently testing only the torch fallback.
@@ -9,11 +9,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.checkpoint.quant import quantize_nvfp4
+from engine.checkpoint.quant import quantize_fp8_block, quantize_nvfp4
 from engine.experts.cpu_experts import CpuExperts
 from engine.experts.torch_experts import TorchExperts
 from engine.kernels.experts import cpu_gemv
-from engine.weights import Nvfp4Weight
+from engine.weights import Fp8BlockWeight, Nvfp4Weight
 
 
 def random_nvfp4(n: int, k: int, seed: int, per_row_global: bool = False) -> Nvfp4Weight:
@@ -24,8 +24,30 @@ def random_nvfp4(n: int, k: int, seed: int, per_row_global: bool = False) -> Nvf
     return Nvfp4Weight(packed, scale, glob)
 
 
+def random_fp8(n: int, k: int, seed: int) -> Fp8BlockWeight:
+    """Every finite e4m3 byte (subnormals included; 0x7F and 0xFF are NaN and never stored)."""
+    g = torch.Generator().manual_seed(seed)
+    data = torch.randint(0, 256, (n, k), dtype=torch.uint8, generator=g)
+    data[(data & 0x7F) == 0x7F] = 0x01
+    blocks = (-(-n // 128), -(-k // 128))
+    return Fp8BlockWeight(data.view(torch.float8_e4m3fn), torch.rand(blocks, generator=g) / 64 + 1e-3)
+
+
 def test_kernel_is_built():
-    assert cpu_gemv.available(), "engine/kernels/experts/_cpu_nvfp4 was not built by `pip install -e .`"
+    assert cpu_gemv.available(), "engine/kernels/experts/_cpu_gemv was not built by `pip install -e .`"
+
+
+@pytest.mark.parametrize("mode", ["auto", "portable"])
+@pytest.mark.parametrize("rows,n,k", [(1, 130, 256), (3, 40, 200), (11, 17, 96), (2, 5, 100)])
+def test_fp8_gemv_matches_float64(monkeypatch, mode, rows, n, k):
+    """Ragged blocks in both directions (n = 130, k = 200), K not a multiple of 16 (portable path)."""
+    monkeypatch.setenv("GLMFLASH_CPU_KERNELS", mode)
+    weight = random_fp8(n, k, seed=rows + k)
+    x = torch.randn(rows, k, generator=torch.Generator().manual_seed(n))
+    want = x.double() @ weight.dequantize(torch.float64).t()
+    got = cpu_gemv.fp8_block_gemv(x, weight, threads=2)
+    assert got.dtype == torch.float32 and got.shape == (rows, n)
+    assert ((got.double() - want).norm() / want.norm()).item() < 1e-6
 
 
 @pytest.mark.parametrize("mode", ["auto", "portable"])
@@ -46,12 +68,17 @@ def test_gemv_names_a_shape_mismatch():
         cpu_gemv.nvfp4_gemv(torch.randn(1, 64), random_nvfp4(8, 128, 0), threads=1)
 
 
-def test_cpu_experts_equal_the_reference_on_quantized_experts():
+@pytest.mark.parametrize("fmt", ["nvfp4", "fp8"])
+def test_cpu_experts_equal_the_reference_on_quantized_experts(fmt):
     e, d, i = 6, 128, 64
     g = torch.Generator().manual_seed(3)
 
-    def stack(n: int, k: int) -> Nvfp4Weight:
-        parts = [quantize_nvfp4(torch.randn(n, k, generator=g) / k ** 0.5) for _ in range(e)]
+    def stack(n: int, k: int):
+        weights = [torch.randn(n, k, generator=g) / k ** 0.5 for _ in range(e)]
+        if fmt == "fp8":
+            parts = [quantize_fp8_block(w) for w in weights]
+            return Fp8BlockWeight(torch.stack([p[0] for p in parts]), torch.stack([p[1] for p in parts]))
+        parts = [quantize_nvfp4(w) for w in weights]
         return Nvfp4Weight(*(torch.stack([p[j] for p in parts]) for j in range(3)))
 
     stacks = {0: (stack(i, d), stack(i, d), stack(d, i))}

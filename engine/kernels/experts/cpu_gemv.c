@@ -1,6 +1,7 @@
-/* NVFP4 matrix-vector products on the CPU, for routed experts kept in host RAM.
+/* Matrix-vector products on the CPU for routed experts kept in host RAM, NVFP4 and FP8 block.
  *
- * y[r, n] = sum_k x[r, k] * e2m1(code[n, k]) * fp8(scale[n, k / 16]) * global[n]
+ * NVFP4:     y[r, n] = sum_k x[r, k] * e2m1(code[n, k]) * fp8(scale[n, k / 16]) * global[n]
+ * FP8 block: y[r, n] = sum_k x[r, k] * e4m3(w[n, k]) * scale_inv[n / bn, k / bk]
  *
  * Decode-sized batches read each weight byte once and never expand the matrix: per output row the
  * packed codes stream through, their 4-bit codes are looked up in registers (AVX2: a byte shuffle over
@@ -117,5 +118,76 @@ int nvfp4_gemv(const float *x, int64_t rows, int64_t k, const uint8_t *codes, co
         }
     }
     free(split);
+    return 0;
+}
+
+/* FP8 block: one output row, portable. */
+static void fp8_row_scalar(const float *x, int64_t rows, int64_t k, const uint8_t *w, const float *block_scales,
+                           int64_t bk, const float *fp8_table, float *out, int64_t out_stride) {
+    for (int64_t r = 0; r < rows; r++) {
+        float acc = 0.0f;
+        for (int64_t k0 = 0; k0 < k; k0 += bk) {
+            float part = 0.0f;
+            for (int64_t j = k0; j < k0 + bk && j < k; j++) part += fp8_table[w[j]] * x[r * k + j];
+            acc += part * block_scales[k0 / bk];
+        }
+        out[r * out_stride] = acc;
+    }
+}
+
+/* 8 e4m3 bytes -> 8 floats / 256: the bits move into fp16 position (exact for normals and subnormals
+ * alike), F16C widens them; the 256 is folded into the block scale. */
+__attribute__((target("avx2,fma,f16c"))) static inline __m256 e4m3_scaled(const uint8_t *p) {
+    __m128i v = _mm_cvtepu8_epi16(_mm_loadl_epi64((const __m128i *)p));
+    __m128i sign = _mm_slli_epi16(_mm_and_si128(v, _mm_set1_epi16(0x80)), 8);
+    __m128i rest = _mm_slli_epi16(_mm_and_si128(v, _mm_set1_epi16(0x7F)), 7);
+    return _mm256_cvtph_ps(_mm_or_si128(sign, rest));
+}
+
+/* FP8 block, AVX2: 16 columns per step into two accumulators per row, each 128-column block's sum
+ * scaled once. Needs k and bk multiples of 16. */
+__attribute__((target("avx2,fma,f16c"))) static void fp8_row_avx2(const float *x, int64_t rows, int64_t k,
+                                                                 const uint8_t *w, const float *block_scales,
+                                                                 int64_t bk, float *out, int64_t out_stride) {
+    __m256 acc[MAX_ROWS];
+    for (int64_t r = 0; r < rows; r++) acc[r] = _mm256_setzero_ps();
+    for (int64_t k0 = 0; k0 < k; k0 += bk) {
+        __m256 part[MAX_ROWS][2];
+        for (int64_t r = 0; r < rows; r++) part[r][0] = part[r][1] = _mm256_setzero_ps();
+        const int64_t end = k0 + bk < k ? k0 + bk : k;
+        for (int64_t j = k0; j < end; j += 16) {
+            __m256 w0 = e4m3_scaled(w + j), w1 = e4m3_scaled(w + j + 8);
+            for (int64_t r = 0; r < rows; r++) {
+                part[r][0] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(x + r * k + j), part[r][0]);
+                part[r][1] = _mm256_fmadd_ps(w1, _mm256_loadu_ps(x + r * k + j + 8), part[r][1]);
+            }
+        }
+        __m256 scale = _mm256_set1_ps(256.0f * block_scales[k0 / bk]);
+        for (int64_t r = 0; r < rows; r++)
+            acc[r] = _mm256_fmadd_ps(_mm256_add_ps(part[r][0], part[r][1]), scale, acc[r]);
+    }
+    for (int64_t r = 0; r < rows; r++) out[r * out_stride] = hsum(acc[r]);
+}
+
+/* x [rows, k] fp32; w [n, k] e4m3 bytes; scale_inv [ceil(n / bn), ceil(k / bk)] fp32; y [rows, n] fp32.
+ * simd: 1 = AVX2/F16C where the CPU has them and the shapes allow, 0 = portable. Returns 0, or -1. */
+int fp8_block_gemv(const float *x, int64_t rows, int64_t k, const uint8_t *w, const float *scale_inv, int64_t bn,
+                   int64_t bk, int64_t n, const float *fp8_table, float *y, int threads, int simd) {
+    if (rows < 0 || n < 0 || bn <= 0 || bk <= 0) return -1;
+    const int64_t kb = (k + bk - 1) / bk;
+    const int avx2 = simd && k % 16 == 0 && bk % 16 == 0 && __builtin_cpu_supports("avx2") &&
+                     __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t row = 0; row < n; row++) {
+        const uint8_t *wr = w + row * k;
+        const float *sr = scale_inv + (row / bn) * kb;
+        for (int64_t r0 = 0; r0 < rows; r0 += MAX_ROWS) {
+            int64_t count = rows - r0 < MAX_ROWS ? rows - r0 : MAX_ROWS;
+            if (avx2)
+                fp8_row_avx2(x + r0 * k, count, k, wr, sr, bk, y + r0 * n + row, n);
+            else
+                fp8_row_scalar(x + r0 * k, count, k, wr, sr, bk, fp8_table, y + r0 * n + row, n);
+        }
+    }
     return 0;
 }
