@@ -36,6 +36,9 @@ class Metrics:
                                 "Routed (token, expert) pairs served from device slots, of all pairs", registry=r)
         self.expert_host_pairs = Gauge("glmflash_expert_host_pairs", "Routed pairs computed on the CPU since start",
                                        registry=r)
+        self.expert_fetched_bytes = Gauge("glmflash_expert_fetched_bytes",
+                                          "Expert bytes copied from host RAM to the GPU for large batches since start",
+                                          registry=r)
         self.expert_swaps = Gauge("glmflash_expert_swaps", "Experts moved from host RAM into device slots since start",
                                   registry=r)
         self.expert_host_gbps = Gauge("glmflash_expert_host_gbps", "Expert bytes the CPU executor read per second",
@@ -55,6 +58,7 @@ class Metrics:
             self.expert_hit.set(offload.hit_rate)
             self.expert_host_pairs.set(offload.host_pairs)
             self.expert_swaps.set(offload.swaps)
+            self.expert_fetched_bytes.set(offload.fetched_bytes)
             self.expert_host_gbps.set(offload.host_bytes / offload.host_seconds / 1e9 if offload.host_seconds else 0.0)
 
     def render(self) -> bytes:

@@ -3,7 +3,8 @@
 Every MoE layer keeps a few experts in device slots (compact stacks the device executor runs) and all
 of them in a host bank (pinned when a GPU is present). A step's (token, expert) pairs that hit a slot
 run on the device, with misses weighted zero so the launch shape never depends on routing; the
-misses run on the CPU executor over the host bank at the same time, and their sum is added back.
+misses run on the CPU executor over the host bank at the same time, and their sum is added back;
+a batch with many misses (prefill) fetches those experts to the device instead (offload/fetch.py).
 Routing counts decide, between steps, which host experts move into which slots (a bounded number
 per step, so no step waits on many copies).
 """
@@ -18,10 +19,9 @@ import torch
 from engine.checkpoint.layout import EXPERT_PROJS, stacked_expert_name
 from engine.experts.cpu_experts import CpuExperts
 from engine.experts.torch_experts import TorchExperts
+from engine.offload.fetch import ExpertFetcher, Stacks, copy_expert
 from engine.offload.placement import hottest, plan_placement
-from engine.weights import Weight, map_tensors, tensor_fields
-
-Stacks = tuple[Weight, Weight, Weight]
+from engine.weights import map_tensors
 
 
 @dataclass
@@ -30,13 +30,16 @@ class OffloadStats:
 
     device_pairs: int = 0
     host_pairs: int = 0
+    fetched_pairs: int = 0  # misses of large batches, run on the device after a copy of their experts
+    fetched_bytes: int = 0
     swaps: int = 0
     host_seconds: float = 0.0
     host_bytes: int = 0  # expert bytes the CPU executor read
 
     @property
     def hit_rate(self) -> float:
-        total = self.device_pairs + self.host_pairs
+        """Pairs whose expert was already in a device slot, of all pairs."""
+        total = self.device_pairs + self.host_pairs + self.fetched_pairs
         return self.device_pairs / total if total else 1.0
 
 
@@ -48,7 +51,7 @@ def expert_nbytes(stacks: Stacks) -> int:
 class HybridExperts:
     def __init__(self, host: dict[int, Stacks], placement: dict[int, list[int]], device: torch.device,
                  swiglu_limit: float, device_executor=TorchExperts, count_decay: float = 0.99,
-                 host_threads: int | None = None) -> None:
+                 host_threads: int | None = None, fetch_min_pairs: int = 256, fetch_capacity: int = 16) -> None:
         self.host, self.device, self.decay = host, device, count_decay
         self.layers = sorted(host)
         self.num_experts = host[self.layers[0]][0].shape[0]
@@ -65,6 +68,10 @@ class HybridExperts:
         self.device_stacks = stacks  # layers with no slot are absent: every pair there runs on the host
         self.device_run = device_executor(stacks, swiglu_limit)
         self.host_run = CpuExperts(host, swiglu_limit, host_threads)
+        # Batches with at least this many missed pairs fetch those experts instead (prefill).
+        self.fetch_min_pairs = fetch_min_pairs
+        self.fetch = ExpertFetcher(host[self.layers[0]], min(fetch_capacity, self.num_experts), device,
+                                   lambda stacks: device_executor(stacks, swiglu_limit))
         self.expert_bytes = expert_nbytes(host[self.layers[0]])
         self.stats = OffloadStats()
 
@@ -90,15 +97,21 @@ class HybridExperts:
         # CPU computes while the device runs its experts.
         missed = (~hit).flatten().nonzero().squeeze(1)
         rows = missed // expert_ids.shape[1]
+        fetch = missed.numel() >= self.fetch_min_pairs
         host_in = None
-        if missed.numel():
+        if missed.numel() and not fetch:
             host_in = x[rows].cpu(), expert_ids.flatten()[missed].cpu(), weights.flatten()[missed].cpu()
         if layer in self.device_stacks:
             out = self.device_run(layer, x, slots.clamp(min=0), weights * hit)
         else:
             out = torch.zeros_like(x)
         self.stats.device_pairs += expert_ids.numel() - missed.numel()
-        if host_in is not None:
+        if fetch:
+            ids = expert_ids.flatten()[missed]
+            out.index_add_(0, rows, self.fetch(self.host[layer], x, rows, ids, weights.flatten()[missed]))
+            self.stats.fetched_pairs += missed.numel()
+            self.stats.fetched_bytes += int(ids.unique().numel()) * self.expert_bytes
+        elif host_in is not None:
             out.index_add_(0, rows, self._host(layer, *host_in).to(x.device, non_blocking=True))
         return out
 
@@ -134,14 +147,11 @@ class HybridExperts:
 
     def _swap(self, layer: int, slot: int, expert: int) -> None:
         """Copy a host expert into a device slot and repoint the routing map."""
-        for dev_stack, host_stack in zip(self.device_stacks[layer], self.host[layer]):
-            for name in tensor_fields(dev_stack):
-                getattr(dev_stack, name)[slot].copy_(getattr(host_stack, name)[expert], non_blocking=True)
+        copy_expert(self.device_stacks[layer], slot, self.host[layer], expert)
         index = self._index[layer]
         self.slot_of[index, self.resident[layer][slot]] = -1
         self.slot_of[index, expert] = slot
         self.resident[layer][slot] = expert
-
 
 def _to_host(t: torch.Tensor, pin: bool) -> torch.Tensor:
     host = t.to("cpu")

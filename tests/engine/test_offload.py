@@ -114,13 +114,14 @@ def test_tiny_model_with_experts_on_the_host_gives_the_same_tokens(tiny_dir, pro
     layers = len(hybrid_probe.config.moe_layers)
     hybrid = LLM(snapshot, dtype="float32", max_model_len=256, moe_vram_budget=2 * per_expert * layers)
     assert {len(r) for r in hybrid.core.offload.resident.values()} == {2}
+    hybrid.core.offload.fetch_min_pairs = 64  # the longer prompts' prefill fetches, decode stays on the CPU
     prompts = [prompt(n, seed=n) for n in (5, 40, 17, 64)]
     params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
     want = [o.token_ids for o in resident.generate(prompts, params)]
     assert [o.token_ids for o in hybrid.generate(prompts, params)] == want
     assert [o.token_ids for o in hybrid_probe.generate(prompts, params)] == want  # no expert on the device
     stats = hybrid.core.stats().offload
-    assert stats.host_pairs > 0 and stats.device_pairs > 0 and stats.swaps > 0
+    assert stats.host_pairs > 0 and stats.device_pairs > 0 and stats.fetched_pairs > 0 and stats.swaps > 0
     assert hybrid_probe.core.stats().offload.device_pairs == 0
 
 
@@ -134,3 +135,18 @@ def test_budget_resolution():
     assert auto_budget(50 * gib, 100 * gib) == 42 * gib  # 8% of the device kept back
     assert auto_budget(3 * gib, 10 * gib) == 1 * gib  # at least 2 GiB kept back
     assert auto_budget(1 * gib, 10 * gib) == 0
+
+
+@pytest.mark.parametrize("fmt", ["dense", "fp8", "nvfp4"])
+def test_large_batches_fetch_missed_experts_to_the_device(fmt):
+    """Past fetch_min_pairs the misses run on the device executor after a copy of their experts, in
+    rounds of two through the staging stack: five rounds here for ten missed experts."""
+    stacks = {0: layer_stacks(fmt, 11)}
+    hybrid = HybridExperts(stacks, {0: [0, 1]}, torch.device("cpu"), LIMIT, fetch_min_pairs=8, fetch_capacity=2)
+    x, ids, w = routed(16, 4, 12)
+    torch.testing.assert_close(hybrid(0, x, ids, w), TorchExperts(stacks, LIMIT)(0, x, ids, w), rtol=1e-5, atol=1e-5)
+    stats = hybrid.stats
+    assert stats.host_pairs == 0 and stats.fetched_pairs > 8 and stats.device_pairs + stats.fetched_pairs == 64
+    x, ids, w = routed(1, 4, 13)  # a decode step stays on the CPU path
+    torch.testing.assert_close(hybrid(0, x, ids, w), TorchExperts(stacks, LIMIT)(0, x, ids, w), rtol=1e-5, atol=1e-5)
+    assert hybrid.stats.host_pairs > 0

@@ -61,3 +61,18 @@ def test_auto_budget_takes_the_memory_the_caches_leave(tmp_path):
     assert {len(r) for r in llm.core.offload.resident.values()} == {llm.config.n_routed_experts}
     out = llm.generate([random_prompt(12, seed=1)], SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))
     assert len(out[0].token_ids) == 8 and llm.core.stats().offload.host_pairs == 0
+
+
+def test_prefill_sized_batches_fetch_their_experts():
+    """A 256-token batch at the release's shape: its misses are copied to the GPU in rounds of 16."""
+    gen = torch.Generator().manual_seed(5)
+    host = (nvfp4_stack(288, 2048, D, gen), nvfp4_stack(288, 2048, D, gen), nvfp4_stack(288, D, 2048, gen))
+    hybrid = HybridExperts({0: host}, {0: list(range(16))}, torch.device("cuda"), 7.0, TritonExperts)
+    x = torch.randn(256, D, generator=gen).to(torch.bfloat16).cuda()
+    ids = torch.stack([torch.randperm(288, generator=gen)[:8] for _ in range(256)]).cuda()
+    w = torch.rand(256, 8, generator=gen).cuda()
+    got = hybrid(0, x, ids, w)
+    want = TorchExperts({0: tuple(map_tensors(s, lambda t: t.cuda()) for s in host)}, 7.0)(0, x.float(), ids, w)
+    err = ((got.double() - want.double()).norm() / want.double().norm()).item()
+    assert err < 1e-2, err
+    assert hybrid.stats.fetched_pairs > 0 and hybrid.stats.host_pairs == 0
