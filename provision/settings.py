@@ -32,7 +32,8 @@ class Settings(BaseSettings):
     served_model_name: str | None = Field(None, validation_alias=_env("SERVED_MODEL_NAME"),
                                           description="Name in /v1/models and accepted in requests (default: the model's)")
     host: str = Field("0.0.0.0", validation_alias=_env("HOST"))
-    port: int = Field(3000, validation_alias=_env("PORT"))
+    port: int = Field(3000, validation_alias=_env("PORT", "WORKER_PORT"),
+                      description="Listen port (Vast sets WORKER_PORT; its public side is VAST_TCP_PORT_<port>)")
     api_key: str | None = Field(None, validation_alias=_env("API_KEY", "API_KEY"),
                                 description="When set, /v1 requests need 'Authorization: Bearer <key>'")
     hf_token: str | None = Field(None, validation_alias=_env("HF_TOKEN", "HF_TOKEN"))
@@ -91,6 +92,9 @@ class Settings(BaseSettings):
     public_ipaddr: str | None = Field(None, validation_alias=AliasChoices("PUBLIC_IPADDR"))
     vast_max_queue_time: float = Field(30.0, gt=0, validation_alias=_env("VAST_MAX_QUEUE_TIME"),
                                        description="Queued workload / max_perf above which Vast requests get 429")
+    vast_benchmark_s: float = Field(20.0, gt=0, validation_alias=_env("VAST_BENCHMARK_S"),
+                                    description="Time for the startup benchmark behind max_perf, in all: a short "
+                                                "first round sizes the rest to fit")
     vast_default_max_tokens: int = Field(256, ge=1, validation_alias=_env("VAST_DEFAULT_MAX_TOKENS"),
                                          description="max_tokens assumed for workload units when a chat request omits it")
 

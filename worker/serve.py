@@ -21,7 +21,7 @@ from worker.lifecycle import Lifecycle
 from worker.provisioning import provision_and_load
 from worker.served_model import build_served_model, warm_up
 from worker.server import ServerState, build_app
-from worker.vast import VastWorker, benchmark_key, cached_max_perf, engine_generate_fn, measure_max_perf
+from worker.vast import VastWorker, benchmark_key, cached_max_perf, engine_generate_fn, measure_max_perf_within
 from engine.checkpoint.prepared import engine_version
 
 log = logging.getLogger("glmflash.worker")
@@ -82,9 +82,11 @@ async def _vast_max_perf(settings: Settings, model) -> float:
     """Workload units/s from real requests through the engine, cached per model, engine and settings."""
     key = benchmark_key(model=model.name, revision=settings.model_revision, engine_version=engine_version(),
                         device=settings.resolved_device(), dtype=settings.resolved_dtype(),
-                        max_num_seqs=settings.max_num_seqs, max_num_batched_tokens=settings.max_num_batched_tokens)
-    max_perf, _ = await cached_max_perf(settings.cache_dir / "vast_benchmark.json", key,
-                                        lambda: measure_max_perf(engine_generate_fn(model), 3, settings.max_num_seqs))
+                        max_num_seqs=settings.max_num_seqs, max_num_batched_tokens=settings.max_num_batched_tokens,
+                        budget_s=settings.vast_benchmark_s)
+    max_perf, _ = await cached_max_perf(
+        settings.cache_dir / "vast_benchmark.json", key,
+        lambda: measure_max_perf_within(engine_generate_fn(model), settings.vast_benchmark_s, 3, settings.max_num_seqs))
     return max_perf
 
 

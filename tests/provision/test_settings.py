@@ -31,3 +31,10 @@ def test_tiny_model_runs_on_cpu_unless_asked(monkeypatch):
         monkeypatch.delenv(name, raising=False)
     assert Settings().resolved_device() == "cpu" and Settings().resolved_dtype() == "float32"
     assert Settings(device="cuda").resolved_device() == "cuda"
+
+
+def test_worker_port_is_the_listen_port_under_vast(monkeypatch):
+    monkeypatch.setenv("WORKER_PORT", "18000")
+    assert Settings().port == 18000
+    monkeypatch.setenv("GLMFLASH_PORT", "3001")  # an explicit setting of ours wins
+    assert Settings().port == 3001

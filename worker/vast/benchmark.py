@@ -2,7 +2,9 @@
 
 **Benchmark** (`Backend.__run_benchmark`): max over rounds of (workload of the successful requests / round wall
 time), cached in `.has_benchmark` forever. `measure_max_perf` does the same through our engine with a realistic
-payload, and `cached_max_perf` keys the cache by model, engine version and benchmark definition.
+payload, `measure_max_perf_within` bounds it in time (sized from a short first round, so a slow machine
+reports `loaded` within seconds, not minutes), and `cached_max_perf` keys the cache by model, engine version and
+benchmark definition.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from worker.vast.workload import CHARS_PER_TOKEN, workload_of
 
 log = logging.getLogger("glmflash.vast")
 
-BENCHMARK_VERSION = 1  # bump when the payload or the workload definition changes (invalidates every cache)
+BENCHMARK_VERSION = 2  # bump when the payload or the workload definition changes (invalidates every cache)
 BENCHMARK_PROMPT_UNITS = 384
 BENCHMARK_MAX_TOKENS = 256
 _WORDS = ("the request queue holds pending work while the scheduler batches decode steps across active sequences "
@@ -47,6 +49,22 @@ def benchmark_payload(index: int, *, prompt_units: int = BENCHMARK_PROMPT_UNITS,
     return {"prompt": text, "max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True}
 
 
+async def _round(generate_fn: Callable[[dict[str, Any]], Awaitable[Any]], payloads: list[dict[str, Any]],
+                 run: int) -> float:
+    """One round of concurrent requests -> workload units/s of its successful ones over its wall time."""
+    start = time.perf_counter()
+    results = await asyncio.gather(*(generate_fn(p) for p in payloads), return_exceptions=True)
+    elapsed = time.perf_counter() - start
+    failed = [r for r in results if isinstance(r, BaseException)]
+    done = sum(workload_of(p) for p, r in zip(payloads, results) if not isinstance(r, BaseException))
+    if not done:
+        raise BenchmarkFailed(f"no successful benchmark request in round {run}: {failed[0]!r}")
+    perf = done / elapsed
+    log.info("event=vast_benchmark_round run=%d concurrency=%d workload=%.0f elapsed_s=%.3f perf=%.2f failed=%d",
+             run, len(payloads), done, elapsed, perf, len(failed))
+    return perf
+
+
 async def measure_max_perf(generate_fn: Callable[[dict[str, Any]], Awaitable[Any]], runs: int = 3,
                            concurrency: int = 8, *, payload_fn: Callable[[int], dict[str, Any]] = benchmark_payload,
                            warmup: bool = False) -> float:
@@ -59,24 +77,45 @@ async def measure_max_perf(generate_fn: Callable[[dict[str, Any]], Awaitable[Any
         raise ValueError("runs and concurrency must be >= 1")
     if warmup:
         await generate_fn(payload_fn(-1))
-    best, total, index = 0.0, 0.0, 0
-    for run in range(1, runs + 1):
-        payloads = [payload_fn(index + i) for i in range(concurrency)]
+    perfs = [await _round(generate_fn, [payload_fn((run - 1) * concurrency + i) for i in range(concurrency)], run)
+             for run in range(1, runs + 1)]
+    log.info("event=vast_benchmark max_perf=%.2f mean_perf=%.2f", max(perfs), sum(perfs) / runs)
+    return max(perfs)
+
+
+PROBE_PROMPT_UNITS, PROBE_MAX_TOKENS = 32, 16  # the first, short round that sizes the others
+
+
+async def measure_max_perf_within(generate_fn: Callable[[dict[str, Any]], Awaitable[Any]], budget_s: float,
+                                  runs: int = 3, concurrency: int = 8) -> float:
+    """measure_max_perf bounded in time: a short probe round (small prompts, 16 tokens) measures the machine,
+    then up to `runs` rounds of the realistic payload, shrunk so that they fit what is left of `budget_s`
+    (never below the probe's size), stop once the next would overrun. The best round, the probe included."""
+    if runs < 1 or concurrency < 1 or budget_s <= 0:
+        raise ValueError("runs, concurrency and budget_s must be positive")
+    start = time.perf_counter()
+    index = 0
+
+    def payloads(prompt_units: int, max_tokens: int) -> list[dict[str, Any]]:
+        nonlocal index
         index += concurrency
-        start = time.perf_counter()
-        results = await asyncio.gather(*(generate_fn(p) for p in payloads), return_exceptions=True)
-        elapsed = time.perf_counter() - start
-        failed = [r for r in results if isinstance(r, BaseException)]
-        done = sum(workload_of(p) for p, r in zip(payloads, results) if not isinstance(r, BaseException))
-        if not done:
-            raise BenchmarkFailed(f"no successful benchmark request in round {run}: {failed[0]!r}")
-        perf = done / elapsed
-        total += perf
-        best = max(best, perf)
-        log.info("event=vast_benchmark_round run=%d concurrency=%d workload=%.0f elapsed_s=%.3f perf=%.2f failed=%d",
-                 run, concurrency, done, elapsed, perf, len(failed))
-    log.info("event=vast_benchmark max_perf=%.2f mean_perf=%.2f", best, total / runs)
-    return best
+        return [benchmark_payload(index - concurrency + i, prompt_units=prompt_units, max_tokens=max_tokens)
+                for i in range(concurrency)]
+
+    perfs = [await _round(generate_fn, payloads(PROBE_PROMPT_UNITS, PROBE_MAX_TOKENS), 0)]
+    left = budget_s - (time.perf_counter() - start)
+    full = BENCHMARK_PROMPT_UNITS + BENCHMARK_MAX_TOKENS
+    scale = min(1.0, left / runs * perfs[0] / (concurrency * full))  # of the realistic payload, per round
+    prompt_units = max(PROBE_PROMPT_UNITS, int(BENCHMARK_PROMPT_UNITS * scale))
+    max_tokens = max(PROBE_MAX_TOKENS, int(BENCHMARK_MAX_TOKENS * scale))
+    round_s = concurrency * (prompt_units + max_tokens) / perfs[0]  # as the probe predicts it
+    for run in range(1, runs + 1):
+        if time.perf_counter() - start + round_s > budget_s:
+            break
+        perfs.append(await _round(generate_fn, payloads(prompt_units, max_tokens), run))
+    log.info("event=vast_benchmark max_perf=%.2f rounds=%d prompt_units=%d max_tokens=%d seconds=%.2f",
+             max(perfs), len(perfs) - 1, prompt_units, max_tokens, time.perf_counter() - start)
+    return max(perfs)
 
 
 def benchmark_key(*, model: str, revision: str | None, engine_version: str, **extra: Any) -> dict[str, Any]:
