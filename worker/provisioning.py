@@ -26,7 +26,7 @@ from engine.tiny.factory import write_tiny_model
 from provision.cache import check_snapshot
 from provision.download import DownloadProgress, download_snapshot
 from provision.errors import ProvisionError
-from provision.prepared_store import check_prepared, read_plan
+from engine.checkpoint.prepared_store import PreparedSnapshotError, check_prepared, read_plan
 from provision.settings import Settings
 from provision.sources import source_for
 from provision.stages import StageClock
@@ -72,7 +72,7 @@ def provision_and_load(settings: Settings, clock: StageClock) -> LoadedModel:
                                            expert_device=expert_load_device(device, budget))
             clock.progress(read_gb_s=round(stats.gb_per_s, 3), bytes=stats.bytes)
             return LoadedModel(ModelConfig.from_dir(snapshot), weights, snapshot, name, budget)
-        except ProvisionError as exc:
+        except PreparedSnapshotError as exc:
             clock.stage("repair", reason=_quote(str(exc)))
             shutil.rmtree(prepared, ignore_errors=True)
             problems = [str(exc)]

@@ -17,7 +17,7 @@ import torch
 from engine.checkpoint.layout import is_expert_stack
 from engine.checkpoint.loader import LoadedWeights
 from engine.weights import DenseWeight, Fp8BlockWeight, Nvfp4Weight
-from provision.prepared_store import PIECE_BYTES, PreparedPlan, ReadStats, read_plan, read_regions, write_prepared
+from engine.checkpoint.prepared_store import PIECE_BYTES, PreparedPlan, ReadStats, read_plan, read_regions, write_prepared
 
 FORMAT_VERSION = 1
 FIELDS = {"tensor": ("data",), "dense": ("data",), "fp8_block": ("data", "scale_inv"),

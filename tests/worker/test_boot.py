@@ -14,7 +14,7 @@ import pytest
 import requests
 
 from engine.tiny.factory import write_tiny_model
-from provision.prepared_store import PLAN_NAME, read_plan
+from engine.checkpoint.prepared_store import PLAN_NAME, read_plan
 from provision.settings import Settings
 from provision.stages import StageClock
 from server_helpers import free_port

@@ -8,8 +8,7 @@ import pytest
 from engine.checkpoint.loader import load_weights
 from engine.checkpoint.prepared import FORMAT_VERSION, engine_version, load_prepared, save_prepared
 from engine.config import ModelConfig
-from provision.errors import ProvisionError
-from provision.prepared_store import ALIGN, check_prepared, read_plan
+from engine.checkpoint.prepared_store import ALIGN, PreparedSnapshotError, check_prepared, read_plan
 
 
 def buffers(weight):
@@ -44,7 +43,7 @@ def test_damage_and_version_changes_are_reported(tiny_dir, tmp_path):
     data[region.offset + 5] ^= 0x10  # one flipped bit, same size: only the hash can tell
     path.write_bytes(bytes(data))
     assert check_prepared(tmp_path, FORMAT_VERSION, engine_version()) == []
-    with pytest.raises(ProvisionError, match=f"checksum mismatch in {region.key}"):
+    with pytest.raises(PreparedSnapshotError, match=f"checksum mismatch in {region.key}"):
         load_prepared(tmp_path)
     assert "this is 9.9" in check_prepared(tmp_path, FORMAT_VERSION, "9.9")[0]
     path.write_bytes(bytes(data[:-100]))
@@ -53,9 +52,9 @@ def test_damage_and_version_changes_are_reported(tiny_dir, tmp_path):
 
 def test_staged_reads_hand_every_piece_to_the_sink(tiny_dir, tmp_path, monkeypatch):
     """The GPU path's reading mode (small reused staging buffers + a sink), checked on host memory."""
-    import provision.prepared_store as store
+    import engine.checkpoint.prepared_store as store
     from engine.checkpoint.prepared import allocate, as_bytes
-    from provision.prepared_store import read_regions
+    from engine.checkpoint.prepared_store import read_regions
 
     monkeypatch.setattr(store, "PIECE_BYTES", 4096)  # many pieces per region, buffers reused many times
     snapshot = tiny_dir("fp8")

@@ -19,7 +19,10 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable, Iterable, Mapping, Sequence
 
-from provision.errors import ProvisionError
+
+class PreparedSnapshotError(ValueError):
+    """A prepared snapshot that cannot be read back as it was written (names the file and the region)."""
+
 
 ALIGN = 4096
 PIECE_BYTES = 64 << 20
@@ -100,14 +103,14 @@ def read_plan(directory: Path) -> PreparedPlan | None:
     try:
         return PreparedPlan.from_json(path.read_text())
     except (ValueError, TypeError, KeyError) as exc:
-        raise ProvisionError(f"{path}: unreadable prepared plan ({exc})") from exc
+        raise PreparedSnapshotError(f"{path}: unreadable prepared plan ({exc})") from exc
 
 
 def check_prepared(directory: Path, format_version: int, engine_version: str) -> list[str]:
     """Cheap validity checks (no data read): problems found, empty when the snapshot can be loaded."""
     try:
         plan = read_plan(directory)
-    except ProvisionError as exc:
+    except PreparedSnapshotError as exc:
         return [str(exc)]
     if plan is None:
         return [f"{directory / PLAN_NAME}: missing"]
@@ -168,10 +171,11 @@ def read_regions(directory: Path, plan: PreparedPlan, destinations: Mapping[str,
             while done < piece_size:
                 n = os.preadv(fds[region.file], [view[done:]], offset + done)
                 if n == 0:
-                    raise ProvisionError(f"{directory / region.file}: ends early inside {region.key}")
+                    raise PreparedSnapshotError(f"{directory / region.file}: ends early inside {region.key}")
                 done += n
             if verify and _digest(view) != digest:
-                raise ProvisionError(f"{directory / region.file}: checksum mismatch in {region.key} at offset {offset}")
+                raise PreparedSnapshotError(
+                    f"{directory / region.file}: checksum mismatch in {region.key} at offset {offset}")
             if sink is not None:
                 sink(region.key, piece_start, view)
             return done
@@ -183,9 +187,11 @@ def read_regions(directory: Path, plan: PreparedPlan, destinations: Mapping[str,
         jobs = []
         for region in plan.regions:
             if destinations is not None and len(destinations[region.key].cast("B")) != region.size:
-                raise ProvisionError(f"prepared region {region.key}: buffer has {len(destinations[region.key].cast('B'))} "
-                                     f"bytes, file {region.file} holds {region.size}")
-            jobs += [(region, start_, size, digest) for (start_, size), digest in zip(_pieces(region.size), region.hashes)]
+                raise PreparedSnapshotError(f"prepared region {region.key}: buffer has "
+                                            f"{len(destinations[region.key].cast('B'))} bytes, file {region.file} "
+                                            f"holds {region.size}")
+            jobs += [(region, start_, size, digest)
+                     for (start_, size), digest in zip(_pieces(region.size), region.hashes)]
         with ThreadPoolExecutor(max_workers=workers) as pool:
             total = sum(pool.map(read, jobs))
     finally:
