@@ -49,25 +49,27 @@ def _simd() -> int:
     return int(os.environ.get("GLMFLASH_CPU_KERNELS", "auto") != "portable")
 
 
-def _rows(x: torch.Tensor, k: int, weight_shape: tuple[int, ...], what: str) -> torch.Tensor:
+def _operands(x: torch.Tensor, weight: Nvfp4Weight | Fp8BlockWeight, what: str
+              ) -> tuple[ctypes.CDLL, torch.Tensor, torch.Tensor]:
+    """(the library, x as contiguous fp32 rows, the fp32 output [R, N]) after checking the shapes."""
+    lib = _library()
+    assert lib is not None, "the CPU kernels are not built: check available() first"
+    n, k = weight.shape
     xf = x.float().contiguous()
     if xf.dim() != 2 or xf.shape[1] != k:
-        raise ValueError(f"{what}: x {tuple(x.shape)} against weight {weight_shape}")
-    return xf
+        raise ValueError(f"{what}: x {tuple(x.shape)} against weight {weight.shape}")
+    return lib, xf, torch.empty(xf.shape[0], n, dtype=torch.float32)
 
 
 def nvfp4_gemv(x: torch.Tensor, weight: Nvfp4Weight, threads: int) -> torch.Tensor:
     """x [R, K] on the CPU @ dequantize(weight [N, K])^T -> fp32 [R, N], without expanding the weight."""
-    lib = _library()
-    assert lib is not None, "the CPU kernels are not built: check available() first"
-    n, k = weight.shape
-    xf = _rows(x, k, weight.shape, "nvfp4_gemv")
+    lib, xf, y = _operands(x, weight, "nvfp4_gemv")
+    (rows, k), n = xf.shape, y.shape[1]
     codes, scales = weight.packed.contiguous(), weight.scale.contiguous().view(torch.uint8)
     glob = weight.global_scale.float().contiguous()
     if glob.numel() not in (1, n):
         raise ValueError(f"nvfp4_gemv: weight {weight.shape} with a global scale of {glob.numel()} values")
-    y = torch.empty(xf.shape[0], n, dtype=torch.float32)
-    status = lib.nvfp4_gemv(xf.data_ptr(), xf.shape[0], k, codes.data_ptr(), scales.data_ptr(), glob.data_ptr(),
+    status = lib.nvfp4_gemv(xf.data_ptr(), rows, k, codes.data_ptr(), scales.data_ptr(), glob.data_ptr(),
                             0 if glob.numel() == 1 else 1, n, _fp8_table().data_ptr(), y.data_ptr(), threads, _simd())
     if status:
         raise ValueError(f"nvfp4_gemv: K = {k} is not a multiple of 16")
@@ -76,13 +78,12 @@ def nvfp4_gemv(x: torch.Tensor, weight: Nvfp4Weight, threads: int) -> torch.Tens
 
 def fp8_block_gemv(x: torch.Tensor, weight: Fp8BlockWeight, threads: int) -> torch.Tensor:
     """x [R, K] on the CPU @ dequantize(weight [N, K])^T -> fp32 [R, N], without expanding the weight."""
-    lib = _library()
-    assert lib is not None, "the CPU kernels are not built: check available() first"
-    n, k = weight.shape
-    xf = _rows(x, k, weight.shape, "fp8_block_gemv")
+    lib, xf, y = _operands(x, weight, "fp8_block_gemv")
+    (rows, k), n = xf.shape, y.shape[1]
     data, scale_inv = weight.data.contiguous().view(torch.uint8), weight.scale_inv.float().contiguous()
-    y = torch.empty(xf.shape[0], n, dtype=torch.float32)
     bn, bk = weight.block
-    lib.fp8_block_gemv(xf.data_ptr(), xf.shape[0], k, data.data_ptr(), scale_inv.data_ptr(), bn, bk, n,
-                       _fp8_table().data_ptr(), y.data_ptr(), threads, _simd())
+    status = lib.fp8_block_gemv(xf.data_ptr(), rows, k, data.data_ptr(), scale_inv.data_ptr(), bn, bk, n,
+                                _fp8_table().data_ptr(), y.data_ptr(), threads, _simd())
+    if status:
+        raise ValueError(f"fp8_block_gemv: block {weight.block} is not a positive size")
     return y
