@@ -20,6 +20,7 @@ then measures with wall clock through `LLM.generate` in one run:
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import time
 from typing import Any, Callable
@@ -99,13 +100,19 @@ def distinct_experts(llm: LLM, batch: int, context: int) -> float:
     return sum(decode_counts) / len(decode_counts)
 
 
-def step_bytes(cfg: ModelConfig, weights: dict, batch: int, context: int, experts_per_layer: float) -> float:
-    """The fewest bytes one decode step must read: every non-expert weight once (the embedding row
-    aside), `experts_per_layer` distinct routed experts per MoE layer, and per request its KDA states
-    (fp32, read and written), the DSA latents attention can select and the pooled keys it scores."""
+def weight_bytes(cfg: ModelConfig, weights: dict) -> tuple[int, float]:
+    """(bytes of every non-expert weight but the embedding, bytes of one routed expert)."""
     dense = sum(nbytes(w) for name, w in weights.items() if ".experts." not in name and not name.startswith("embed"))
     layer = cfg.moe_layers[0]
     per_expert = sum(nbytes(weights[f"layers.{layer}.mlp.experts.{p}"]) for p in EXPERT_PROJS) / cfg.n_routed_experts
+    return dense, per_expert
+
+
+def step_bytes(cfg: ModelConfig, sizes: tuple[int, float], batch: int, context: int, experts_per_layer: float) -> float:
+    """The fewest bytes one decode step must read: every non-expert weight once (the embedding row
+    aside), `experts_per_layer` distinct routed experts per MoE layer, and per request its KDA states
+    (fp32, read and written), the DSA latents attention can select and the pooled keys it scores."""
+    dense, per_expert = sizes
     kda = 2 * cfg.linear_num_heads * cfg.linear_head_dim ** 2 * 4
     selectable = cfg.index_select_pools * cfg.index_kpool + cfg.index_kpool - 1
     dsa = min(context + 1, selectable) * cfg.kv_lora_rank * 2 + context // cfg.index_kpool * cfg.index_head_dim * 2
@@ -125,6 +132,8 @@ def main() -> None:
     parser.add_argument("--reference-layers", type=int, default=4, help="0 skips the transformers reference")
     parser.add_argument("--tiny", action="store_true", help="the tiny model's shapes (CPU smoke run)")
     parser.add_argument("--profile", action="store_true", help="print the top ops of one batch-1 decode step")
+    parser.add_argument("--expert-slots", type=int, help="hybrid offload: routed experts per MoE layer kept in "
+                        "device memory, the rest in pinned host RAM (default: every expert on the device)")
     parser.add_argument("--json", help="write the results here as JSON")
     args = parser.parse_args()
 
@@ -148,8 +157,11 @@ def main() -> None:
             print(f"{key}={value:.4g}" if isinstance(value, float) else f"{key}={value}", flush=True)
 
     start = time.perf_counter()
-    weights = synthetic_weights(cfg, args.format, device, dtype)
+    hybrid = args.expert_slots is not None
+    weights = synthetic_weights(cfg, args.format, device, dtype, expert_device="cpu" if hybrid else None)
     sync(device)
+    sizes = weight_bytes(cfg, weights)
+    head_bytes = nbytes(weights["lm_head"]) + nbytes(weights["norm.weight"])
     report({"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
             "torch": torch.__version__, "layers": cfg.num_layers, "format": args.format,
             "build_s": time.perf_counter() - start})
@@ -157,15 +169,18 @@ def main() -> None:
     report({"copy_bandwidth_gbs": bandwidth / 1e9})
     max_len = max(contexts + prefills) + args.steps + 8
     start = time.perf_counter()
+    budget = args.expert_slots * round(sizes[1]) * len(cfg.moe_layers) if hybrid else None
     llm = LLM.from_weights(cfg, weights, max_num_seqs=max(batches + [1]), max_model_len=max_len,
-                           max_num_batched_tokens=max(prefills + [2048]))
+                           max_num_batched_tokens=max(prefills + [2048]), moe_vram_budget=budget)
     report({"engine_init_s": time.perf_counter() - start})
 
     def decode_figures(name: str, batch: int, context: int) -> None:
         step = decode_step_s(llm, batch, context, args.steps, device)
         experts = distinct_experts(llm, batch, context)
-        moved = step_bytes(cfg, weights, batch, context, experts)
+        moved = step_bytes(cfg, sizes, batch, context, experts)
         roof = moved / bandwidth
+        if hybrid:
+            report(offload_figures(name, llm, batch, context, args.steps))
         report({f"{name}_step_ms": step * 1e3, f"{name}_tok_s": batch / step,
                 f"{name}_ms_per_layer": step * 1e3 / cfg.num_layers, f"{name}_distinct_experts": experts,
                 f"{name}_bytes_per_layer": moved / cfg.num_layers, f"{name}_roofline_ms": roof * 1e3,
@@ -179,7 +194,7 @@ def main() -> None:
         report({f"prefill{length}_tok_s": prefill_tok_s(llm, length, device)})
 
     # Per layer: the step less the head at its roofline (the head runs once per step, whatever the depth).
-    head_ms = (nbytes(weights["lm_head"]) + nbytes(weights["norm.weight"])) / bandwidth * 1e3
+    head_ms = head_bytes / bandwidth * 1e3
     b1 = (result[f"b1_ctx{contexts[0]}_step_ms"] - head_ms) / cfg.num_layers
     report({"extrapolated_45_layers_ms_per_token (est.)": b1 * FULL_LAYERS + head_ms,
             "extrapolated_45_layers_tok_s (est.)": 1e3 / (b1 * FULL_LAYERS + head_ms)})
@@ -187,7 +202,7 @@ def main() -> None:
         profile_step(llm, device)
     del llm
 
-    if args.reference_layers and not args.tiny:
+    if args.reference_layers and not args.tiny and not hybrid:  # hybrid moved the experts into the engine
         keep = {k: v for k, v in weights.items() if not k.startswith("layers.")
                 or int(k.split(".")[1]) < args.reference_layers}
         del weights
@@ -202,6 +217,28 @@ def main() -> None:
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=2)
+
+
+def offload_figures(name: str, llm: LLM, batch: int, context: int, steps: int) -> dict[str, float]:
+    """Over `steps` decode steps (a long generate's counts less a one-token one's, so the prefill cancels):
+    the share of routed pairs whose expert was in a device slot, and the CPU executor's read rate on the
+    misses (the expert bytes it read over the time it ran)."""
+    ps = prompts(batch, context, llm.config.vocab_size, seed=batch * 7919 + context)
+
+    def counts(n: int) -> dict[str, float]:
+        before = dataclasses.replace(llm.core.offload.stats)
+        llm.generate(ps, SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True))
+        after = llm.core.offload.stats
+        return {k: getattr(after, k) - getattr(before, k) for k in
+                ("device_pairs", "host_pairs", "fetched_pairs", "host_seconds", "host_bytes")}
+
+    short, long = counts(1), counts(1 + steps)
+    d = {k: long[k] - short[k] for k in long}
+    pairs = d["device_pairs"] + d["host_pairs"] + d["fetched_pairs"]
+    return {f"{name}_hit_rate": d["device_pairs"] / max(pairs, 1),
+            f"{name}_host_pairs_per_step": d["host_pairs"] / steps,
+            f"{name}_cpu_GBps": d["host_bytes"] / d["host_seconds"] / 1e9 if d["host_seconds"] > 0 else 0.0,
+            f"{name}_cpu_ms_per_step": d["host_seconds"] / steps * 1e3}
 
 
 def profile_step(llm: LLM, device: torch.device, steps: int = 8) -> None:

@@ -1,34 +1,58 @@
-/* Matrix-vector products on the CPU for routed experts kept in host RAM, NVFP4 and FP8 block.
+/* Routed experts on the CPU for experts kept in host RAM: NVFP4 and FP8-block matrix-vector products,
+ * and a whole expert MLP pass (gate and up, clamped SwiGLU, down) over a batch of (row, expert) pairs.
  *
  * NVFP4:     y[r, n] = sum_k x[r, k] * e2m1(code[n, k]) * fp8(scale[n, k / 16]) * global[n]
  * FP8 block: y[r, n] = sum_k x[r, k] * e4m3(w[n, k]) * scale_inv[n / bn, k / bk]
  *
  * Decode-sized batches read each weight byte once and never expand the matrix: per output row the
- * packed codes stream through, their 4-bit codes are looked up in registers (AVX2: a byte shuffle over
- * a 16-entry table of exact int8 values), and every row of x reuses the looked-up values.
- * x is split into its even and odd columns first, so the low nibbles of 8 bytes meet 8 contiguous
- * even columns and the high nibbles 8 odd ones. Output rows are shared among `threads` OpenMP
- * threads (the caller sizes the pool; it is not torch's intra-op pool).
+ * packed codes stream through, are turned into weights in registers, and every row of x (up to
+ * MAX_ROWS) reuses them. NVFP4 rows of x are stored split, their even columns then their odd ones,
+ * so the low nibbles of a run of bytes meet contiguous even columns and the high nibbles odd ones.
+ * Three code paths, picked at run time (the caller may cap the level to compare them):
+ *   portable C (the reference), AVX2 (a byte shuffle looks up exact int8 weights, widened to float;
+ *   F16C widens e4m3), AVX-512 (one permute looks 16 codes up as floats; e4m3 widened 16 at a time).
+ * The expert pass runs in one OpenMP region sized by the caller (not torch's intra-op pool), so a
+ * layer's misses cost one fork and three barriers, not one per matrix.
  *
- * Called through ctypes (no Python or torch headers): buffers are contiguous, the group scales'
- * fp8 -> float table comes from the caller so the codec lives in one place.
+ * Called through ctypes (no Python or torch headers): buffers are contiguous, the fp8 -> float table
+ * comes from the caller so the codec lives in one place.
  */
 #include <immintrin.h>
+#include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 
 #define GROUP 16
 #define MAX_ROWS 8 /* rows of x handled per pass over the weights */
+#define TILE 32    /* output rows of one matrix per unit of work in the expert pass */
+
+enum { PORTABLE = 0, AVX2 = 1, AVX512 = 2 };
+enum { NVFP4 = 0, FP8_BLOCK = 1 };
 
 static const float E2M1[16] = {0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f,
                                -0.0f, -0.5f, -1.0f, -1.5f, -2.0f, -3.0f, -4.0f, -6.0f};
 
-/* One output row for `rows` rows of split x: portable C, the reference for the SIMD path. */
-static void row_scalar(const float *xe, const float *xo, int64_t rows, int64_t half_k, const uint8_t *codes,
-                       const uint8_t *scales, const float *fp8_table, float global, float *out, int64_t out_stride) {
+/* One quantized matrix, or a stack of them (one per expert, `expert` selects). */
+typedef struct {
+    int32_t format;        /* NVFP4 or FP8_BLOCK */
+    int64_t n, k;          /* output rows, input columns */
+    const uint8_t *data;   /* NVFP4 codes [E, n, k/2]; FP8 e4m3 bytes [E, n, k] */
+    const uint8_t *scales; /* NVFP4 group scales [E, n, k/16] (e4m3 bytes); FP8: unused */
+    const float *factors;  /* NVFP4 global [E, 1 or n]; FP8 scale_inv [E, ceil(n/bn), ceil(k/bk)] */
+    int64_t global_stride; /* NVFP4: 0 (one global per matrix) or 1 (one per row) */
+    int64_t bn, bk;        /* FP8 block */
+} matrix;
+
+/* ---------------------------------------------------------------- NVFP4 rows */
+
+/* One weight row against `rows` split rows of x (xs: even columns at [0, k/2), odd at [k/2, k) of each
+ * row, rows `x_stride` apart); out[r * out_stride] = the product. Portable, the reference. */
+static void nvfp4_row_scalar(const float *xs, int64_t x_stride, int64_t rows, int64_t half_k, const uint8_t *codes,
+                             const uint8_t *scales, const float *fp8_table, float global, float *out,
+                             int64_t out_stride) {
     for (int64_t r = 0; r < rows; r++) {
-        const float *e = xe + r * half_k, *o = xo + r * half_k;
+        const float *e = xs + r * x_stride, *o = e + half_k;
         float acc = 0.0f;
         for (int64_t g = 0; g < half_k / (GROUP / 2); g++) {
             float part = 0.0f;
@@ -42,7 +66,7 @@ static void row_scalar(const float *xe, const float *xo, int64_t rows, int64_t h
     }
 }
 
-__attribute__((target("avx2,fma"))) static inline float hsum(__m256 v) {
+__attribute__((target("avx2,fma"))) static inline float hsum256(__m256 v) {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
     s = _mm_add_ps(s, _mm_movehl_ps(s, s));
     s = _mm_add_ss(s, _mm_movehdup_ps(s));
@@ -56,13 +80,13 @@ __attribute__((target("avx2,fma"))) static inline __m256 widen(__m128i v) {
     return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v)); /* the low 8 int8 lanes as 8 floats */
 }
 
-/* The same row with AVX2, two groups (16 bytes, 32 codes) per step: a byte shuffle turns the low and
- * the high nibbles into int8 weights (x2), widened 8 at a time and reused by every row of x. Each
- * group's sum is scaled once; four accumulators per row keep the adds of one group off the next. */
-__attribute__((target("avx2,fma"))) static void row_avx2(const float *xe, const float *xo, int64_t rows,
-                                                        int64_t half_k, const uint8_t *codes,
-                                                        const uint8_t *scales, const float *fp8_table,
-                                                        float global, float *out, int64_t out_stride) {
+/* AVX2, two groups (16 bytes, 32 codes) per step: a byte shuffle turns the low and the high nibbles
+ * into int8 weights (x2), widened 8 at a time and reused by every row of x; each group's sum is
+ * scaled once. */
+__attribute__((target("avx2,fma"))) static void nvfp4_row_avx2(const float *xs, int64_t x_stride, int64_t rows,
+                                                              int64_t half_k, const uint8_t *codes,
+                                                              const uint8_t *scales, const float *fp8_table,
+                                                              float global, float *out, int64_t out_stride) {
     const __m128i table = _mm_loadu_si128((const __m128i *)E2M1_X2), nibble = _mm_set1_epi8(15);
     const int64_t groups = half_k / 8;
     __m256 acc[MAX_ROWS][2];
@@ -77,7 +101,7 @@ __attribute__((target("avx2,fma"))) static void row_avx2(const float *xe, const 
         __m256 scale[2] = {_mm256_set1_ps(0.5f * fp8_table[scales[g]]),
                            _mm256_set1_ps(pair ? 0.5f * fp8_table[scales[g + 1]] : 0.0f)};
         for (int64_t r = 0; r < rows; r++) {
-            const float *e = xe + r * half_k + g * 8, *o = xo + r * half_k + g * 8;
+            const float *e = xs + r * x_stride + g * 8, *o = e + half_k;
             for (int j = 0; j <= pair; j++) {
                 __m256 part = _mm256_mul_ps(w[2 * j], _mm256_loadu_ps(e + 8 * j));
                 part = _mm256_fmadd_ps(w[2 * j + 1], _mm256_loadu_ps(o + 8 * j), part);
@@ -85,50 +109,51 @@ __attribute__((target("avx2,fma"))) static void row_avx2(const float *xe, const 
             }
         }
     }
-    for (int64_t r = 0; r < rows; r++) out[r * out_stride] = hsum(_mm256_add_ps(acc[r][0], acc[r][1])) * global;
+    for (int64_t r = 0; r < rows; r++) out[r * out_stride] = hsum256(_mm256_add_ps(acc[r][0], acc[r][1])) * global;
 }
 
-/* x [rows, k] fp32; codes [n, k/2]; scales [n, k/16] (fp8 bytes); global [n] with stride 0 or 1;
- * y [rows, n] fp32. simd: 1 = AVX2 where the CPU has it, 0 = portable. Returns 0, or -1 on bad shapes. */
-int nvfp4_gemv(const float *x, int64_t rows, int64_t k, const uint8_t *codes, const uint8_t *scales,
-               const float *global, int64_t global_stride, int64_t n, const float *fp8_table, float *y,
-               int threads, int simd) {
-    if (k % GROUP || rows < 0 || n < 0) return -1;
-    const int64_t half_k = k / 2;
-    float *split = malloc(sizeof(float) * (size_t)(rows * k + 1));
-    if (!split) return -1;
-    float *xe = split, *xo = split + rows * half_k;
-    for (int64_t r = 0; r < rows; r++)
-        for (int64_t j = 0; j < half_k; j++) {
-            xe[r * half_k + j] = x[r * k + 2 * j];
-            xo[r * half_k + j] = x[r * k + 2 * j + 1];
-        }
-    const int avx2 = simd && __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
-#pragma omp parallel for num_threads(threads) schedule(static)
-    for (int64_t row = 0; row < n; row++) {
-        const uint8_t *c = codes + row * half_k, *s = scales + row * (k / GROUP);
-        const float gs = global[row * global_stride];
-        for (int64_t r0 = 0; r0 < rows; r0 += MAX_ROWS) {
-            int64_t count = rows - r0 < MAX_ROWS ? rows - r0 : MAX_ROWS;
-            const float *e = xe + r0 * half_k, *o = xo + r0 * half_k;
-            if (avx2)
-                row_avx2(e, o, count, half_k, c, s, fp8_table, gs, y + r0 * n + row, n);
-            else
-                row_scalar(e, o, count, half_k, c, s, fp8_table, gs, y + r0 * n + row, n);
+/* AVX-512, two groups per step: 16 bytes widen to 16 lanes; a float permute reads its index from the
+ * low 4 bits of a lane, so the low nibbles index the E2M1 table directly and the high ones after a
+ * shift. Lanes 0-7 belong to the first group, 8-15 to the second: one scale vector serves both. */
+__attribute__((target("avx512f"))) static void nvfp4_row_avx512(const float *xs, int64_t x_stride, int64_t rows,
+                                                               int64_t half_k, const uint8_t *codes,
+                                                               const uint8_t *scales, const float *fp8_table,
+                                                               float global, float *out, int64_t out_stride) {
+    const __m512 table = _mm512_loadu_ps(E2M1);
+    const int64_t groups = half_k / 8;
+    __m512 acc[MAX_ROWS];
+    for (int64_t r = 0; r < rows; r++) acc[r] = _mm512_setzero_ps();
+    for (int64_t g = 0; g < groups; g += 2) {
+        const int pair = g + 1 < groups;
+        const __mmask16 lanes = pair ? 0xFFFF : 0x00FF;
+        __m128i bytes = pair ? _mm_loadu_si128((const __m128i *)(codes + g * 8))
+                             : _mm_loadl_epi64((const __m128i *)(codes + g * 8));
+        __m512i idx = _mm512_cvtepu8_epi32(bytes);
+        __m512 we = _mm512_permutexvar_ps(idx, table);
+        __m512 wo = _mm512_permutexvar_ps(_mm512_srli_epi32(idx, 4), table);
+        __m512 scale = _mm512_mask_blend_ps(0xFF00, _mm512_set1_ps(fp8_table[scales[g]]),
+                                            _mm512_set1_ps(pair ? fp8_table[scales[g + 1]] : 0.0f));
+        for (int64_t r = 0; r < rows; r++) {
+            const float *e = xs + r * x_stride + g * 8, *o = e + half_k;
+            __m512 part = _mm512_mul_ps(we, _mm512_maskz_loadu_ps(lanes, e));
+            part = _mm512_fmadd_ps(wo, _mm512_maskz_loadu_ps(lanes, o), part);
+            acc[r] = _mm512_fmadd_ps(part, scale, acc[r]);
         }
     }
-    free(split);
-    return 0;
+    for (int64_t r = 0; r < rows; r++) out[r * out_stride] = _mm512_reduce_add_ps(acc[r]) * global;
 }
 
-/* FP8 block: one output row, portable. */
-static void fp8_row_scalar(const float *x, int64_t rows, int64_t k, const uint8_t *w, const float *block_scales,
-                           int64_t bk, const float *fp8_table, float *out, int64_t out_stride) {
+/* ---------------------------------------------------------------- FP8 block rows */
+
+/* One weight row against `rows` rows of x (rows `x_stride` apart); portable. */
+static void fp8_row_scalar(const float *x, int64_t x_stride, int64_t rows, int64_t k, const uint8_t *w,
+                           const float *block_scales, int64_t bk, const float *fp8_table, float *out,
+                           int64_t out_stride) {
     for (int64_t r = 0; r < rows; r++) {
         float acc = 0.0f;
         for (int64_t k0 = 0; k0 < k; k0 += bk) {
             float part = 0.0f;
-            for (int64_t j = k0; j < k0 + bk && j < k; j++) part += fp8_table[w[j]] * x[r * k + j];
+            for (int64_t j = k0; j < k0 + bk && j < k; j++) part += fp8_table[w[j]] * x[r * x_stride + j];
             acc += part * block_scales[k0 / bk];
         }
         out[r * out_stride] = acc;
@@ -137,18 +162,21 @@ static void fp8_row_scalar(const float *x, int64_t rows, int64_t k, const uint8_
 
 /* 8 e4m3 bytes -> 8 floats / 256: the bits move into fp16 position (exact for normals and subnormals
  * alike), F16C widens them; the 256 is folded into the block scale. */
-__attribute__((target("avx2,fma,f16c"))) static inline __m256 e4m3_scaled(const uint8_t *p) {
+__attribute__((target("avx2,fma,f16c"))) static inline __m256 e4m3_scaled8(const uint8_t *p) {
     __m128i v = _mm_cvtepu8_epi16(_mm_loadl_epi64((const __m128i *)p));
     __m128i sign = _mm_slli_epi16(_mm_and_si128(v, _mm_set1_epi16(0x80)), 8);
     __m128i rest = _mm_slli_epi16(_mm_and_si128(v, _mm_set1_epi16(0x7F)), 7);
     return _mm256_cvtph_ps(_mm_or_si128(sign, rest));
 }
 
-/* FP8 block, AVX2: 16 columns per step into two accumulators per row, each 128-column block's sum
- * scaled once. Needs k and bk multiples of 16. */
-__attribute__((target("avx2,fma,f16c"))) static void fp8_row_avx2(const float *x, int64_t rows, int64_t k,
-                                                                 const uint8_t *w, const float *block_scales,
-                                                                 int64_t bk, float *out, int64_t out_stride) {
+/* AVX2: 16 columns per step into two accumulators per row, each block's sum scaled once. Needs k and
+ * bk multiples of 16. */
+__attribute__((target("avx2,fma,f16c"))) static void fp8_row_avx2(const float *x, int64_t x_stride, int64_t rows,
+                                                                 int64_t k, const uint8_t *w,
+                                                                 const float *block_scales, int64_t bk,
+                                                                 const float *fp8_table, float *out,
+                                                                 int64_t out_stride) {
+    (void)fp8_table;
     __m256 acc[MAX_ROWS];
     for (int64_t r = 0; r < rows; r++) acc[r] = _mm256_setzero_ps();
     for (int64_t k0 = 0; k0 < k; k0 += bk) {
@@ -156,37 +184,199 @@ __attribute__((target("avx2,fma,f16c"))) static void fp8_row_avx2(const float *x
         for (int64_t r = 0; r < rows; r++) part[r][0] = part[r][1] = _mm256_setzero_ps();
         const int64_t end = k0 + bk < k ? k0 + bk : k;
         for (int64_t j = k0; j < end; j += 16) {
-            __m256 w0 = e4m3_scaled(w + j), w1 = e4m3_scaled(w + j + 8);
+            __m256 w0 = e4m3_scaled8(w + j), w1 = e4m3_scaled8(w + j + 8);
             for (int64_t r = 0; r < rows; r++) {
-                part[r][0] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(x + r * k + j), part[r][0]);
-                part[r][1] = _mm256_fmadd_ps(w1, _mm256_loadu_ps(x + r * k + j + 8), part[r][1]);
+                part[r][0] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(x + r * x_stride + j), part[r][0]);
+                part[r][1] = _mm256_fmadd_ps(w1, _mm256_loadu_ps(x + r * x_stride + j + 8), part[r][1]);
             }
         }
         __m256 scale = _mm256_set1_ps(256.0f * block_scales[k0 / bk]);
         for (int64_t r = 0; r < rows; r++)
             acc[r] = _mm256_fmadd_ps(_mm256_add_ps(part[r][0], part[r][1]), scale, acc[r]);
     }
-    for (int64_t r = 0; r < rows; r++) out[r * out_stride] = hsum(acc[r]);
+    for (int64_t r = 0; r < rows; r++) out[r * out_stride] = hsum256(acc[r]);
 }
 
-/* x [rows, k] fp32; w [n, k] e4m3 bytes; scale_inv [ceil(n / bn), ceil(k / bk)] fp32; y [rows, n] fp32.
- * simd: 1 = AVX2/F16C where the CPU has them and the shapes allow, 0 = portable. Returns 0, or -1. */
-int fp8_block_gemv(const float *x, int64_t rows, int64_t k, const uint8_t *w, const float *scale_inv, int64_t bn,
-                   int64_t bk, int64_t n, const float *fp8_table, float *y, int threads, int simd) {
-    if (rows < 0 || n < 0 || bn <= 0 || bk <= 0) return -1;
-    const int64_t kb = (k + bk - 1) / bk;
-    const int avx2 = simd && k % 16 == 0 && bk % 16 == 0 && __builtin_cpu_supports("avx2") &&
-                     __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
+/* AVX-512: the same widening 16 bytes at a time. Needs k and bk multiples of 16. */
+__attribute__((target("avx512f,avx512bw"))) static void fp8_row_avx512(const float *x, int64_t x_stride,
+                                                                      int64_t rows, int64_t k, const uint8_t *w,
+                                                                      const float *block_scales, int64_t bk,
+                                                                      const float *fp8_table, float *out,
+                                                                      int64_t out_stride) {
+    (void)fp8_table;
+    __m512 acc[MAX_ROWS];
+    for (int64_t r = 0; r < rows; r++) acc[r] = _mm512_setzero_ps();
+    for (int64_t k0 = 0; k0 < k; k0 += bk) {
+        __m512 part[MAX_ROWS];
+        for (int64_t r = 0; r < rows; r++) part[r] = _mm512_setzero_ps();
+        const int64_t end = k0 + bk < k ? k0 + bk : k;
+        for (int64_t j = k0; j < end; j += 16) {
+            __m256i v = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(w + j)));
+            __m256i sign = _mm256_slli_epi16(_mm256_and_si256(v, _mm256_set1_epi16(0x80)), 8);
+            __m256i rest = _mm256_slli_epi16(_mm256_and_si256(v, _mm256_set1_epi16(0x7F)), 7);
+            __m512 wv = _mm512_cvtph_ps(_mm256_or_si256(sign, rest));
+            for (int64_t r = 0; r < rows; r++)
+                part[r] = _mm512_fmadd_ps(wv, _mm512_loadu_ps(x + r * x_stride + j), part[r]);
+        }
+        __m512 scale = _mm512_set1_ps(256.0f * block_scales[k0 / bk]);
+        for (int64_t r = 0; r < rows; r++) acc[r] = _mm512_fmadd_ps(part[r], scale, acc[r]);
+    }
+    for (int64_t r = 0; r < rows; r++) out[r * out_stride] = _mm512_reduce_add_ps(acc[r]);
+}
+
+/* ---------------------------------------------------------------- dispatch */
+
+/* The best path this CPU has, capped by the caller's level. */
+static int level_for(int cap) {
+    __builtin_cpu_init();
+    if (cap >= AVX512 && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw")) return AVX512;
+    if (cap >= AVX2 && __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+        __builtin_cpu_supports("f16c"))
+        return AVX2;
+    return PORTABLE;
+}
+
+/* Whether a matrix's shape suits the SIMD paths (else its rows take the portable one). */
+static int simd_shape(const matrix *m) {
+    return m->format == NVFP4 ? 1 : m->k % 16 == 0 && m->bk % 16 == 0;
+}
+
+/* Output rows [row0, row1) of expert `expert`'s matrix for `rows` rows of x (prepared: split for NVFP4,
+ * plain for FP8), rows `x_stride` apart; y[r * y_stride + row]. */
+static void project_rows(const matrix *m, int64_t expert, int64_t row0, int64_t row1, const float *x,
+                         int64_t x_stride, int64_t rows, float *y, int64_t y_stride, const float *fp8_table,
+                         int level) {
+    if (!simd_shape(m)) level = PORTABLE;
+    if (m->format == NVFP4) {
+        const int64_t half_k = m->k / 2;
+        const uint8_t *codes = m->data + expert * m->n * half_k;
+        const uint8_t *scales = m->scales + expert * m->n * (m->k / GROUP);
+        const float *global = m->factors + expert * (m->global_stride ? m->n : 1);
+        for (int64_t row = row0; row < row1; row++)
+            for (int64_t r0 = 0; r0 < rows; r0 += MAX_ROWS) {
+                const int64_t count = rows - r0 < MAX_ROWS ? rows - r0 : MAX_ROWS;
+                const float *xr = x + r0 * x_stride;
+                const uint8_t *c = codes + row * half_k, *s = scales + row * (m->k / GROUP);
+                const float gs = global[row * m->global_stride];
+                float *out = y + r0 * y_stride + row;
+                if (level == AVX512)
+                    nvfp4_row_avx512(xr, x_stride, count, half_k, c, s, fp8_table, gs, out, y_stride);
+                else if (level == AVX2)
+                    nvfp4_row_avx2(xr, x_stride, count, half_k, c, s, fp8_table, gs, out, y_stride);
+                else
+                    nvfp4_row_scalar(xr, x_stride, count, half_k, c, s, fp8_table, gs, out, y_stride);
+            }
+    } else {
+        const int64_t kb = (m->k + m->bk - 1) / m->bk, nb = (m->n + m->bn - 1) / m->bn;
+        const uint8_t *w = m->data + expert * m->n * m->k;
+        const float *block_scales = m->factors + expert * nb * kb;
+        for (int64_t row = row0; row < row1; row++)
+            for (int64_t r0 = 0; r0 < rows; r0 += MAX_ROWS) {
+                const int64_t count = rows - r0 < MAX_ROWS ? rows - r0 : MAX_ROWS;
+                const float *xr = x + r0 * x_stride;
+                const uint8_t *wr = w + row * m->k;
+                const float *sr = block_scales + (row / m->bn) * kb;
+                float *out = y + r0 * y_stride + row;
+                if (level == AVX512)
+                    fp8_row_avx512(xr, x_stride, count, m->k, wr, sr, m->bk, fp8_table, out, y_stride);
+                else if (level == AVX2)
+                    fp8_row_avx2(xr, x_stride, count, m->k, wr, sr, m->bk, fp8_table, out, y_stride);
+                else
+                    fp8_row_scalar(xr, x_stride, count, m->k, wr, sr, m->bk, fp8_table, out, y_stride);
+            }
+    }
+}
+
+/* Row `src` (k values) into the layout the matrix reads: NVFP4 splits even and odd columns. */
+static void prepare_row(const matrix *m, const float *src, float *dst) {
+    if (m->format != NVFP4) {
+        memcpy(dst, src, sizeof(float) * (size_t)m->k);
+        return;
+    }
+    const int64_t half_k = m->k / 2;
+    for (int64_t j = 0; j < half_k; j++) {
+        dst[j] = src[2 * j];
+        dst[half_k + j] = src[2 * j + 1];
+    }
+}
+
+static int check(const matrix *m) {
+    if (m->n < 0 || m->k <= 0) return -1;
+    if (m->format == NVFP4) return m->k % GROUP ? -1 : 0;
+    if (m->format == FP8_BLOCK) return m->bn > 0 && m->bk > 0 ? 0 : -1;
+    return -1;
+}
+
+/* ---------------------------------------------------------------- entry points */
+
+/* y [rows, n] = x [rows, k] @ matrix(expert 0)^T, output rows shared among `threads` threads.
+ * level: the highest code path allowed (0 portable, 1 AVX2, 2 AVX-512). Returns 0, or -1 on bad
+ * shapes. */
+int gemv(const matrix *m, const float *x, int64_t rows, float *y, const float *fp8_table, int threads, int level) {
+    if (check(m) || rows < 0) return -1;
+    float *prepared = malloc(sizeof(float) * (size_t)(rows * m->k + 1));
+    if (!prepared) return -1;
+    for (int64_t r = 0; r < rows; r++) prepare_row(m, x + r * m->k, prepared + r * m->k);
+    level = level_for(level);
 #pragma omp parallel for num_threads(threads) schedule(static)
-    for (int64_t row = 0; row < n; row++) {
-        const uint8_t *wr = w + row * k;
-        const float *sr = scale_inv + (row / bn) * kb;
-        for (int64_t r0 = 0; r0 < rows; r0 += MAX_ROWS) {
-            int64_t count = rows - r0 < MAX_ROWS ? rows - r0 : MAX_ROWS;
-            if (avx2)
-                fp8_row_avx2(x + r0 * k, count, k, wr, sr, bk, y + r0 * n + row, n);
-            else
-                fp8_row_scalar(x + r0 * k, count, k, wr, sr, bk, fp8_table, y + r0 * n + row, n);
+    for (int64_t t = 0; t < (m->n + TILE - 1) / TILE; t++) {
+        const int64_t row1 = (t + 1) * TILE < m->n ? (t + 1) * TILE : m->n;
+        project_rows(m, 0, t * TILE, row1, prepared, m->k, rows, y, m->n, fp8_table, level);
+    }
+    free(prepared);
+    return 0;
+}
+
+static inline float silu(float v) { return v / (1.0f + expf(-v)); }
+
+/* The routed experts' MLP for P (row, expert) pairs grouped by expert:
+ *   out[p] = weight[p] * down_e(silu(min(gate_e x_p, L)) * clamp(up_e x_p, -L, L))
+ * x [P, d] fp32 (one row per pair, pairs of group g at [starts[g], starts[g + 1]) use expert
+ * experts[g]); out [P, d] fp32. gate and up are [E, i, d], down [E, d, i]. One parallel region: the
+ * inputs are prepared, gate and up tiles run, SwiGLU, then the down tiles, with a barrier between.
+ * workspace: at least P * (d + 3 * i) floats. Returns 0, or -1 on bad shapes. */
+int experts_forward(const matrix *gate, const matrix *up, const matrix *down, const float *x, int64_t pairs,
+                    int64_t groups, const int64_t *experts, const int64_t *starts, const float *pair_weights,
+                    float limit, float *out, float *workspace, const float *fp8_table, int threads, int level) {
+    if (check(gate) || check(up) || check(down)) return -1;
+    const int64_t d = gate->k, inter = gate->n;
+    if (up->k != d || up->n != inter || down->k != inter || down->n != d || up->format != gate->format ||
+        pairs < 0 || groups < 0)
+        return -1;
+    float *xin = workspace, *g_out = xin + pairs * d, *u_out = g_out + pairs * inter, *h = u_out + pairs * inter;
+    const int64_t inter_tiles = (inter + TILE - 1) / TILE, d_tiles = (d + TILE - 1) / TILE;
+    level = level_for(level);
+#pragma omp parallel num_threads(threads)
+    {
+#pragma omp for schedule(static)
+        for (int64_t p = 0; p < pairs; p++) prepare_row(gate, x + p * d, xin + p * d);
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t unit = 0; unit < groups * 2 * inter_tiles; unit++) {
+            const int64_t g = unit / (2 * inter_tiles), t = unit % inter_tiles;
+            const int is_up = (unit / inter_tiles) % 2;
+            const int64_t row0 = t * TILE, row1 = row0 + TILE < inter ? row0 + TILE : inter;
+            const int64_t p0 = starts[g], count = starts[g + 1] - starts[g];
+            project_rows(is_up ? up : gate, experts[g], row0, row1, xin + p0 * d, d, count,
+                         (is_up ? u_out : g_out) + p0 * inter, inter, fp8_table, level);
+        }
+#pragma omp for schedule(static)
+        for (int64_t p = 0; p < pairs; p++) {
+            float *act = g_out + p * inter; /* the activation overwrites the gate, then is prepared */
+            for (int64_t j = 0; j < inter; j++) {
+                const float gv = fminf(act[j], limit), uv = fminf(fmaxf(u_out[p * inter + j], -limit), limit);
+                act[j] = silu(gv) * uv;
+            }
+            prepare_row(down, act, h + p * inter);
+        }
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t unit = 0; unit < groups * d_tiles; unit++) {
+            const int64_t g = unit / d_tiles, t = unit % d_tiles;
+            const int64_t row0 = t * TILE, row1 = row0 + TILE < d ? row0 + TILE : d;
+            const int64_t p0 = starts[g], count = starts[g + 1] - starts[g];
+            project_rows(down, experts[g], row0, row1, h + p0 * inter, inter, count, out + p0 * d, d, fp8_table,
+                         level);
+            for (int64_t p = p0; p < p0 + count; p++)
+                for (int64_t j = row0; j < row1; j++) out[p * d + j] *= pair_weights[p];
         }
     }
     return 0;

@@ -1,8 +1,8 @@
-"""The compiled CPU NVFP4 GEMV (cpu_gemv.c) behind a torch-shaped call, and whether it is built.
+"""The compiled CPU expert kernels (cpu_gemv.c) behind torch-shaped calls, and whether they are built.
 
-`pip install -e .` compiles it where a C compiler exists; elsewhere `available()` is False and the
-CPU expert executor keeps its torch path. GLMFLASH_CPU_KERNELS=torch forces that path,
-=portable the C code without SIMD (both for comparisons).
+`pip install -e .` compiles them where a C compiler exists; elsewhere `available()` is False and the
+CPU expert executor keeps its torch path. GLMFLASH_CPU_KERNELS picks the path: `auto` (the widest
+SIMD the CPU has), `avx2`, `portable` (plain C), `torch` (the compiled kernels off), for comparisons.
 """
 
 from __future__ import annotations
@@ -19,6 +19,36 @@ from engine.weights import Fp8BlockWeight, Nvfp4Weight
 _MODULE = "engine.kernels.experts._cpu_gemv"
 _P = ctypes.c_void_p
 _I = ctypes.c_int64
+_LEVELS = {"auto": 2, "avx2": 1, "portable": 0}
+QuantWeight = Nvfp4Weight | Fp8BlockWeight
+
+
+class Matrix(ctypes.Structure):
+    """cpu_gemv.c's `matrix`: a quantized matrix or a stack of them, by pointer (the tensors stay owned
+    by torch; `keep` holds the contiguous ones the pointers come from)."""
+
+    _fields_ = [("format", ctypes.c_int32), ("n", _I), ("k", _I), ("data", _P), ("scales", _P), ("factors", _P),
+                ("global_stride", _I), ("bn", _I), ("bk", _I)]
+
+
+def matrix(weight: QuantWeight) -> tuple[Matrix, tuple[torch.Tensor, ...]]:
+    """A C view of an NVFP4 or FP8-block weight [..., N, K] (a stack: every matrix alike), and the tensors
+    it points into, which must outlive it."""
+    n, k = weight.shape[-2:]
+    if isinstance(weight, Nvfp4Weight):
+        codes, scales = weight.packed.contiguous(), weight.scale.contiguous().view(torch.uint8)
+        glob = weight.global_scale.float().contiguous()
+        per_row = glob.shape[-1] if glob.dim() else 1
+        if per_row not in (1, n):
+            raise ValueError(f"NVFP4 weight {weight.shape} with a global scale of shape {tuple(glob.shape)}")
+        keep = (codes, scales, glob)
+        m = Matrix(0, n, k, codes.data_ptr(), scales.data_ptr(), glob.data_ptr(), int(per_row == n and n > 1), 0, 0)
+    else:
+        data, scale_inv = weight.data.contiguous().view(torch.uint8), weight.scale_inv.float().contiguous()
+        bn, bk = weight.block
+        keep = (data, scale_inv)
+        m = Matrix(1, n, k, data.data_ptr(), None, scale_inv.data_ptr(), 0, bn, bk)
+    return m, keep
 
 
 @functools.lru_cache(maxsize=None)
@@ -27,63 +57,75 @@ def _library() -> ctypes.CDLL | None:
     if spec is None or spec.origin is None:
         return None
     lib = ctypes.CDLL(spec.origin)
-    lib.nvfp4_gemv.argtypes = [_P, _I, _I, _P, _P, _P, _I, _I, _P, _P, ctypes.c_int, ctypes.c_int]
-    lib.nvfp4_gemv.restype = ctypes.c_int
-    lib.fp8_block_gemv.argtypes = [_P, _I, _I, _P, _P, _I, _I, _I, _P, _P, ctypes.c_int, ctypes.c_int]
-    lib.fp8_block_gemv.restype = ctypes.c_int
+    lib.gemv.argtypes = [ctypes.POINTER(Matrix), _P, _I, _P, _P, ctypes.c_int, ctypes.c_int]
+    lib.gemv.restype = ctypes.c_int
+    lib.experts_forward.argtypes = ([ctypes.POINTER(Matrix)] * 3 + [_P, _I, _I, _P, _P, _P, ctypes.c_float, _P, _P, _P,
+                                                                    ctypes.c_int, ctypes.c_int])
+    lib.experts_forward.restype = ctypes.c_int
     return lib
 
 
+def _mode() -> str:
+    return os.environ.get("GLMFLASH_CPU_KERNELS", "auto")
+
+
 def available() -> bool:
-    """Whether the compiled kernel is built and not switched off."""
-    return os.environ.get("GLMFLASH_CPU_KERNELS", "auto") != "torch" and _library() is not None
+    """Whether the compiled kernels are built and not switched off."""
+    return _mode() != "torch" and _library() is not None
+
+
+def _level() -> int:
+    return _LEVELS.get(_mode(), 2)
 
 
 @functools.lru_cache(maxsize=None)
-def _fp8_table() -> torch.Tensor:
+def fp8_table() -> torch.Tensor:
     """Byte -> e4m3 value, from torch's own codec (NaN bytes never occur in a scale)."""
     return torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).float()
 
 
-def _simd() -> int:
-    return int(os.environ.get("GLMFLASH_CPU_KERNELS", "auto") != "portable")
-
-
-def _operands(x: torch.Tensor, weight: Nvfp4Weight | Fp8BlockWeight, what: str
-              ) -> tuple[ctypes.CDLL, torch.Tensor, torch.Tensor]:
-    """(the library, x as contiguous fp32 rows, the fp32 output [R, N]) after checking the shapes."""
+def gemv(x: torch.Tensor, weight: QuantWeight, threads: int) -> torch.Tensor:
+    """x [R, K] on the CPU @ dequantize(weight [N, K])^T -> fp32 [R, N], without expanding the weight."""
     lib = _library()
     assert lib is not None, "the CPU kernels are not built: check available() first"
-    n, k = weight.shape
+    if len(weight.shape) != 2:
+        raise ValueError(f"gemv: one matrix expected, got a weight of shape {weight.shape}")
+    m, _keep = matrix(weight)
     xf = x.float().contiguous()
-    if xf.dim() != 2 or xf.shape[1] != k:
-        raise ValueError(f"{what}: x {tuple(x.shape)} against weight {weight.shape}")
-    return lib, xf, torch.empty(xf.shape[0], n, dtype=torch.float32)
-
-
-def nvfp4_gemv(x: torch.Tensor, weight: Nvfp4Weight, threads: int) -> torch.Tensor:
-    """x [R, K] on the CPU @ dequantize(weight [N, K])^T -> fp32 [R, N], without expanding the weight."""
-    lib, xf, y = _operands(x, weight, "nvfp4_gemv")
-    (rows, k), n = xf.shape, y.shape[1]
-    codes, scales = weight.packed.contiguous(), weight.scale.contiguous().view(torch.uint8)
-    glob = weight.global_scale.float().contiguous()
-    if glob.numel() not in (1, n):
-        raise ValueError(f"nvfp4_gemv: weight {weight.shape} with a global scale of {glob.numel()} values")
-    status = lib.nvfp4_gemv(xf.data_ptr(), rows, k, codes.data_ptr(), scales.data_ptr(), glob.data_ptr(),
-                            0 if glob.numel() == 1 else 1, n, _fp8_table().data_ptr(), y.data_ptr(), threads, _simd())
-    if status:
-        raise ValueError(f"nvfp4_gemv: K = {k} is not a multiple of 16")
+    if xf.dim() != 2 or xf.shape[1] != m.k:
+        raise ValueError(f"gemv: x {tuple(x.shape)} against weight {weight.shape}")
+    y = torch.empty(xf.shape[0], m.n, dtype=torch.float32)
+    if lib.gemv(ctypes.byref(m), xf.data_ptr(), xf.shape[0], y.data_ptr(), fp8_table().data_ptr(), threads, _level()):
+        raise ValueError(f"gemv: weight {weight.shape} {type(weight).__name__} has a shape the kernel cannot take "
+                         "(NVFP4 needs K a multiple of 16; FP8 needs positive blocks)")
     return y
 
 
-def fp8_block_gemv(x: torch.Tensor, weight: Fp8BlockWeight, threads: int) -> torch.Tensor:
-    """x [R, K] on the CPU @ dequantize(weight [N, K])^T -> fp32 [R, N], without expanding the weight."""
-    lib, xf, y = _operands(x, weight, "fp8_block_gemv")
-    (rows, k), n = xf.shape, y.shape[1]
-    data, scale_inv = weight.data.contiguous().view(torch.uint8), weight.scale_inv.float().contiguous()
-    bn, bk = weight.block
-    status = lib.fp8_block_gemv(xf.data_ptr(), rows, k, data.data_ptr(), scale_inv.data_ptr(), bn, bk, n,
-                                _fp8_table().data_ptr(), y.data_ptr(), threads, _simd())
-    if status:
-        raise ValueError(f"fp8_block_gemv: block {weight.block} is not a positive size")
-    return y
+class ExpertStacks:
+    """One layer's gate, up and down stacks as C views, for whole expert passes over host RAM."""
+
+    def __init__(self, gate: QuantWeight, up: QuantWeight, down: QuantWeight) -> None:
+        views = [matrix(w) for w in (gate, up, down)]
+        self.matrices = [m for m, _ in views]
+        self._keep = [t for _, keep in views for t in keep]
+        self.hidden, self.inter = gate.shape[-1], gate.shape[-2]
+
+    def forward(self, x: torch.Tensor, experts: torch.Tensor, starts: torch.Tensor, pair_weights: torch.Tensor,
+                limit: float, threads: int) -> torch.Tensor:
+        """x [P, D]: one row per (token, expert) pair, grouped by expert (group g: rows starts[g]..starts[g+1]
+        use experts[g]) -> [P, D] fp32, each row its expert's MLP output times its pair weight."""
+        lib = _library()
+        assert lib is not None, "the CPU kernels are not built: check available() first"
+        xf, w = x.float().contiguous(), pair_weights.float().contiguous()
+        experts, starts = experts.to(torch.int64).contiguous(), starts.to(torch.int64).contiguous()
+        pairs = xf.shape[0]
+        out = torch.empty(pairs, self.hidden, dtype=torch.float32)
+        workspace = torch.empty(pairs * (self.hidden + 3 * self.inter) + 1, dtype=torch.float32)
+        gate, up, down = (ctypes.byref(m) for m in self.matrices)
+        status = lib.experts_forward(gate, up, down, xf.data_ptr(), pairs, experts.numel(), experts.data_ptr(),
+                                     starts.data_ptr(), w.data_ptr(), limit, out.data_ptr(), workspace.data_ptr(),
+                                     fp8_table().data_ptr(), threads, _level())
+        if status:
+            raise ValueError(f"experts_forward: stacks of shapes {[(m.n, m.k) for m in self.matrices]} do not "
+                             "form an expert MLP the kernel can take")
+        return out

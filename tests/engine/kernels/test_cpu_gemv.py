@@ -37,7 +37,7 @@ def test_kernel_is_built():
     assert cpu_gemv.available(), "engine/kernels/experts/_cpu_gemv was not built by `pip install -e .`"
 
 
-@pytest.mark.parametrize("mode", ["auto", "portable"])
+@pytest.mark.parametrize("mode", ["auto", "avx2", "portable"])
 @pytest.mark.parametrize("rows,n,k", [(1, 130, 256), (3, 40, 200), (11, 17, 96), (2, 5, 100)])
 def test_fp8_gemv_matches_float64(monkeypatch, mode, rows, n, k):
     """Ragged blocks in both directions (n = 130, k = 200), K not a multiple of 16 (portable path)."""
@@ -45,12 +45,12 @@ def test_fp8_gemv_matches_float64(monkeypatch, mode, rows, n, k):
     weight = random_fp8(n, k, seed=rows + k)
     x = torch.randn(rows, k, generator=torch.Generator().manual_seed(n))
     want = x.double() @ weight.dequantize(torch.float64).t()
-    got = cpu_gemv.fp8_block_gemv(x, weight, threads=2)
+    got = cpu_gemv.gemv(x, weight, threads=2)
     assert got.dtype == torch.float32 and got.shape == (rows, n)
     assert ((got.double() - want).norm() / want.norm()).item() < 1e-6
 
 
-@pytest.mark.parametrize("mode", ["auto", "portable"])
+@pytest.mark.parametrize("mode", ["auto", "avx2", "portable"])
 @pytest.mark.parametrize("rows,n,k,per_row", [(1, 64, 256, False), (3, 40, 96, True), (11, 17, 512, True)])
 def test_gemv_matches_float64(monkeypatch, mode, rows, n, k, per_row):
     """Ragged rows (11 > the kernel's 8-row pass), ragged N, K of one and of many groups."""
@@ -58,20 +58,26 @@ def test_gemv_matches_float64(monkeypatch, mode, rows, n, k, per_row):
     weight = random_nvfp4(n, k, seed=rows + n, per_row_global=per_row)
     x = torch.randn(rows, k, generator=torch.Generator().manual_seed(k))
     want = x.double() @ weight.dequantize(torch.float64).t()
-    got = cpu_gemv.nvfp4_gemv(x, weight, threads=2)
+    got = cpu_gemv.gemv(x, weight, threads=2)
     assert got.dtype == torch.float32 and got.shape == (rows, n)
     assert ((got.double() - want).norm() / want.norm()).item() < 1e-6  # fp32 sums of exact products
 
 
 def test_gemv_names_a_shape_mismatch():
     with pytest.raises(ValueError, match="against weight"):
-        cpu_gemv.nvfp4_gemv(torch.randn(1, 64), random_nvfp4(8, 128, 0), threads=1)
+        cpu_gemv.gemv(torch.randn(1, 64), random_nvfp4(8, 128, 0), threads=1)
 
 
+@pytest.mark.parametrize("mode", ["auto", "avx2", "portable"])
 @pytest.mark.parametrize("fmt", ["nvfp4", "fp8"])
-def test_cpu_experts_equal_the_reference_on_quantized_experts(fmt):
-    e, d, i = 6, 128, 64
-    g = torch.Generator().manual_seed(3)
+@pytest.mark.parametrize("d,i,tokens", [(128, 64, 5), (96, 80, 12)])
+def test_cpu_experts_equal_the_reference_on_quantized_experts(monkeypatch, mode, fmt, d, i, tokens):
+    """The compiled expert pass: experts without tokens, an expert with more rows than one pass of the
+    kernel takes (12 > 8), widths that are not a multiple of its tiles, an odd count of NVFP4 groups
+    (80 / 16), FP8 blocks ragged at 96 and 80."""
+    monkeypatch.setenv("GLMFLASH_CPU_KERNELS", mode)
+    e = 6
+    g = torch.Generator().manual_seed(d + tokens)
 
     def stack(n: int, k: int):
         weights = [torch.randn(n, k, generator=g) / k ** 0.5 for _ in range(e)]
@@ -82,8 +88,10 @@ def test_cpu_experts_equal_the_reference_on_quantized_experts(fmt):
         return Nvfp4Weight(*(torch.stack([p[j] for p in parts]) for j in range(3)))
 
     stacks = {0: (stack(i, d), stack(i, d), stack(d, i))}
-    x = torch.randn(5, d, generator=g)
-    ids = torch.tensor([[0, 2], [2, 5], [0, 5], [5, 2], [0, 2]])  # experts 1, 3 and 4 get no token
-    w = torch.rand(5, 2, generator=g)
-    want = TorchExperts(stacks, 7.0)(0, x, ids, w)
-    torch.testing.assert_close(CpuExperts(stacks, 7.0, threads=2)(0, x, ids, w), want, rtol=1e-5, atol=1e-5)
+    x = torch.randn(tokens, d, generator=g)
+    ids = torch.stack([torch.tensor([0, 2]) if t % 3 else torch.tensor([5, 2]) for t in range(tokens)])
+    w = torch.rand(tokens, 2, generator=g)
+    executor = CpuExperts(stacks, 1.5, threads=2)  # a limit the SwiGLU inputs cross
+    assert 0 in executor.compiled
+    want = TorchExperts(stacks, 1.5)(0, x, ids, w)
+    torch.testing.assert_close(executor(0, x, ids, w), want, rtol=1e-5, atol=1e-5)
