@@ -15,13 +15,13 @@ from pathlib import Path
 import torch
 
 from engine.cache import PagedLatents, RequestSlots
-from engine.checkpoint.loader import LoadedWeights, checkpoint_bytes, load_weights
+from engine.checkpoint.loader import LoadedWeights, checkpoint_sizes, load_weights
 from engine.kernels.dispatch import fast_kernels_enabled
 from engine.kernels.kda.fla_prefill import warm_up_kda_prefill
 from engine.config import ModelConfig
 from engine.experts import executor_class
 from engine.experts.hybrid import HybridExperts, OffloadStats
-from engine.offload.placement import AUTO, auto_budget, expert_load_device, resolve_budget
+from engine.offload.placement import AUTO, auto_budget, plan_load
 from engine.model.glm5_next import Glm5NextModel
 from engine.model_runner import ModelRunner
 from engine.sampler import TokenLogprobs, sample_batch
@@ -75,15 +75,20 @@ def graph_sizes(max_num_seqs: int) -> tuple[int, ...]:
     return tuple(sorted(sizes | {max_num_seqs}))
 
 
+def _caches(config: ModelConfig, options: EngineOptions, device: torch.device, dtype: torch.dtype
+            ) -> tuple[RequestSlots, PagedLatents]:
+    pages = options.max_num_seqs * -(-options.max_model_len // options.page_size)
+    return RequestSlots(config, options.max_num_seqs, device, dtype), PagedLatents(config, pages, options.page_size,
+                                                                                   device, dtype)
+
+
 class EngineCore:
     def __init__(self, config: ModelConfig, weights: LoadedWeights, options: EngineOptions = EngineOptions()) -> None:
         self.config, self.options = config, options
         embed = weights["embed_tokens.weight"]
         dev, dtype = embed.device, embed.dtype
         # Caches first: an automatic expert budget is the device memory they leave.
-        self.slots = RequestSlots(config, options.max_num_seqs, dev, dtype)
-        pages = options.max_num_seqs * -(-options.max_model_len // options.page_size)
-        self.cache = PagedLatents(config, pages, options.page_size, dev, dtype)
+        self.slots, self.cache = _caches(config, options, dev, dtype)
         self.offload = self._hybrid_experts(config, weights, options)
         self.model = Glm5NextModel(config, weights, self.offload)
         limits = SchedulerLimits(options.max_model_len, max(options.max_num_batched_tokens, options.max_num_seqs),
@@ -121,7 +126,7 @@ class EngineCore:
         slots = len(hybrid.resident[config.moe_layers[0]])
         gib_per_slot = hybrid.expert_bytes * len(config.moe_layers) / 2 ** 30  # one expert in every MoE layer
         log.info("event=expert_placement device_slots_per_layer=%d of=%d device_gib=%.2f host_gib=%.2f",
-                 slots, hybrid.num_experts, gib_per_slot * slots, gib_per_slot * hybrid.num_experts)
+                 slots, hybrid.num_experts, gib_per_slot * slots, gib_per_slot * (hybrid.num_experts - slots))
         return hybrid
 
     @classmethod
@@ -131,9 +136,18 @@ class EngineCore:
             raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
         config = ModelConfig.from_dir(model)
         device = torch.device(device)
-        budget = resolve_budget(options.moe_vram_budget, device, checkpoint_bytes(Path(model)))
-        weights = load_weights(model, config, device, DTYPES[dtype], expert_load_device(device, budget))
+        budget, slots = plan_load(options.moe_vram_budget, device, checkpoint_sizes(Path(model), config),
+                                  len(config.moe_layers), config.n_routed_experts,
+                                  cls.cache_bytes(config, options, DTYPES[dtype]))
+        weights = load_weights(model, config, device, DTYPES[dtype], slots)
         return cls(config, weights, dataclasses.replace(options, moe_vram_budget=budget))
+
+    @staticmethod
+    def cache_bytes(config: ModelConfig, options: EngineOptions, dtype: torch.dtype) -> int:
+        """Device bytes the request slots and the latent cache will take (measured on the meta device)."""
+        caches = _caches(config, options, torch.device("meta"), dtype)
+        return sum(t.numel() * t.element_size() for cache in caches for t in vars(cache).values()
+                   if isinstance(t, torch.Tensor))
 
     def add(self, seq: Sequence) -> None:
         if seq.request_id in self._by_id:

@@ -87,6 +87,31 @@ class Nvfp4Weight:
 Weight = Union[DenseWeight, Fp8BlockWeight, Nvfp4Weight]
 
 
+@dataclass
+class SplitStack:
+    """A stack of routed experts [E, ...] held in two places: experts [0, S) in `device` (device memory), the
+    others in `host` (host RAM). Hybrid offload's initial placement, made while loading, so the full stack
+    never sits in one place."""
+
+    device: Weight
+    host: Weight
+
+    @property
+    def slots(self) -> int:
+        return self.device.shape[0]
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return (self.slots + self.host.shape[0], *self.device.shape[1:])
+
+    def nbytes(self) -> int:
+        return self.device.nbytes() + self.host.nbytes()
+
+    def joined(self, field: str) -> torch.Tensor:
+        """One field of the whole stack in host memory, experts in order (a copy: for writing it out)."""
+        return torch.cat([getattr(self.device, field).cpu(), getattr(self.host, field)])
+
+
 def tensor_fields(weight: Weight) -> tuple[str, ...]:
     """The names of a weight's tensors, in a fixed order."""
     return {DenseWeight: ("data",), Fp8BlockWeight: ("data", "scale_inv"),

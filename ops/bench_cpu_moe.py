@@ -65,7 +65,7 @@ def main() -> None:
     gen = torch.Generator().manual_seed(0)
     make = nvfp4_stack if args.format == "nvfp4" else fp8_stack
     stacks = (make(args.experts, I, D, gen), make(args.experts, I, D, gen), make(args.experts, D, I, gen))
-    hybrid = HybridExperts({0: stacks}, {0: []}, torch.device("cpu"), swiglu_limit=7.0)
+    hybrid = HybridExperts.place({0: stacks}, {0: []}, torch.device("cpu"), swiglu_limit=7.0)
     x = torch.randn(1, D).to(torch.bfloat16)
     weights = torch.full((1, TOP_K), 1.0 / TOP_K)
     steps = [torch.randperm(args.experts, generator=gen)[:TOP_K].unsqueeze(0) for _ in range(args.steps + 2)]

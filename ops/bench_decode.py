@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import time
 from typing import Any, Callable
 
@@ -31,7 +32,9 @@ from engine import LLM, SamplingParams
 from engine.config import ModelConfig
 from engine.model.moe import MoE
 from engine.tiny.factory import synthetic_weights, tiny_config
-from engine.checkpoint.layout import EXPERT_PROJS
+from engine.checkpoint.layout import EXPERT_KEY, EXPERT_PROJS, text_specs
+from engine.offload.placement import reserve_bytes, slots_per_layer
+from ops.bench_cpu_moe import read_bandwidth
 from ops.bench_engine import nbytes, copy_bandwidth, reference_model, slice_text_config, sync, time_reference
 
 FULL_LAYERS = 45
@@ -132,8 +135,10 @@ def main() -> None:
     parser.add_argument("--reference-layers", type=int, default=4, help="0 skips the transformers reference")
     parser.add_argument("--tiny", action="store_true", help="the tiny model's shapes (CPU smoke run)")
     parser.add_argument("--profile", action="store_true", help="print the top ops of one batch-1 decode step")
-    parser.add_argument("--expert-slots", type=int, help="hybrid offload: routed experts per MoE layer kept in "
-                        "device memory, the rest in pinned host RAM (default: every expert on the device)")
+    parser.add_argument("--expert-slots", help="hybrid offload: routed experts per MoE layer kept in device memory "
+                        "('auto': as many as fit), the rest in pinned host RAM (default: every expert on the device)")
+    parser.add_argument("--expert-variety", type=int, help="distinct expert values per layer (a faster build at "
+                        "release size: each expert still has its own memory)")
     parser.add_argument("--json", help="write the results here as JSON")
     args = parser.parse_args()
 
@@ -146,6 +151,8 @@ def main() -> None:
         contexts, prefills, batches = [min(c, 64) for c in contexts], [min(p, 96) for p in prefills], batches[:1]
     else:
         text = slice_text_config(args.layers)
+        if args.layers == FULL_LAYERS:  # the whole model as released: three dense MLP layers, then MoE
+            text["mlp_layer_types"] = ["dense"] * 3 + ["sparse"] * (FULL_LAYERS - 3)
     qc = tiny_config(args.format).get("quantization_config")
     cfg = ModelConfig.from_dict({"text_config": text, "quantization_config": qc})
     result: dict[str, Any] = {}
@@ -158,7 +165,11 @@ def main() -> None:
 
     start = time.perf_counter()
     hybrid = args.expert_slots is not None
-    weights = synthetic_weights(cfg, args.format, device, dtype, expert_device="cpu" if hybrid else None)
+    slots = None
+    if hybrid:
+        slots = auto_slots(cfg, args.format, device) if args.expert_slots == "auto" else int(args.expert_slots)
+        report({"expert_slots_per_layer": slots, "host_read_GBps": read_bandwidth(4 << 30)})
+    weights = synthetic_weights(cfg, args.format, device, dtype, expert_slots=slots, expert_variety=args.expert_variety)
     sync(device)
     sizes = weight_bytes(cfg, weights)
     head_bytes = nbytes(weights["lm_head"]) + nbytes(weights["norm.weight"])
@@ -169,18 +180,19 @@ def main() -> None:
     report({"copy_bandwidth_gbs": bandwidth / 1e9})
     max_len = max(contexts + prefills) + args.steps + 8
     start = time.perf_counter()
-    budget = args.expert_slots * round(sizes[1]) * len(cfg.moe_layers) if hybrid else None
+    budget = slots * round(sizes[1]) * len(cfg.moe_layers) if hybrid else None
     llm = LLM.from_weights(cfg, weights, max_num_seqs=max(batches + [1]), max_model_len=max_len,
                            max_num_batched_tokens=max(prefills + [2048]), moe_vram_budget=budget)
     report({"engine_init_s": time.perf_counter() - start})
 
     def decode_figures(name: str, batch: int, context: int) -> None:
+        if hybrid:
+            report(hybrid_decode_figures(name, llm, batch, context, args.steps, result["host_read_GBps"], sizes[1]))
+            return
         step = decode_step_s(llm, batch, context, args.steps, device)
         experts = distinct_experts(llm, batch, context)
         moved = step_bytes(cfg, sizes, batch, context, experts)
         roof = moved / bandwidth
-        if hybrid:
-            report(offload_figures(name, llm, batch, context, args.steps))
         report({f"{name}_step_ms": step * 1e3, f"{name}_tok_s": batch / step,
                 f"{name}_ms_per_layer": step * 1e3 / cfg.num_layers, f"{name}_distinct_experts": experts,
                 f"{name}_bytes_per_layer": moved / cfg.num_layers, f"{name}_roofline_ms": roof * 1e3,
@@ -196,8 +208,9 @@ def main() -> None:
     # Per layer: the step less the head at its roofline (the head runs once per step, whatever the depth).
     head_ms = head_bytes / bandwidth * 1e3
     b1 = (result[f"b1_ctx{contexts[0]}_step_ms"] - head_ms) / cfg.num_layers
-    report({"extrapolated_45_layers_ms_per_token (est.)": b1 * FULL_LAYERS + head_ms,
-            "extrapolated_45_layers_tok_s (est.)": 1e3 / (b1 * FULL_LAYERS + head_ms)})
+    if cfg.num_layers != FULL_LAYERS:
+        report({"extrapolated_45_layers_ms_per_token (est.)": b1 * FULL_LAYERS + head_ms,
+                "extrapolated_45_layers_tok_s (est.)": 1e3 / (b1 * FULL_LAYERS + head_ms)})
     if args.profile:
         profile_step(llm, device)
     del llm
@@ -219,26 +232,55 @@ def main() -> None:
             json.dump(result, f, indent=2)
 
 
-def offload_figures(name: str, llm: LLM, batch: int, context: int, steps: int) -> dict[str, float]:
-    """Over `steps` decode steps (a long generate's counts less a one-token one's, so the prefill cancels):
-    the share of routed pairs whose expert was in a device slot, and the CPU executor's read rate on the
-    misses (the expert bytes it read over the time it ran)."""
-    ps = prompts(batch, context, llm.config.vocab_size, seed=batch * 7919 + context)
-
-    def counts(n: int) -> dict[str, float]:
-        before = dataclasses.replace(llm.core.offload.stats)
-        llm.generate(ps, SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True))
-        after = llm.core.offload.stats
-        return {k: getattr(after, k) - getattr(before, k) for k in
-                ("device_pairs", "host_pairs", "fetched_pairs", "host_seconds", "host_bytes")}
-
-    short, long = counts(1), counts(1 + steps)
-    d = {k: long[k] - short[k] for k in long}
+def hybrid_decode_figures(name: str, llm: LLM, batch: int, context: int, steps: int, host_read: float,
+                          per_expert: float) -> dict[str, float]:
+    """Hybrid offload decode, timed step by step through the engine loop once every request decodes (the
+    prefill and its expert fetches excluded): wall ms per step, the share of routed pairs whose expert was
+    in a device slot, the CPU executor's read rate on the misses, and the host side's roofline (the missed
+    experts' bytes over the host read rate measured in this run)."""
+    core = llm.core
+    params = SamplingParams(max_tokens=steps + 8, temperature=0.0, ignore_eos=True)
+    seqs = [llm._sequence(p, params) for p in prompts(batch, context, llm.config.vocab_size, seed=batch + context)]
+    for seq in seqs:
+        core.add(seq)
+    while any(not seq.output_token_ids for seq in seqs):
+        core.step()
+    for _ in range(4):  # warm: the decode shapes, the first swaps after the prefill's counts
+        core.step()
+    before = dataclasses.replace(core.offload.stats)
+    sync(llm.model.device)
+    start = time.perf_counter()
+    for _ in range(steps):
+        core.step()
+    sync(llm.model.device)
+    seconds = (time.perf_counter() - start) / steps
+    after = core.offload.stats
+    for seq in seqs:
+        core.abort(seq.request_id)
+    d = {k: getattr(after, k) - getattr(before, k)
+         for k in ("device_pairs", "host_pairs", "fetched_pairs", "host_seconds", "host_bytes", "swaps")}
     pairs = d["device_pairs"] + d["host_pairs"] + d["fetched_pairs"]
-    return {f"{name}_hit_rate": d["device_pairs"] / max(pairs, 1),
+    host_ms = d["host_bytes"] / steps / (host_read * 1e9) * 1e3
+    return {f"{name}_step_ms": seconds * 1e3, f"{name}_tok_s": batch / seconds,
+            f"{name}_hit_rate": d["device_pairs"] / max(pairs, 1),
             f"{name}_host_pairs_per_step": d["host_pairs"] / steps,
+            f"{name}_distinct_host_experts_per_step": d["host_bytes"] / steps / per_expert,
+            f"{name}_swaps_per_step": d["swaps"] / steps,
             f"{name}_cpu_GBps": d["host_bytes"] / d["host_seconds"] / 1e9 if d["host_seconds"] > 0 else 0.0,
-            f"{name}_cpu_ms_per_step": d["host_seconds"] / steps * 1e3}
+            f"{name}_cpu_ms_per_step": d["host_seconds"] / steps * 1e3,
+            f"{name}_host_roofline_ms": host_ms, f"{name}_ratio_to_host_roofline": seconds * 1e3 / max(host_ms, 1e-9)}
+
+
+def auto_slots(cfg: ModelConfig, fmt: str, device: torch.device) -> int:
+    """Experts per MoE layer that fit the device's free memory beside the other weights (bf16 upper bound),
+    the caches and the engine's reserve: what an automatic budget gives the whole model."""
+    dense = sum(math.prod(spec.shape) * 2 for spec in text_specs(cfg) if not EXPERT_KEY.match(spec.name))
+    inter, hidden = cfg.moe_intermediate_size, cfg.hidden_size
+    per_matrix = {"nvfp4-ct": inter * hidden * 9 // 16, "nvfp4-modelopt": inter * hidden * 9 // 16,
+                  "fp8": inter * hidden, "bf16": 2 * inter * hidden}[fmt]
+    free, total = torch.cuda.mem_get_info(device)
+    budget = free - dense - reserve_bytes(total) - (2 << 30)  # 2 GiB: caches and activations at these sizes
+    return slots_per_layer(max(budget, 0), 3 * per_matrix, len(cfg.moe_layers), cfg.n_routed_experts)
 
 
 def profile_step(llm: LLM, device: torch.device, steps: int = 8) -> None:

@@ -17,11 +17,11 @@ from pathlib import Path
 
 import torch
 
-from engine.checkpoint.loader import LoadedWeights, checkpoint_bytes, load_weights
-from engine.checkpoint.prepared import FORMAT_VERSION, engine_version, load_prepared, save_prepared
+from engine.checkpoint.loader import LoadedWeights, checkpoint_sizes, load_weights
+from engine.checkpoint.prepared import FORMAT_VERSION, engine_version, load_prepared, prepared_sizes, save_prepared
 from engine.config import ModelConfig
-from engine.engine_core import DTYPES
-from engine.offload.placement import expert_load_device, resolve_budget
+from engine.engine_core import DTYPES, EngineCore
+from engine.offload.placement import WeightBytes, plan_load
 from engine.tiny.factory import write_tiny_model
 from provision.cache import check_snapshot
 from provision.download import DownloadProgress, download_snapshot
@@ -30,6 +30,7 @@ from engine.checkpoint.prepared_store import PreparedSnapshotError, check_prepar
 from provision.settings import Settings
 from provision.sources import source_for
 from provision.stages import StageClock
+from worker.engine_options import engine_options
 
 log = logging.getLogger("glmflash.provision")
 TINY_NAME = "glmflash-tiny"
@@ -67,11 +68,11 @@ def provision_and_load(settings: Settings, clock: StageClock) -> LoadedModel:
         clock.stage("fast_resume")
         clock.stage("load", path=str(prepared))
         try:
-            budget = resolve_budget(settings.moe_vram_budget_bytes, device, sum(read_plan(prepared).files.values()))
-            weights, stats = load_prepared(prepared, device, settings.download_workers,
-                                           expert_device=expert_load_device(device, budget))
+            config = ModelConfig.from_dir(snapshot)
+            budget, slots = _placement(settings, config, device, prepared_sizes(read_plan(prepared).meta))
+            weights, stats = load_prepared(prepared, device, settings.download_workers, expert_slots=slots)
             clock.progress(read_gb_s=round(stats.gb_per_s, 3), bytes=stats.bytes)
-            return LoadedModel(ModelConfig.from_dir(snapshot), weights, snapshot, name, budget)
+            return LoadedModel(config, weights, snapshot, name, budget)
         except PreparedSnapshotError as exc:
             clock.stage("repair", reason=_quote(str(exc)))
             shutil.rmtree(prepared, ignore_errors=True)
@@ -86,11 +87,20 @@ def provision_and_load(settings: Settings, clock: StageClock) -> LoadedModel:
         raise ProvisionError(f"{snapshot}: snapshot still {status.state} after download: {status.problems[:3]}")
     clock.stage("prepare", path=str(prepared))
     config = ModelConfig.from_dir(snapshot)
-    budget = resolve_budget(settings.moe_vram_budget_bytes, device, checkpoint_bytes(snapshot))
-    weights = load_weights(snapshot, config, device, DTYPES[dtype], expert_load_device(device, budget))
+    budget, slots = _placement(settings, config, device, checkpoint_sizes(snapshot, config))
+    weights = load_weights(snapshot, config, device, DTYPES[dtype], slots)
     save_prepared(weights, prepared, {"source": wanted})
     clock.stage("load", path="in-memory (converted)")
     return LoadedModel(config, weights, snapshot, name, budget)
+
+
+def _placement(settings: Settings, config: ModelConfig, device: torch.device, sizes: WeightBytes
+               ) -> tuple[int | str | None, int | None]:
+    """(expert budget to serve with, routed experts per MoE layer to load onto the device) for these weights."""
+    dtype = DTYPES[settings.resolved_dtype()]
+    caches = EngineCore.cache_bytes(config, engine_options(settings), dtype)
+    return plan_load(settings.moe_vram_budget_bytes, device, sizes, len(config.moe_layers),
+                     config.n_routed_experts, caches)
 
 
 def _resume_problems(snapshot: Path, prepared: Path, wanted: dict) -> list[str]:

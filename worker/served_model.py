@@ -8,11 +8,12 @@ from pathlib import Path
 from tokenizers import Tokenizer
 
 from engine.async_engine import AsyncEngine
-from engine.engine_core import EngineCore, EngineOptions
+from engine.engine_core import EngineCore
 from engine.sampler import LogitsProcessor
 from engine.sampling_params import SamplingParams
 from provision.settings import Settings
 from worker.chat_template import ChatTemplate
+from worker.engine_options import engine_options
 from worker.provisioning import LoadedModel
 
 
@@ -35,11 +36,7 @@ class ServedModel:
 
 def build_served_model(loaded: LoadedModel, settings: Settings) -> ServedModel:
     """An engine over loaded weights, with the tokenizer and chat template from the snapshot's files."""
-    options = EngineOptions(max_num_seqs=settings.max_num_seqs, max_model_len=settings.max_model_len,
-                            max_num_batched_tokens=settings.max_num_batched_tokens, max_waiting=settings.max_queue,
-                            moe_vram_budget=loaded.moe_vram_budget,
-                            cpu_expert_threads=settings.cpu_expert_threads)
-    core = EngineCore(loaded.config, loaded.weights, options)
+    core = EngineCore(loaded.config, loaded.weights, engine_options(settings, loaded.moe_vram_budget))
     files = loaded.files
     tokenizer = Tokenizer.from_file(str(files / "tokenizer.json"))
     template = ChatTemplate.from_dir(files) if _has_template(files) else None

@@ -20,9 +20,10 @@ from safetensors import safe_open
 
 from engine.checkpoint.layout import EXPERT_KEY, TEXT_PREFIX, TensorSpec, stacked_expert_name, text_specs
 from engine.config import ModelConfig
-from engine.weights import DenseWeight, Fp8BlockWeight, Nvfp4Weight, Weight, map_tensors, tensor_fields
+from engine.offload.placement import WeightBytes
+from engine.weights import DenseWeight, Fp8BlockWeight, Nvfp4Weight, SplitStack, Weight, map_tensors, tensor_fields
 
-LoadedWeights = dict[str, "Weight | torch.Tensor"]
+LoadedWeights = dict[str, "Weight | SplitStack | torch.Tensor"]
 
 # Linear suffix sets that identify each stored format; `input_scale`-style activation scales are
 # carried by some NVFP4 exports and unused by W4A16 math.
@@ -70,9 +71,19 @@ def shard_files(snapshot: Path) -> list[Path]:
     return [snapshot / n for n in names]
 
 
-def checkpoint_bytes(snapshot: Path) -> int:
-    """Bytes of the snapshot's weight shards: what loading it will need, near enough to decide placement."""
-    return sum(path.stat().st_size for path in shard_files(snapshot))
+def checkpoint_sizes(snapshot: Path, cfg: ModelConfig) -> WeightBytes:
+    """Bytes of the snapshot's weight shards and of its routed experts, from the safetensors headers alone
+    (no tensor is read): near enough to decide placement before loading."""
+    experts = 0
+    for path in shard_files(snapshot):
+        with open(path, "rb") as f:
+            header = json.loads(f.read(int.from_bytes(f.read(8), "little")))
+        for key, entry in header.items():
+            name = logical_name(key, cfg.num_layers) if key != "__metadata__" else None
+            if name is not None and EXPERT_KEY.match(name.rpartition(".")[0]):
+                start, end = entry["data_offsets"]
+                experts += end - start
+    return WeightBytes(sum(path.stat().st_size for path in shard_files(snapshot)), experts)
 
 
 def logical_name(key: str, num_layers: int) -> str | None:
@@ -92,9 +103,10 @@ def logical_name(key: str, num_layers: int) -> str | None:
 
 
 def load_weights(snapshot: Path | str, cfg: ModelConfig, device: torch.device | str = "cpu",
-                 dtype: torch.dtype = torch.bfloat16, expert_device: torch.device | str | None = None) -> LoadedWeights:
-    """Load the text model's tensors; see the module docstring for the guarantees. With `expert_device`
-    the routed experts are stacked there (host RAM, pinned when `device` is a GPU) instead of on `device`."""
+                 dtype: torch.dtype = torch.bfloat16, expert_slots: int | None = None) -> LoadedWeights:
+    """Load the text model's tensors; see the module docstring for the guarantees. With `expert_slots`
+    each MoE layer's first `expert_slots` routed experts go to `device` and the others straight to host
+    RAM (pinned when `device` is a GPU): expert stacks are `SplitStack`s."""
     snapshot = Path(snapshot)
     files = shard_files(snapshot)
     groups, key_file = _plan(files, cfg)
@@ -112,21 +124,21 @@ def load_weights(snapshot: Path | str, cfg: ModelConfig, device: torch.device | 
                         yield group.spec, group.tensors
                         group.tensors = {}
 
-    return assemble(cfg, complete_groups(), device, dtype, expert_device)
+    return assemble(cfg, complete_groups(), device, dtype, expert_slots)
 
 
 def assemble(cfg: ModelConfig, groups: Iterable[tuple[TensorSpec, dict[str, torch.Tensor]]],
              device: torch.device | str = "cpu", dtype: torch.dtype = torch.bfloat16,
-             expert_device: torch.device | str | None = None) -> LoadedWeights:
+             expert_slots: int | None = None) -> LoadedWeights:
     """Turn complete tensor groups (suffix -> tensor; "" for plain tensors) into weight objects.
 
     Shared by file loading and by synthetic weights built in memory for benchmarks.
     """
     device = torch.device(device)
-    experts_at = torch.device(expert_device) if expert_device is not None else device
     out: LoadedWeights = {}
-    stacks = _ExpertStacks(cfg, pin=experts_at.type == "cpu" and device.type == "cuda")
-    builder, expert_builder = _Builder(cfg, device, dtype), _Builder(cfg, experts_at, dtype)
+    stacks = _ExpertStacks(cfg, device, expert_slots)
+    builder = _Builder(cfg, device, dtype)
+    expert_builder = builder if expert_slots is None else _Builder(cfg, torch.device("cpu"), dtype)
     for spec, tensors in groups:
         expert = EXPERT_KEY.match(spec.name)
         if expert:
@@ -245,29 +257,44 @@ class _Builder:
 
 
 class _ExpertStacks:
-    """Per-layer, per-projection stacks of all routed experts, filled one expert at a time."""
+    """Per-layer, per-projection stacks of all routed experts, filled one expert at a time: on `device`, or
+    split (`device_slots` given) between `device` (the first experts) and host RAM (the others, pinned
+    when `device` is a GPU)."""
 
-    def __init__(self, cfg: ModelConfig, pin: bool = False) -> None:
-        self.cfg, self.pin = cfg, pin  # pin: host stacks in page-locked memory, for copies to a GPU
-        self.stacks: dict[tuple[int, str], Weight] = {}
+    def __init__(self, cfg: ModelConfig, device: torch.device, device_slots: int | None = None) -> None:
+        self.cfg, self.device, self.device_slots = cfg, device, device_slots
+        self.stacks: dict[tuple[int, str], Weight | SplitStack] = {}
 
     def put(self, layer: int, expert: int, proj: str, weight: Weight) -> None:
         slot = (layer, proj)
         if slot not in self.stacks:
-            self.stacks[slot] = _empty_stack(weight, self.cfg.n_routed_experts, self.pin)
+            self.stacks[slot] = self._empty(weight)
         stack = self.stacks[slot]
-        if type(stack) is not type(weight):
+        kind = type(stack.host if isinstance(stack, SplitStack) else stack)
+        if kind is not type(weight):
             raise CheckpointError(f"layers.{layer}.mlp.experts.{expert}.{proj}: stored as {type(weight).__name__}, "
-                                  f"other experts of this layer as {type(stack).__name__}")
-        _copy_into(stack, expert, weight)
+                                  f"other experts of this layer as {kind.__name__}")
+        if not isinstance(stack, SplitStack):
+            _copy_into(stack, expert, weight)
+        elif expert < stack.slots:
+            _copy_into(stack.device, expert, weight)
+        else:
+            _copy_into(stack.host, expert - stack.slots, weight)
 
-    def finish(self) -> dict[str, Weight]:
+    def _empty(self, weight: Weight) -> Weight | SplitStack:
+        count = self.cfg.n_routed_experts
+        if self.device_slots is None:
+            return _empty_stack(weight, count, self.device, pin=False)
+        slots = min(self.device_slots, count)
+        return SplitStack(_empty_stack(weight, slots, self.device, pin=False),
+                          _empty_stack(weight, count - slots, torch.device("cpu"), pin=self.device.type == "cuda"))
+
+    def finish(self) -> dict[str, Weight | SplitStack]:
         return {stacked_expert_name(layer, proj): stack for (layer, proj), stack in self.stacks.items()}
 
 
-def _empty_stack(weight: Weight, count: int, pin: bool) -> Weight:
-    return map_tensors(weight, lambda t: torch.empty((count, *t.shape), dtype=t.dtype, device=t.device,
-                                                     pin_memory=pin))
+def _empty_stack(weight: Weight, count: int, device: torch.device, pin: bool) -> Weight:
+    return map_tensors(weight, lambda t: torch.empty((count, *t.shape), dtype=t.dtype, device=device, pin_memory=pin))
 
 
 def _copy_into(stack: Weight, index: int, weight: Weight) -> None:

@@ -8,6 +8,7 @@ grouped first so they can be resident before any expert.
 
 from __future__ import annotations
 
+import math
 import threading
 from importlib import metadata
 from pathlib import Path
@@ -16,7 +17,8 @@ import torch
 
 from engine.checkpoint.layout import is_expert_stack
 from engine.checkpoint.loader import LoadedWeights
-from engine.weights import DenseWeight, Fp8BlockWeight, Nvfp4Weight
+from engine.offload.placement import WeightBytes
+from engine.weights import DenseWeight, Fp8BlockWeight, Nvfp4Weight, SplitStack
 from engine.checkpoint.prepared_store import PIECE_BYTES, PreparedPlan, ReadStats, read_plan, read_regions, write_prepared
 
 FORMAT_VERSION = 1
@@ -36,33 +38,46 @@ def engine_version() -> str:
 def _kind(weight) -> str:
     if isinstance(weight, torch.Tensor):
         return "tensor"
+    if isinstance(weight, SplitStack):
+        return _kind(weight.host)
     return {DenseWeight: "dense", Fp8BlockWeight: "fp8_block", Nvfp4Weight: "nvfp4"}[type(weight)]
 
 
-def _buffers(weight) -> dict[str, torch.Tensor]:
+def _fields(weight) -> tuple[str, ...]:
+    return FIELDS[_kind(weight)]
+
+
+def _buffer(weight, field: str) -> torch.Tensor:
+    """One buffer of a weight, whole (a split expert stack's two parts joined, as a copy)."""
     if isinstance(weight, torch.Tensor):
-        return {"data": weight}
-    return {f: getattr(weight, f) for f in FIELDS[_kind(weight)]}
+        return weight
+    return weight.joined(field) if isinstance(weight, SplitStack) else getattr(weight, field)
 
 
 def describe(weights: LoadedWeights) -> dict:
     """JSON-able record of every weight: kind, block size, and each buffer's dtype and shape."""
     records = {}
     for name, weight in weights.items():
-        record = {"kind": _kind(weight), "buffers": {
-            f: {"dtype": str(t.dtype).removeprefix("torch."), "shape": list(t.shape)} for f, t in _buffers(weight).items()}}
-        if isinstance(weight, Fp8BlockWeight):
-            record["block"] = list(weight.block)
+        buffers = {}
+        for f in _fields(weight):
+            part = _buffer(weight.host if isinstance(weight, SplitStack) else weight, f)
+            shape = list(weight.shape[:1]) + list(part.shape[1:]) if isinstance(weight, SplitStack) else list(part.shape)
+            buffers[f] = {"dtype": str(part.dtype).removeprefix("torch."), "shape": shape}
+        record = {"kind": _kind(weight), "buffers": buffers}
+        block = getattr(weight.host if isinstance(weight, SplitStack) else weight, "block", None)
+        if block is not None:
+            record["block"] = list(block)
         records[name] = record
     return {"weights": records}
 
 
-def file_groups(weights: LoadedWeights) -> list[tuple[str, list[tuple[str, torch.Tensor]]]]:
-    """(file name, [(key, buffer)]) in load order: everything but routed experts, then one file per MoE layer."""
-    dense: list[tuple[str, torch.Tensor]] = []
-    experts: dict[str, list[tuple[str, torch.Tensor]]] = {}
+def file_groups(weights: LoadedWeights) -> list[tuple[str, list[tuple[str, object, str]]]]:
+    """(file name, [(key, weight, field)]) in load order: everything but routed experts, then one file per
+    MoE layer."""
+    dense: list[tuple[str, object, str]] = []
+    experts: dict[str, list[tuple[str, object, str]]] = {}
     for name, weight in weights.items():
-        items = [(f"{name}#{f}", t) for f, t in _buffers(weight).items()]
+        items = [(f"{name}#{f}", weight, f) for f in _fields(weight)]
         if is_expert_stack(name):
             layer = int(name.split(".")[1])
             experts.setdefault(f"experts-{layer:03d}.bin", []).extend(items)
@@ -76,31 +91,60 @@ def as_bytes(tensor: torch.Tensor) -> memoryview:
     return memoryview(tensor.contiguous().view(torch.uint8).reshape(-1).numpy())
 
 
-def allocate(meta: dict, device: torch.device | str = "cpu",
-             expert_device: torch.device | str | None = None) -> tuple[LoadedWeights, dict[str, torch.Tensor]]:
-    """Empty weights of the recorded layout on `device` (routed experts on `expert_device` when given:
-    host RAM, pinned when a GPU is present), and their buffers by key (to be filled from disk)."""
+def _build(kind: str, made: dict[str, torch.Tensor], record: dict):
+    if kind == "tensor":
+        return made["data"]
+    if kind == "dense":
+        return DenseWeight(made["data"])
+    if kind == "fp8_block":
+        return Fp8BlockWeight(made["data"], made["scale_inv"], tuple(record["block"]))
+    return Nvfp4Weight(made["packed"], made["scale"], made["global_scale"])
+
+
+def allocate(meta: dict, device: torch.device | str = "cpu", expert_slots: int | None = None
+             ) -> tuple[LoadedWeights, dict[str, list[torch.Tensor]]]:
+    """Empty weights of the recorded layout on `device`, and by key the buffers its bytes fill, in order.
+
+    With `expert_slots`, each routed expert stack is a `SplitStack`: its first `expert_slots` experts on
+    `device`, the others in host RAM (pinned, with a GPU). A split key fills two buffers (the device part,
+    then the host part), but on the CPU the parts are views of one buffer."""
     device = torch.device(device)
-    experts_at = torch.device(expert_device) if expert_device is not None else device
-    pin = experts_at.type == "cpu" and device.type == "cuda"
     weights: LoadedWeights = {}
-    buffers: dict[str, torch.Tensor] = {}
+    buffers: dict[str, list[torch.Tensor]] = {}
+
+    def empty(b: dict, shape: list[int], at: torch.device, pin: bool = False) -> torch.Tensor:
+        return torch.empty(shape, dtype=DTYPES[b["dtype"]], device=at, pin_memory=pin)
+
     for name, record in meta["weights"].items():
-        expert = is_expert_stack(name)
-        made = {f: torch.empty(b["shape"], dtype=DTYPES[b["dtype"]], device=experts_at if expert else device,
-                               pin_memory=pin and expert)
-                for f, b in record["buffers"].items()}
-        buffers.update({f"{name}#{f}": t for f, t in made.items()})
-        kind = record["kind"]
-        if kind == "tensor":
-            weights[name] = made["data"]
-        elif kind == "dense":
-            weights[name] = DenseWeight(made["data"])
-        elif kind == "fp8_block":
-            weights[name] = Fp8BlockWeight(made["data"], made["scale_inv"], tuple(record["block"]))
+        kind, specs = record["kind"], record["buffers"]
+        if expert_slots is None or not is_expert_stack(name):
+            made = {f: empty(b, b["shape"], device) for f, b in specs.items()}
+            weights[name] = _build(kind, made, record)
+            buffers.update({f"{name}#{f}": [t] for f, t in made.items()})
+            continue
+        slots = min(expert_slots, next(iter(specs.values()))["shape"][0])
+        if device.type != "cpu":
+            on_device = {f: empty(b, [slots, *b["shape"][1:]], device) for f, b in specs.items()}
+            on_host = {f: empty(b, [b["shape"][0] - slots, *b["shape"][1:]], torch.device("cpu"),
+                                pin=device.type == "cuda")
+                       for f, b in specs.items()}
+            buffers.update({f"{name}#{f}": [on_device[f], on_host[f]] for f in specs})
         else:
-            weights[name] = Nvfp4Weight(made["packed"], made["scale"], made["global_scale"])
+            whole = {f: empty(b, b["shape"], device) for f, b in specs.items()}
+            on_device, on_host = {f: t[:slots] for f, t in whole.items()}, {f: t[slots:] for f, t in whole.items()}
+            buffers.update({f"{name}#{f}": [t] for f, t in whole.items()})
+        weights[name] = SplitStack(_build(kind, on_device, record), _build(kind, on_host, record))
     return weights, buffers
+
+
+def prepared_sizes(meta: dict) -> WeightBytes:
+    """Bytes of a prepared snapshot's weights and of its routed experts, from its recorded layout."""
+    total = experts = 0
+    for name, record in meta["weights"].items():
+        size = sum(math.prod(b["shape"]) * DTYPES[b["dtype"]].itemsize for b in record["buffers"].values())
+        total += size
+        experts += size if is_expert_stack(name) else 0
+    return WeightBytes(total, experts)
 
 
 def save_prepared(weights: LoadedWeights, directory: Path, extra_meta: dict | None = None) -> PreparedPlan:
@@ -108,33 +152,40 @@ def save_prepared(weights: LoadedWeights, directory: Path, extra_meta: dict | No
 
     `extra_meta` is stored with the layout (the provisioning layer records what it was prepared for).
     """
-    groups = [(name, ((key, as_bytes(t.cpu())) for key, t in items)) for name, items in file_groups(weights)]
+    groups = [(name, ((key, as_bytes(_buffer(w, f).cpu())) for key, w, f in items)) for name, items in file_groups(weights)]
     meta = {**describe(weights), **(extra_meta or {})}
     return write_prepared(directory, groups, FORMAT_VERSION, engine_version(), meta)
 
 
 def load_prepared(directory: Path, device: torch.device | str = "cpu", workers: int = 8,
-                  verify: bool = True, expert_device: torch.device | str | None = None
-                  ) -> tuple[LoadedWeights, ReadStats]:
+                  verify: bool = True, expert_slots: int | None = None) -> tuple[LoadedWeights, ReadStats]:
     """Read a prepared snapshot into its final buffers: host memory directly, or GPU memory through one
     pinned 64 MiB staging buffer per reader thread (the host never holds more than those). With
-    `expert_device` the routed experts go straight to their place there (see `allocate`)."""
+    `expert_slots` each routed expert goes straight to its place, a device slot or the host bank (see
+    `allocate`)."""
     plan = read_plan(directory)
     if plan is None:
         raise FileNotFoundError(f"{directory}: no prepared snapshot")
     device = torch.device(device)
-    weights, buffers = allocate(plan.meta, device, expert_device)
+    weights, buffers = allocate(plan.meta, device, expert_slots)
     if device.type != "cuda":
-        return weights, read_regions(directory, plan, {k: as_bytes(t) for k, t in buffers.items()}, workers, verify)
-    flat = {key: t.view(torch.uint8).reshape(-1) for key, t in buffers.items()}
+        return weights, read_regions(directory, plan, {k: as_bytes(t[0]) for k, t in buffers.items()}, workers, verify)
+    flat = {key: [t.view(torch.uint8).reshape(-1) for t in parts] for key, parts in buffers.items()}
     staging = [torch.empty(PIECE_BYTES, dtype=torch.uint8, pin_memory=True) for _ in range(workers)]
     streams: dict[int, torch.cuda.Stream] = {}
 
     def to_buffer(key: str, offset: int, piece: memoryview) -> None:
-        """Into a GPU buffer through the stream, or a host (expert) buffer by a plain copy."""
+        """Into the key's buffers (a split expert stack has a device part, then a host part) through the
+        stream: GPU buffers by an asynchronous copy, host ones by a plain copy."""
         stream = streams.setdefault(threading.get_ident(), torch.cuda.Stream(device))
+        source = torch.frombuffer(piece, dtype=torch.uint8)
+        start = 0  # the first byte of the current buffer within the key
         with torch.cuda.stream(stream):
-            flat[key][offset:offset + len(piece)].copy_(torch.frombuffer(piece, dtype=torch.uint8), non_blocking=True)
+            for part in flat[key]:
+                lo, hi = max(offset, start), min(offset + len(piece), start + part.numel())
+                if lo < hi:
+                    part[lo - start:hi - start].copy_(source[lo - offset:hi - offset], non_blocking=True)
+                start += part.numel()
         stream.synchronize()  # the staging buffer is reused as soon as this returns
 
     stats = read_regions(directory, plan, None, workers, verify, sink=to_buffer, staging=[as_bytes(t) for t in staging])

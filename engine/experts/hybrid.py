@@ -20,8 +20,8 @@ from engine.checkpoint.layout import EXPERT_PROJS, stacked_expert_name
 from engine.experts.cpu_experts import CpuExperts
 from engine.experts.torch_experts import TorchExperts
 from engine.offload.fetch import ExpertFetcher, Stacks, copy_expert
-from engine.offload.placement import hottest, plan_placement
-from engine.weights import map_tensors
+from engine.offload.placement import hottest, slots_per_layer
+from engine.weights import SplitStack, map_tensors, tensor_fields
 
 
 @dataclass
@@ -48,45 +48,88 @@ def expert_nbytes(stacks: Stacks) -> int:
     return sum(s.nbytes() for s in stacks) // stacks[0].shape[0]
 
 
+@dataclass
+class LayerExperts:
+    """One MoE layer's routed experts as placed: device slot i holds expert `resident[i]`, host bank entry
+    j holds expert `hosted[j]`; every expert is in exactly one of the two (the host bank holds only what
+    the device does not, so the whole model fits GPU + host RAM)."""
+
+    device: Stacks | None  # None: no device slot in this layer
+    host: Stacks
+    resident: list[int]
+    hosted: list[int]
+
+    @classmethod
+    def split(cls, stacks: Stacks, resident: list[int], device: torch.device) -> "LayerExperts":
+        """Whole stacks (anywhere) -> the resident experts copied to `device`, the rest to host RAM."""
+        hosted = [e for e in range(stacks[0].shape[0]) if e not in set(resident)]
+        pin = device.type == "cuda"
+        on_device = tuple(map_tensors(s, lambda t: t[torch.tensor(resident)].to(device)) for s in stacks) \
+            if resident else None
+        on_host = tuple(map_tensors(s, lambda t: _to_host(t[torch.tensor(hosted, dtype=torch.long)], pin))
+                        for s in stacks)
+        return cls(on_device, on_host, list(resident), hosted)
+
+
 class HybridExperts:
-    def __init__(self, host: dict[int, Stacks], placement: dict[int, list[int]], device: torch.device,
-                 swiglu_limit: float, device_executor=TorchExperts, count_decay: float = 0.99,
-                 host_threads: int | None = None, fetch_min_pairs: int = 256, fetch_capacity: int = 16) -> None:
-        self.host, self.device, self.decay = host, device, count_decay
-        self.layers = sorted(host)
-        self.num_experts = host[self.layers[0]][0].shape[0]
-        self.resident = {layer: list(placement[layer]) for layer in self.layers}  # slot -> expert
-        self.slot_of = torch.full((len(self.layers), self.num_experts), -1, dtype=torch.long, device=device)
-        self.counts = torch.zeros(len(self.layers), self.num_experts, device=device)
+    def __init__(self, layers: dict[int, LayerExperts], device: torch.device, swiglu_limit: float,
+                 device_executor=TorchExperts, count_decay: float = 0.99, host_threads: int | None = None,
+                 fetch_min_pairs: int = 256, fetch_capacity: int = 16) -> None:
+        self.device, self.decay = device, count_decay
+        self.layers = sorted(layers)
+        first = layers[self.layers[0]]
+        self.num_experts = len(first.resident) + len(first.hosted)
+        self.resident = {layer: layers[layer].resident for layer in self.layers}  # slot -> expert
+        self.hosted = {layer: layers[layer].hosted for layer in self.layers}  # host bank entry -> expert
+        self.host = {layer: layers[layer].host for layer in self.layers}
+        self.device_stacks = {layer: layers[layer].device for layer in self.layers if layers[layer].device}
         self._index = {layer: i for i, layer in enumerate(self.layers)}
-        stacks = {}
-        for layer, experts in self.resident.items():
-            if experts:
-                self.slot_of[self._index[layer], experts] = torch.arange(len(experts), device=device)
-                picked = torch.tensor(experts)
-                stacks[layer] = tuple(map_tensors(s, lambda t: t[picked].to(device)) for s in host[layer])
-        self.device_stacks = stacks  # layers with no slot are absent: every pair there runs on the host
-        self.device_run = device_executor(stacks, swiglu_limit)
-        self.host_run = CpuExperts(host, swiglu_limit, host_threads)
+        self.slot_of = torch.full((len(self.layers), self.num_experts), -1, dtype=torch.long, device=device)
+        self.entry_of = torch.full((len(self.layers), self.num_experts), -1, dtype=torch.long)  # host bank entry
+        for layer in self.layers:
+            i = self._index[layer]
+            if self.resident[layer]:
+                self.slot_of[i, self.resident[layer]] = torch.arange(len(self.resident[layer]), device=device)
+            if self.hosted[layer]:
+                self.entry_of[i, self.hosted[layer]] = torch.arange(len(self.hosted[layer]))
+        self.counts = torch.zeros(len(self.layers), self.num_experts, device=device)
+        self.device_run = device_executor(self.device_stacks, swiglu_limit)
+        self.host_run = CpuExperts(self.host, swiglu_limit, host_threads)
         # Batches with at least this many missed pairs fetch those experts instead (prefill).
         self.fetch_min_pairs = fetch_min_pairs
-        self.fetch = ExpertFetcher(host[self.layers[0]], min(fetch_capacity, self.num_experts), device,
+        self.fetch = ExpertFetcher(first.device or first.host, min(fetch_capacity, self.num_experts), device,
                                    lambda stacks: device_executor(stacks, swiglu_limit))
-        self.expert_bytes = expert_nbytes(host[self.layers[0]])
+        self.expert_bytes = expert_nbytes(first.device or first.host)
         self.stats = OffloadStats()
+
+    @classmethod
+    def place(cls, stacks: dict[int, Stacks], placement: dict[int, list[int]], device: torch.device,
+              swiglu_limit: float, device_executor=TorchExperts, **options) -> "HybridExperts":
+        """From whole stacks: `placement` names each layer's resident experts (slot order)."""
+        layers = {layer: LayerExperts.split(stacks[layer], placement[layer], device) for layer in stacks}
+        return cls(layers, device, swiglu_limit, device_executor, **options)
 
     @classmethod
     def from_weights(cls, w: dict, layers: list[int], swiglu_limit: float, device: torch.device, budget_bytes: int,
                      device_executor=TorchExperts, host_threads: int | None = None) -> "HybridExperts":
-        """Takes the expert stacks out of `w` into the host bank (pinned with a GPU) and fills the slots."""
-        pin = device.type == "cuda"
-        host = {}
+        """Takes the expert stacks out of `w`. Stacks the loader already split (`SplitStack`) keep their
+        placement; whole ones are placed under `budget_bytes`, one layer at a time (each whole stack is
+        dropped once split, so host RAM never holds two copies of the experts)."""
+        placed: dict[int, LayerExperts] = {}
+        slots = None
         for layer in layers:
-            names = [stacked_expert_name(layer, p) for p in EXPERT_PROJS]
-            host[layer] = tuple(map_tensors(w.pop(n), lambda t: _to_host(t, pin)) for n in names)
-        first = host[layers[0]]
-        placement = plan_placement(layers, first[0].shape[0], expert_nbytes(first), budget_bytes)
-        return cls(host, placement, device, swiglu_limit, device_executor, host_threads=host_threads)
+            stacks = tuple(w.pop(stacked_expert_name(layer, p)) for p in EXPERT_PROJS)
+            if isinstance(stacks[0], SplitStack):
+                count = stacks[0].slots
+                placed[layer] = LayerExperts(tuple(s.device for s in stacks) if count else None,
+                                             tuple(s.host for s in stacks), list(range(count)),
+                                             list(range(count, stacks[0].shape[0])))
+                continue
+            if slots is None:
+                slots = slots_per_layer(budget_bytes, expert_nbytes(stacks), len(layers), stacks[0].shape[0])
+            placed[layer] = LayerExperts.split(stacks, list(range(slots)), device)
+            del stacks
+        return cls(placed, device, swiglu_limit, device_executor, host_threads=host_threads)
 
     def __call__(self, layer: int, x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         index = self._index[layer]
@@ -100,14 +143,15 @@ class HybridExperts:
         fetch = missed.numel() >= self.fetch_min_pairs
         host_in = None
         if missed.numel() and not fetch:
-            host_in = x[rows].cpu(), expert_ids.flatten()[missed].cpu(), weights.flatten()[missed].cpu()
+            entries = self.entry_of[index][expert_ids.flatten()[missed].cpu()]
+            host_in = x[rows].cpu(), entries, weights.flatten()[missed].cpu()
         if layer in self.device_stacks:
             out = self.device_run(layer, x, slots.clamp(min=0), weights * hit)
         else:
             out = torch.zeros_like(x)
         self.stats.device_pairs += expert_ids.numel() - missed.numel()
         if fetch:
-            ids = expert_ids.flatten()[missed]
+            ids = self.entry_of[index].to(x.device)[expert_ids.flatten()[missed]]
             out.index_add_(0, rows, self.fetch(self.host[layer], x, rows, ids, weights.flatten()[missed]))
             self.stats.fetched_pairs += missed.numel()
             self.stats.fetched_bytes += int(ids.unique().numel()) * self.expert_bytes
@@ -116,7 +160,7 @@ class HybridExperts:
         return out
 
     def _host(self, layer: int, rows: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        """One row per missed pair: each runs its one expert on the CPU -> [P, D]."""
+        """One row per missed pair: each runs its one expert (by host bank entry) on the CPU -> [P, D]."""
         start = time.perf_counter()
         y = self.host_run(layer, rows, ids.unsqueeze(1), weights.unsqueeze(1))
         self.stats.host_seconds += time.perf_counter() - start
@@ -146,12 +190,21 @@ class HybridExperts:
         return made
 
     def _swap(self, layer: int, slot: int, expert: int) -> None:
-        """Copy a host expert into a device slot and repoint the routing map."""
-        copy_expert(self.device_stacks[layer], slot, self.host[layer], expert)
-        index = self._index[layer]
-        self.slot_of[index, self.resident[layer][slot]] = -1
-        self.slot_of[index, expert] = slot
-        self.resident[layer][slot] = expert
+        """Exchange a host expert with the one in a device slot: the slot's expert goes to the host bank
+        entry the incoming one leaves (through a staging copy, as both move at once)."""
+        index, entry = self._index[layer], int(self.entry_of[self._index[layer], expert])
+        outgoing = self.resident[layer][slot]
+        device_stacks, host = self.device_stacks[layer], self.host[layer]
+        leaving = tuple(map_tensors(s, lambda t: t[slot].to("cpu", copy=True)) for s in device_stacks)
+        copy_expert(device_stacks, slot, host, entry)
+        if self.device.type == "cuda":
+            torch.cuda.current_stream(self.device).synchronize()  # the copy read the entry: now it may change
+        for dst, src in zip(host, leaving):
+            for name in tensor_fields(dst):
+                getattr(dst, name)[entry].copy_(getattr(src, name))
+        self.slot_of[index, outgoing], self.slot_of[index, expert] = -1, slot
+        self.entry_of[index, expert], self.entry_of[index, outgoing] = -1, entry
+        self.resident[layer][slot], self.hosted[layer][entry] = expert, outgoing
 
 def _to_host(t: torch.Tensor, pin: bool) -> torch.Tensor:
     host = t.to("cpu")

@@ -27,22 +27,23 @@ def copy_expert(dst: Stacks, slot: int, src: Stacks, expert: int) -> None:
 
 class ExpertFetcher:
     def __init__(self, template: Stacks, capacity: int, device: torch.device, make_executor: Callable) -> None:
-        """template: one layer's host stacks (every MoE layer has the same formats and shapes)."""
-        self.capacity, self.num_experts = capacity, template[0].shape[0]
+        """template: stacks of one layer (every MoE layer has the same formats and expert shapes)."""
+        self.capacity = capacity
         self.staging = tuple(map_tensors(s, lambda t: torch.empty((capacity, *t.shape[1:]), dtype=t.dtype,
                                                                      device=device)) for s in template)
         self.run = make_executor({0: self.staging})
 
     def __call__(self, host: Stacks, x: torch.Tensor, rows: torch.Tensor, ids: torch.Tensor,
                  weights: torch.Tensor) -> torch.Tensor:
-        """Pairs (x row, expert id, routing weight), one per entry of rows/ids/weights -> [len(rows), D]."""
+        """Pairs (x row, expert id in `host`, routing weight), one per entry of rows/ids/weights
+        -> [len(rows), D]."""
         out = torch.empty(rows.shape[0], x.shape[1], dtype=x.dtype, device=x.device)
         experts = ids.unique().tolist()
         for start in range(0, len(experts), self.capacity):
             chosen = experts[start:start + self.capacity]
             for slot, expert in enumerate(chosen):
                 copy_expert(self.staging, slot, host, expert)
-            slot_of = torch.full((self.num_experts,), -1, dtype=torch.long, device=ids.device)
+            slot_of = torch.full((host[0].shape[0],), -1, dtype=torch.long, device=ids.device)
             slot_of[torch.tensor(chosen, device=ids.device)] = torch.arange(len(chosen), device=ids.device)
             slots = slot_of[ids]
             picked = (slots >= 0).nonzero().squeeze(1)

@@ -7,6 +7,8 @@ fewer slots would be the bottleneck of every step); within a layer the experts r
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 
@@ -55,7 +57,26 @@ def auto_budget(free_bytes: int, total_bytes: int) -> int:
     return max(0, free_bytes - reserve_bytes(total_bytes))
 
 
-def expert_load_device(device: torch.device, budget_bytes: int | str | None) -> torch.device | None:
-    """Where the loader should put routed experts: host RAM when a GPU serves with an expert budget
-    (the placement then copies the resident ones to the GPU), else with everything else (None)."""
-    return torch.device("cpu") if budget_bytes is not None and device.type == "cuda" else None
+@dataclass(frozen=True)
+class WeightBytes:
+    """What a model's weights take in all, and the routed experts' share: enough to place experts before
+    any is read."""
+
+    total: int
+    experts: int
+
+
+def plan_load(requested: int | str | None, device: torch.device, sizes: WeightBytes, moe_layers: int,
+              num_experts: int, cache_bytes: int) -> tuple[int | str | None, int | None]:
+    """(the budget to serve with, routed experts per MoE layer the loaders put on the device; None: every
+    expert with the other weights). An automatic budget is the device memory left by the other weights
+    and the caches, less the reserve."""
+    budget = resolve_budget(requested, device, sizes.total + cache_bytes)
+    if budget is None or not moe_layers:
+        return budget, None
+    budget_bytes = budget
+    if budget == AUTO:
+        free, total = torch.cuda.mem_get_info(device) if device.type == "cuda" else (0, 0)
+        budget_bytes = max(0, auto_budget(free, total) - (sizes.total - sizes.experts) - cache_bytes)
+    per_expert = max(1, sizes.experts // (moe_layers * num_experts))
+    return budget, slots_per_layer(int(budget_bytes), per_expert, moe_layers, num_experts)

@@ -188,17 +188,32 @@ def encode(spec: TensorSpec, value: torch.Tensor, fmt: str, cfg: ModelConfig) ->
 
 
 def synthetic_weights(cfg: ModelConfig, fmt: str, device: torch.device | str, dtype: torch.dtype,
-                      seed: int = 0, expert_device: torch.device | str | None = None) -> LoadedWeights:
+                      seed: int = 0, expert_slots: int | None = None,
+                      expert_variety: int | None = None) -> LoadedWeights:
     """Random weights in a release format, built directly on `device` (no files): for benchmarks at full
-    width. Routed experts are generated there too and then stacked on `expert_device` when given."""
+    width. With `expert_slots`, routed experts are split as the loader splits them (see `load_weights`).
+    With `expert_variety`, each layer's experts repeat that many distinct values (each still in its own
+    memory): a whole-model build in seconds per layer, for speed figures that do not depend on values."""
     generator = torch.Generator(device).manual_seed(seed)
+    repeats: dict[tuple[str, str, int], dict[str, torch.Tensor]] = {}  # (layer, projection, index) -> entries
 
     def groups():
-        for spec, value in init_values(cfg, generator):
-            entries = encode(spec, value, fmt, cfg)
-            yield spec, {_suffix(spec, key): t for key, t in entries.items() if not key.endswith("input_scale")}
+        for spec in text_specs(cfg):
+            expert = EXPERT_KEY.match(spec.name)
+            if expert and expert_variety:
+                key = (expert[1], expert[3], int(expert[2]) % expert_variety)
+                if key in repeats:
+                    yield spec, repeats[key]
+                    continue
+                for old in [k for k in repeats if k[0] != expert[1]]:
+                    del repeats[old]  # an earlier layer's values are no longer needed
+            entries = encode(spec, init_value(spec, generator), fmt, cfg)
+            entries = {_suffix(spec, key): t for key, t in entries.items() if not key.endswith("input_scale")}
+            if expert and expert_variety:
+                repeats[(expert[1], expert[3], int(expert[2]))] = entries
+            yield spec, entries
 
-    return assemble(cfg, groups(), device, dtype, expert_device)
+    return assemble(cfg, groups(), device, dtype, expert_slots)
 
 
 def _suffix(spec: TensorSpec, key: str) -> str:

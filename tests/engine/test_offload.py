@@ -9,7 +9,7 @@ from engine.checkpoint.quant import FP8_BLOCK, quantize_fp8_block, quantize_nvfp
 from engine.experts.hybrid import HybridExperts, expert_nbytes
 from engine.experts.torch_experts import TorchExperts
 from engine.offload.placement import (
-    AUTO, auto_budget, expert_load_device, hottest, plan_placement, resolve_budget, slots_per_layer,
+    AUTO, WeightBytes, auto_budget, hottest, plan_load, plan_placement, resolve_budget, slots_per_layer,
 )
 from engine.weights import DenseWeight, Fp8BlockWeight, Nvfp4Weight
 
@@ -61,7 +61,7 @@ def test_hottest_experts_take_the_slots():
 def test_hybrid_equals_all_resident(fmt, resident):
     stacks = {1: layer_stacks(fmt, 1), 4: layer_stacks(fmt, 7)}
     reference = TorchExperts(stacks, LIMIT)
-    hybrid = HybridExperts(stacks, {1: resident, 4: resident}, torch.device("cpu"), LIMIT)
+    hybrid = HybridExperts.place(stacks, {1: resident, 4: resident}, torch.device("cpu"), LIMIT)
     for layer in (1, 4):
         for t, k, seed in [(1, 4, 0), (9, 4, 1), (5, 1, 2)]:  # decode, ragged batch, top-1
             x, ids, w = routed(t, k, seed)
@@ -73,7 +73,7 @@ def test_hybrid_equals_all_resident(fmt, resident):
 
 def test_all_hits_touch_no_host_expert():
     stacks = {0: layer_stacks("dense", 3)}
-    hybrid = HybridExperts(stacks, {0: [2, 5, 6, 9]}, torch.device("cpu"), LIMIT)
+    hybrid = HybridExperts.place(stacks, {0: [2, 5, 6, 9]}, torch.device("cpu"), LIMIT)
     x, ids, w = routed(6, 3, 4, only=[2, 5, 6, 9])
     torch.testing.assert_close(hybrid(0, x, ids, w), TorchExperts(stacks, LIMIT)(0, x, ids, w), rtol=1e-5, atol=1e-5)
     assert hybrid.stats.host_pairs == 0 and hybrid.stats.hit_rate == 1.0
@@ -82,13 +82,14 @@ def test_all_hits_touch_no_host_expert():
 def test_rebalance_moves_hot_experts_in_and_keeps_outputs():
     stacks = {0: layer_stacks("nvfp4", 5)}
     reference = TorchExperts(stacks, LIMIT)
-    hybrid = HybridExperts(stacks, {0: [0, 1, 2]}, torch.device("cpu"), LIMIT)
+    hybrid = HybridExperts.place(stacks, {0: [0, 1, 2]}, torch.device("cpu"), LIMIT)
     x, ids, w = routed(8, 2, 6, only=[8, 9, 10, 11])
     hybrid(0, x, ids, w)
     assert hybrid.stats.hit_rate == 0.0
     assert hybrid.rebalance(max_swaps=2) == 2  # bounded per call
     assert hybrid.rebalance(max_swaps=5) == 1  # three slots: the three hottest of 8..11
     assert len(set(hybrid.resident[0]) & {8, 9, 10, 11}) == 3
+    assert sorted(hybrid.resident[0] + hybrid.hosted[0]) == list(range(E))  # each expert in one place only
     assert hybrid.rebalance(max_swaps=5) == 0  # nothing hotter is left outside
     torch.testing.assert_close(hybrid(0, x, ids, w), reference(0, x, ids, w), rtol=1e-5, atol=1e-5)
     assert hybrid.stats.device_pairs > 0
@@ -125,12 +126,33 @@ def test_tiny_model_with_experts_on_the_host_gives_the_same_tokens(tiny_dir, pro
     assert hybrid_probe.core.stats().offload.device_pairs == 0
 
 
+def test_split_stacks_keep_the_loaders_placement():
+    """Stacks the loader split (first experts on the device, the rest in the host bank) are taken as they are."""
+    from engine.weights import SplitStack
+
+    stacks = layer_stacks("nvfp4", 9)
+    w = {f"layers.2.mlp.experts.{p}": SplitStack(s[torch.arange(3)], s[torch.arange(3, E)])
+         for p, s in zip(("gate_proj", "up_proj", "down_proj"), stacks)}
+    hybrid = HybridExperts.from_weights(w, [2], LIMIT, torch.device("cpu"), budget_bytes=0)
+    assert not w and hybrid.resident[2] == [0, 1, 2] and hybrid.hosted[2] == list(range(3, E))
+    x, ids, w8 = routed(7, 4, 3)
+    want = TorchExperts({2: stacks}, LIMIT)(2, x, ids, w8)
+    torch.testing.assert_close(hybrid(2, x, ids, w8), want, rtol=1e-5, atol=1e-5)
+
+
+def test_load_plan_places_experts_before_loading():
+    cpu = torch.device("cpu")
+    sizes = WeightBytes(total=1000 + 4 * 10 * 50, experts=4 * 10 * 50)  # 4 MoE layers of 10 experts of 50 bytes
+    assert plan_load(None, cpu, sizes, 4, 10, cache_bytes=100) == (None, None)
+    assert plan_load(3 * 4 * 50, cpu, sizes, 4, 10, cache_bytes=100) == (600, 3)
+    assert plan_load(10 ** 9, cpu, sizes, 4, 10, cache_bytes=100) == (10 ** 9, 10)  # never more than all
+    assert plan_load(AUTO, cpu, sizes, 4, 10, cache_bytes=100) == (AUTO, 0)  # no GPU memory to fill
+
+
 def test_budget_resolution():
     cpu = torch.device("cpu")
     assert resolve_budget(None, cpu, 10 ** 12) is None  # the CPU serves from its own memory
     assert resolve_budget(123, cpu, 10 ** 12) == 123  # what was asked for stands
-    assert expert_load_device(torch.device("cuda"), AUTO) == cpu
-    assert expert_load_device(torch.device("cuda"), None) is None and expert_load_device(cpu, 5) is None
     gib = 2 ** 30
     assert auto_budget(50 * gib, 100 * gib) == 42 * gib  # 8% of the device kept back
     assert auto_budget(3 * gib, 10 * gib) == 1 * gib  # at least 2 GiB kept back
@@ -142,7 +164,7 @@ def test_large_batches_fetch_missed_experts_to_the_device(fmt):
     """Past fetch_min_pairs the misses run on the device executor after a copy of their experts, in
     rounds of two through the staging stack: five rounds here for ten missed experts."""
     stacks = {0: layer_stacks(fmt, 11)}
-    hybrid = HybridExperts(stacks, {0: [0, 1]}, torch.device("cpu"), LIMIT, fetch_min_pairs=8, fetch_capacity=2)
+    hybrid = HybridExperts.place(stacks, {0: [0, 1]}, torch.device("cpu"), LIMIT, fetch_min_pairs=8, fetch_capacity=2)
     x, ids, w = routed(16, 4, 12)
     torch.testing.assert_close(hybrid(0, x, ids, w), TorchExperts(stacks, LIMIT)(0, x, ids, w), rtol=1e-5, atol=1e-5)
     stats = hybrid.stats

@@ -41,7 +41,7 @@ def test_release_shape_hybrid_matches_the_reference(tokens):
     """288 NVFP4 experts of the release's shape, 16 in device slots on the Triton kernels, the rest on the CPU."""
     gen = torch.Generator().manual_seed(tokens)
     host = (nvfp4_stack(288, 2048, D, gen), nvfp4_stack(288, 2048, D, gen), nvfp4_stack(288, D, 2048, gen))
-    hybrid = HybridExperts({0: host}, {0: list(range(0, 288, 18))}, torch.device("cuda"), 7.0, TritonExperts)
+    hybrid = HybridExperts.place({0: host}, {0: list(range(0, 288, 18))}, torch.device("cuda"), 7.0, TritonExperts)
     x = torch.randn(tokens, D, generator=gen).to(torch.bfloat16).cuda()
     ids = torch.stack([torch.randperm(288, generator=gen)[:8] for _ in range(tokens)]).cuda()
     ids[:, 0] = 18 * torch.arange(1, tokens + 1)  # a device hit in every token
@@ -67,7 +67,7 @@ def test_prefill_sized_batches_fetch_their_experts():
     """A 256-token batch at the release's shape: its misses are copied to the GPU in rounds of 16."""
     gen = torch.Generator().manual_seed(5)
     host = (nvfp4_stack(288, 2048, D, gen), nvfp4_stack(288, 2048, D, gen), nvfp4_stack(288, D, 2048, gen))
-    hybrid = HybridExperts({0: host}, {0: list(range(16))}, torch.device("cuda"), 7.0, TritonExperts)
+    hybrid = HybridExperts.place({0: host}, {0: list(range(16))}, torch.device("cuda"), 7.0, TritonExperts)
     x = torch.randn(256, D, generator=gen).to(torch.bfloat16).cuda()
     ids = torch.stack([torch.randperm(288, generator=gen)[:8] for _ in range(256)]).cuda()
     w = torch.rand(256, 8, generator=gen).cuda()

@@ -62,34 +62,63 @@ def test_staged_reads_hand_every_piece_to_the_sink(tiny_dir, tmp_path, monkeypat
     save_prepared(weights, tmp_path)
     plan = read_plan(tmp_path)
     _, direct = allocate(plan.meta)
-    read_regions(tmp_path, plan, {k: as_bytes(t) for k, t in direct.items()}, workers=3)
+    read_regions(tmp_path, plan, {k: as_bytes(t) for k, (t,) in direct.items()}, workers=3)
     _, staged = allocate(plan.meta)
-    flat = {k: t.view(torch.uint8).reshape(-1) for k, t in staged.items()}
+    flat = {k: t.view(torch.uint8).reshape(-1) for k, (t,) in staged.items()}
 
     def sink(key, offset, piece):
         flat[key][offset:offset + len(piece)].copy_(torch.frombuffer(piece, dtype=torch.uint8))
 
     buffers = [as_bytes(torch.empty(4096, dtype=torch.uint8)) for _ in range(3)]
     read_regions(tmp_path, plan, None, workers=3, sink=sink, staging=buffers)
-    for key, tensor in direct.items():
+    for key, (tensor,) in direct.items():
         assert torch.equal(flat[key], tensor.view(torch.uint8).reshape(-1)), key
 
 
-
 def test_experts_can_be_placed_apart_from_the_rest(tiny_dir, tmp_path):
-    """Under an expert budget both loaders put routed experts in host RAM and the rest on the GPU; the
-    meta device stands in for the GPU here (it holds no data, but is a device of its own)."""
+    """Under an expert budget both loaders put each MoE layer's first experts on the device and the others
+    in host RAM; the meta device stands in for the GPU here (it holds no data, but is a device of its own)."""
     from engine.checkpoint.layout import is_expert_stack
     from engine.checkpoint.prepared import allocate
+    from engine.weights import SplitStack
 
     snapshot = tiny_dir("nvfp4-ct")
     cfg = ModelConfig.from_dir(snapshot)
-    weights = load_weights(snapshot, cfg, "meta", torch.bfloat16, expert_device="cpu")
+    weights = load_weights(snapshot, cfg, "meta", torch.bfloat16, expert_slots=2)
     save_prepared(load_weights(snapshot, cfg, "cpu", torch.bfloat16), tmp_path)
-    allocated, _ = allocate(read_plan(tmp_path).meta, "meta", expert_device="cpu")
+    allocated, _ = allocate(read_plan(tmp_path).meta, "meta", expert_slots=2)
     for loaded in (weights, allocated):
         experts = {n for n in loaded if is_expert_stack(n)}
         assert len(experts) == 3 * len(cfg.moe_layers)
         for name, weight in loaded.items():
-            want = "cpu" if name in experts else "meta"
-            assert {t.device.type for t in buffers(weight)} == {want}, name
+            if name not in experts:
+                assert {t.device.type for t in buffers(weight)} == {"meta"}, name
+                continue
+            assert isinstance(weight, SplitStack) and weight.shape[0] == cfg.n_routed_experts
+            assert {t.device.type for t in buffers(weight.device)} == {"meta"}
+            assert {t.device.type for t in buffers(weight.host)} == {"cpu"}
+            assert weight.device.shape[0] == 2 and weight.host.shape[0] == cfg.n_routed_experts - 2
+
+
+def test_split_experts_hold_the_same_bytes_as_whole_stacks(tiny_dir, tmp_path):
+    """Loading split (from the checkpoint or the prepared snapshot) puts every expert's bytes where the
+    split says, and a snapshot prepared from split weights is byte for byte the one from whole stacks."""
+    from engine.checkpoint.layout import is_expert_stack
+
+    snapshot = tiny_dir("fp8")
+    cfg = ModelConfig.from_dir(snapshot)
+    whole = load_weights(snapshot, cfg, "cpu", torch.bfloat16)
+    split = load_weights(snapshot, cfg, "cpu", torch.bfloat16, expert_slots=3)
+    save_prepared(whole, tmp_path / "whole")
+    save_prepared(split, tmp_path / "split")
+    for name in read_plan(tmp_path / "whole").files:
+        assert (tmp_path / "whole" / name).read_bytes() == (tmp_path / "split" / name).read_bytes(), name
+    resumed, _ = load_prepared(tmp_path / "whole", expert_slots=3)
+    for loaded in (split, resumed):
+        for name, weight in whole.items():
+            if not is_expert_stack(name):
+                continue
+            for field in ("data", "scale_inv"):
+                full = getattr(weight, field)
+                assert torch.equal(getattr(loaded[name].device, field), full[:3]), name
+                assert torch.equal(getattr(loaded[name].host, field), full[3:]), name

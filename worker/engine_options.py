@@ -1,0 +1,12 @@
+"""The engine's options as the settings give them (one place, for placement before loading and for the engine)."""
+
+from __future__ import annotations
+
+from engine.engine_core import EngineOptions
+from provision.settings import Settings
+
+
+def engine_options(settings: Settings, moe_vram_budget: int | str | None = None) -> EngineOptions:
+    return EngineOptions(max_num_seqs=settings.max_num_seqs, max_model_len=settings.max_model_len,
+                         max_num_batched_tokens=settings.max_num_batched_tokens, max_waiting=settings.max_queue,
+                         moe_vram_budget=moe_vram_budget, cpu_expert_threads=settings.cpu_expert_threads)
