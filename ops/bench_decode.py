@@ -137,6 +137,8 @@ def main() -> None:
     parser.add_argument("--profile", action="store_true", help="print the top ops of one batch-1 decode step")
     parser.add_argument("--expert-slots", help="hybrid offload: routed experts per MoE layer kept in device memory "
                         "('auto': as many as fit), the rest in pinned host RAM (default: every expert on the device)")
+    parser.add_argument("--max-expert-swaps", type=int, default=4, help="hybrid: experts moved into device slots "
+                        "per step, at most")
     parser.add_argument("--expert-variety", type=int, help="distinct expert values per layer (a faster build at "
                         "release size: each expert still has its own memory)")
     parser.add_argument("--json", help="write the results here as JSON")
@@ -182,7 +184,8 @@ def main() -> None:
     start = time.perf_counter()
     budget = slots * round(sizes[1]) * len(cfg.moe_layers) if hybrid else None
     llm = LLM.from_weights(cfg, weights, max_num_seqs=max(batches + [1]), max_model_len=max_len,
-                           max_num_batched_tokens=max(prefills + [2048]), moe_vram_budget=budget)
+                           max_num_batched_tokens=max(prefills + [2048]), moe_vram_budget=budget,
+                           max_expert_swaps=args.max_expert_swaps)
     report({"engine_init_s": time.perf_counter() - start})
 
     def decode_figures(name: str, batch: int, context: int) -> None:
