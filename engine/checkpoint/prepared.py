@@ -103,14 +103,33 @@ def allocate(meta: dict, device: torch.device | str = "cpu",
     return weights, buffers
 
 
-def save_prepared(weights: LoadedWeights, directory: Path, extra_meta: dict | None = None) -> PreparedPlan:
-    """Write the weights as a prepared snapshot (buffers on any device; copied to host one at a time).
+def save_prepared(weights: LoadedWeights, directory: Path, extra_meta: dict | None = None, workers: int = 8,
+                  stop: threading.Event | None = None) -> PreparedPlan:
+    """Write the weights as a prepared snapshot, `workers` pieces at a time: host buffers are written from
+    their own memory, GPU buffers through one pinned PIECE_BYTES staging buffer per worker.
 
-    `extra_meta` is stored with the layout (the provisioning layer records what it was prepared for).
+    `extra_meta` is stored with the layout (the provisioning layer records what it was prepared for);
+    setting `stop` abandons the write (see `write_prepared`).
     """
-    groups = [(name, ((key, as_bytes(t.cpu())) for key, t in items)) for name, items in file_groups(weights)]
+    groups = file_groups(weights)
+    flat = {key: t.contiguous().reshape(-1).view(torch.uint8) for _, items in groups for key, t in items}
+    on_gpu = any(t.device.type == "cuda" for t in flat.values())
+    staging = [torch.empty(PIECE_BYTES, dtype=torch.uint8, pin_memory=True) for _ in range(workers)] if on_gpu else []
+    streams: dict[int, torch.cuda.Stream] = {}
+
+    def piece(key: str, start: int, size: int, buffer: torch.Tensor | None) -> memoryview:
+        source = flat[key][start:start + size]
+        if source.device.type == "cpu":
+            return as_bytes(source)
+        stream = streams.setdefault(threading.get_ident(), torch.cuda.Stream(source.device))
+        with torch.cuda.stream(stream):
+            buffer[:size].copy_(source, non_blocking=True)  # type: ignore[index]
+        stream.synchronize()  # the piece is hashed and written from the buffer as soon as this returns
+        return as_bytes(buffer[:size])  # type: ignore[index]
+
+    files = [(name, [(key, flat[key].numel()) for key, _ in items]) for name, items in groups]
     meta = {**describe(weights), **(extra_meta or {})}
-    return write_prepared(directory, groups, FORMAT_VERSION, engine_version(), meta)
+    return write_prepared(directory, files, piece, FORMAT_VERSION, engine_version(), meta, workers, staging, stop)
 
 
 def load_prepared(directory: Path, device: torch.device | str = "cpu", workers: int = 8,
