@@ -18,7 +18,7 @@ from engine.sampler import LogitsProcessor
 from provision.settings import Settings
 from provision.stages import StageClock
 from worker.lifecycle import Lifecycle
-from worker.provisioning import provision_and_load
+from worker.provisioning import BackgroundPrepare, cpu_workers, provision_and_load
 from worker.served_model import build_served_model, warm_up
 from worker.server import ServerState, build_app
 from worker.vast import VastWorker, benchmark_key, cached_max_perf, engine_generate_fn, measure_max_perf_within
@@ -43,6 +43,7 @@ async def serve(settings: Settings, stop: asyncio.Event | None = None,
     log.info("event=listening url=%s vast=%s", url, state.vast is not None)
     if state.vast:
         await state.vast.start()
+    prepare: BackgroundPrepare | None = None
     try:
         loaded = await asyncio.to_thread(provision_and_load, settings, state.clock)
         model = build_served_model(loaded, settings)
@@ -58,11 +59,15 @@ async def serve(settings: Settings, stop: asyncio.Event | None = None,
         print(f"ready url={url}/v1 model={model.name}", flush=True)
         if state.vast:
             await state.vast.mark_loaded(max_perf)
+        if loaded.prepare is not None:  # a cold start: the next one reads this back (fast_resume)
+            prepare = BackgroundPrepare(loaded.prepare, cpu_workers(settings), state.clock).start()
         watcher = asyncio.create_task(lifecycle.watch(stop, lambda: state.stage))
         await stop.wait()
         reason = lifecycle.stop_reason or getattr(stop, "reason", "stopped")
         state.clock.stage("parking" if reason == "idle" else "draining")
         aborted = await lifecycle.drain(settings.drain_grace_s, model.engine.abort_all)
+        if prepare is not None:  # parking keeps the volume: finish, so the next start is fast
+            await asyncio.to_thread(prepare.stop, reason == "idle")
         state.clock.stage("stopped", reason=reason, aborted=aborted)
         watcher.cancel()
         return reason
@@ -71,6 +76,8 @@ async def serve(settings: Settings, stop: asyncio.Event | None = None,
             await state.vast.report_fatal(f"{type(exc).__name__}: {exc}")
         raise
     finally:
+        if prepare is not None:
+            await asyncio.to_thread(prepare.stop, False)
         if state.model is not None:
             await state.model.engine.shutdown()
         if state.vast:
