@@ -7,7 +7,7 @@ per layer and projection is quantized and then stored once per expert, so writin
 does not mean quantizing hundreds of GB. Config, generation config and the tiny model's tokenizer
 are written beside the shards, so `glmflash boot --model DIR` serves it.
 
-    python ops/slice_snapshot.py /workspace/slice-20g --gib 20 [--format nvfp4-ct] [--shard-gib 4]
+    python -m ops.slice_snapshot /workspace/slice-20g --gib 20 [--format nvfp4-ct] [--shard-gib 4]
 """
 
 from __future__ import annotations

@@ -2,6 +2,8 @@
 
 Listen at once (so /health answers and /ready reports the stage), provision and load by the
 cheapest valid path, warm up, report ready, serve until SIGTERM or the idle timeout, drain, exit 0.
+After a cold start the prepared snapshot is written in the background while serving (parking
+waits for it; SIGTERM abandons it after the drain).
 """
 
 from __future__ import annotations
