@@ -103,7 +103,7 @@ def load_weights(snapshot: Path | str, cfg: ModelConfig, device: torch.device | 
     the routed experts are stacked there (host RAM, pinned when `device` is a GPU) instead of on `device`.
     `workers` threads read and convert; `progress(done_bytes, total_bytes)` follows the reads."""
     stored = [t for path in shard_files(Path(snapshot)) for t in read_header(path)]
-    groups, part_of = _plan(stored, cfg)
+    part_of = _plan(stored, cfg)
     assembler = _Assembler(cfg, device, dtype, expert_device)
     wanted = [t for t in stored if t.key in part_of]
     chunks = plan_chunks(wanted, lambda key: part_of[key][0].spec.name)
@@ -183,10 +183,10 @@ def _owned(weight: Weight | torch.Tensor, staging: torch.Tensor) -> Weight | tor
     return own(weight) if isinstance(weight, torch.Tensor) else map_tensors(weight, own)
 
 
-def _plan(stored: list[StoredTensor], cfg: ModelConfig) -> tuple[dict[str, _Group], dict[str, tuple[_Group, str]]]:
+def _plan(stored: list[StoredTensor], cfg: ModelConfig) -> dict[str, tuple[_Group, str]]:
     """Map every stored key to its layout entry from the headers; fail on unknown, missing or malformed sets.
 
-    Returns the groups by layout name and, for every key to read, its group and suffix."""
+    Returns, for every key to read, the group it belongs to and its suffix in it."""
     specs = {s.name: s for s in text_specs(cfg)}
     groups: dict[str, _Group] = {}
     part_of: dict[str, tuple[_Group, str]] = {}
@@ -222,7 +222,7 @@ def _plan(stored: list[StoredTensor], cfg: ModelConfig) -> tuple[dict[str, _Grou
             raise CheckpointError(
                 f"tensor {name!r} has parts {sorted(found)}, which match no known format "
                 f"(expected one of {[sorted(v) for v in FORMATS.values()]})")
-    return groups, part_of
+    return part_of
 
 
 class _Builder:
