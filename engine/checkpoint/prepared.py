@@ -19,7 +19,7 @@ from engine.checkpoint.loader import LoadedWeights
 from engine.weights import DenseWeight, Fp8BlockWeight, Nvfp4Weight
 from engine.checkpoint.prepared_store import PIECE_BYTES, PreparedPlan, ReadStats, read_plan, read_regions, write_prepared
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: pieces checksummed with CRC-32 instead of BLAKE2b
 FIELDS = {"tensor": ("data",), "dense": ("data",), "fp8_block": ("data", "scale_inv"),
           "nvfp4": ("packed", "scale", "global_scale")}
 DTYPES = {str(d).removeprefix("torch."): d for d in (torch.float32, torch.bfloat16, torch.float16, torch.uint8,
