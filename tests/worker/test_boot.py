@@ -274,7 +274,8 @@ def test_kill_9_during_the_background_prepare_leaves_nothing_trusted(tmp_path):
     prepared, partial = home / "prepared", partial_dir(home / "prepared")
     deadline = time.monotonic() + 60
     while not (partial.is_dir() and sum(p.stat().st_blocks for p in partial.iterdir()) > 0):
-        assert time.monotonic() < deadline and _prepared_state(url) == "writing", _prepared_state(url)
+        state = _prepared_state(url)
+        assert time.monotonic() < deadline and state == "writing", state
         time.sleep(0.02)
     os.kill(proc.pid, signal.SIGKILL)
     proc.wait(timeout=30)
@@ -285,8 +286,8 @@ def test_kill_9_during_the_background_prepare_leaves_nothing_trusted(tmp_path):
     proc = _boot_process(tmp_path, port)
     _wait_ready(proc, url)
     deadline = time.monotonic() + 60
-    while _prepared_state(url) != "written":
-        assert time.monotonic() < deadline and _prepared_state(url) == "writing", _prepared_state(url)
+    while (state := _prepared_state(url)) != "written":
+        assert time.monotonic() < deadline and state == "writing", state
         time.sleep(0.05)
     proc.send_signal(signal.SIGTERM)
     assert proc.wait(timeout=30) == 0
