@@ -107,10 +107,6 @@ class SplitStack:
     def nbytes(self) -> int:
         return self.device.nbytes() + self.host.nbytes()
 
-    def joined(self, field: str) -> torch.Tensor:
-        """One field of the whole stack in host memory, experts in order (a copy: for writing it out)."""
-        return torch.cat([getattr(self.device, field).cpu(), getattr(self.host, field)])
-
 
 def tensor_fields(weight: Weight) -> tuple[str, ...]:
     """The names of a weight's tensors, in a fixed order."""

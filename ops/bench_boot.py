@@ -1,10 +1,23 @@
-"""Container-start figures: time to ready and time to the first token, for a cold start and a fast resume.
+"""Container-start figures against the disk: process start to /ready and to the first streamed token, cold
+and fast_resume, with the page cache dropped for the files each start reads, next to the raw read time
+of those same bytes measured in the same run.
 
-Starts `glmflash boot` twice on the same cache directory (the first start is cold unless the cache
-is already prepared), and for each reports the stage lines' timings, when /ready turned 200, and
-the time from process start to the first streamed token of one request.
+The model is a snapshot directory on the volume (`--model DIR`, e.g. a full-width slice), a synthetic
+full-width slice built first (`--slice-gib N --slice-dir DIR`, see ops/slice_snapshot.py; kept for the
+next run), or, with neither, the embedded tiny model. Each round:
 
-    python ops/bench_boot.py --cache-dir /tmp/boot-bench [-- extra glmflash boot flags, e.g. --model DIR]
+  cold         the prepared snapshot is removed; the original shards are raw-read (evicted before and
+               after); `glmflash boot` starts; after the first token the bench waits for the prepared
+               snapshot (written after ready), stops the worker and raw-reads the shards again;
+  fast_resume  the same around a second `glmflash boot`, with the prepared files.
+
+Each start is compared with the faster of its two raw reads (see ops/page_cache.py).
+
+Targets (issue "Start inside the window"): cold ready <= 1.25 x raw read of the snapshot + 15 s;
+fast_resume ready <= 1.1 x raw read of the prepared snapshot + 10 s.
+
+    python -m ops.bench_boot --cache-dir /workspace/boot-bench --slice-gib 20 --slice-dir /workspace/slice-20g \
+        [--rounds 1] [-- --device cuda ...more glmflash boot flags]
 """
 
 from __future__ import annotations
@@ -12,12 +25,22 @@ from __future__ import annotations
 import argparse
 import json
 import re
+import shutil
+import signal
 import socket
 import subprocess
 import sys
 import time
 import urllib.request
 from pathlib import Path
+
+from engine.checkpoint.loader import shard_files
+from engine.checkpoint.prepared_store import read_plan
+from ops.page_cache import evict, faster, raw_read
+from provision.settings import Settings
+from worker.provisioning import model_spec
+
+TARGETS = {"cold": (1.25, 15.0), "fast_resume": (1.1, 10.0)}  # ready within factor x raw read + seconds
 
 
 def free_port() -> int:
@@ -38,47 +61,93 @@ def first_token_s(url: str) -> float:
     raise RuntimeError("stream ended without a chunk")
 
 
-def one_start(cache_dir: Path, extra: list[str]) -> dict:
+def ready_body(url: str) -> dict | None:
+    try:
+        with urllib.request.urlopen(f"{url}/ready", timeout=2) as response:
+            return json.load(response) if response.status == 200 else None
+    except OSError:
+        return None
+
+
+def one_start(cache_dir: Path, flags: list[str], wait_prepared: bool) -> dict:
+    """One `glmflash boot`, timed from process start; stopped (SIGTERM) once measured."""
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     start = time.perf_counter()
     proc = subprocess.Popen([sys.executable, "-m", "worker.cli", "boot", "--host", "127.0.0.1", "--port", str(port),
-                             "--cache-dir", str(cache_dir), *extra], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True)
+                             "--cache-dir", str(cache_dir), *flags], stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    result: dict = {}
     try:
-        while True:
+        while (ready := ready_body(url)) is None:
             if proc.poll() is not None:
                 raise RuntimeError(f"boot exited with {proc.returncode}: {proc.stdout.read()}")
-            try:
-                with urllib.request.urlopen(f"{url}/ready", timeout=1) as response:
-                    if response.status == 200:
-                        ready = json.load(response)
-                        break
-            except OSError:
-                pass
             time.sleep(0.05)
-        ready_s = time.perf_counter() - start
-        ttft_s = ready_s + first_token_s(url)
+        result["ready_s"] = round(time.perf_counter() - start, 3)
+        result["first_token_s"] = round(result["ready_s"] + first_token_s(url), 3)
+        while wait_prepared and (ready := ready_body(url) or {}).get("prepared_snapshot") == "writing":
+            time.sleep(0.2)
+        result["prepared_snapshot"] = ready.get("prepared_snapshot")
+        result["prepared_write_s"] = ready.get("prepared_s")
     finally:
-        proc.terminate()
-        output, _ = proc.communicate(timeout=60)
+        proc.send_signal(signal.SIGTERM)
+        output, _ = proc.communicate(timeout=600)
     stages = {m.group(1): float(m.group(2)) for m in re.finditer(r"PROVISION_STAGE=(\S+) elapsed_s=([\d.]+)", output)}
-    path = "fast_resume" if "fast_resume" in stages else "cold"
-    return {"path": path, "ready_after_start_s": round(ready_s, 3), "first_token_after_start_s": round(ttft_s, 3),
-            "fully_loaded_s": stages.get("warmup"), "stages": stages, "exit_code": proc.returncode,
-            "served_before_all_experts": False, "ready_detail": {k: ready.get(k) for k in ("model", "stage")}}
+    load = re.search(r"PROVISION_STAGE=load .*?read_gb_s=([\d.]+)", output)
+    result.update(path="fast_resume" if "fast_resume" in stages else "cold", stages=stages, exit_code=proc.returncode,
+                  loader_gb_s=float(load.group(1)) if load else None)
+    return result
+
+
+def report(path: str, raw: tuple[int, float], start: dict) -> None:
+    raw_bytes, raw_s = raw
+    factor, plus = TARGETS[path]
+    target = factor * raw_s + plus
+    line = {"path": start["path"], "bytes": raw_bytes, "raw_read_s": round(raw_s, 3),
+            "raw_gb_s": round(raw_bytes / raw_s / 1e9, 3), "ready_s": start["ready_s"],
+            "first_token_s": start["first_token_s"], "ready_over_raw": round(start["ready_s"] / raw_s, 2),
+            "target_s": round(target, 2), "within_target": start["ready_s"] <= target,
+            "loader_gb_s": start["loader_gb_s"], "prepared_write_s": start["prepared_write_s"],
+            "exit_code": start["exit_code"]}
+    print(" ".join(f"{k}={v}" for k, v in line.items()), flush=True)
+    print("  stages: " + " ".join(f"{k}={v}" for k, v in start["stages"].items()), flush=True)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--cache-dir", type=Path, required=True)
-    parser.add_argument("--starts", type=int, default=2)
-    parser.add_argument("extra", nargs="*", help="flags passed to glmflash boot (after --)")
+    parser.add_argument("--model", type=Path, help="a snapshot directory on the volume")
+    parser.add_argument("--slice-gib", type=float, help="build (once) a synthetic full-width slice of this size")
+    parser.add_argument("--slice-dir", type=Path, help="where the slice is built (required with --slice-gib)")
+    parser.add_argument("--slice-format", default="nvfp4-ct")
+    parser.add_argument("--rounds", type=int, default=1, help="cold + fast_resume pairs")
+    parser.add_argument("--workers", type=int, default=8, help="parallel reads of the raw-read figure")
+    parser.add_argument("flags", nargs="*", help="flags passed to glmflash boot (after --)")
     args = parser.parse_args()
-    for _ in range(args.starts):
-        result = one_start(args.cache_dir, args.extra)
-        print(" ".join(f"{k}={v}" for k, v in result.items() if k != "stages"), flush=True)
-        print("  stages: " + " ".join(f"{k}={v}" for k, v in result["stages"].items()), flush=True)
+    model = args.model
+    if args.slice_gib:
+        from ops.slice_snapshot import write_slice_snapshot
+
+        if args.slice_dir is None:
+            parser.error("--slice-gib needs --slice-dir")
+        if not (args.slice_dir / "model.safetensors.index.json").exists():
+            _, size = write_slice_snapshot(args.slice_dir, args.slice_gib, args.slice_format)
+            print(f"built slice={args.slice_dir} bytes={size}", flush=True)
+        model = args.slice_dir
+    flags = [*args.flags, *(["--model", str(model)] if model else [])]
+    source = Path(model_spec(Settings(model=str(model) if model else None, cache_dir=args.cache_dir))[0])
+    shards = shard_files(source)
+    for _ in range(args.rounds):
+        shutil.rmtree(args.cache_dir / "models", ignore_errors=True)
+        before = raw_read(shards, args.workers)
+        cold = one_start(args.cache_dir, flags, wait_prepared=True)
+        report("cold", faster(before, raw_read(shards, args.workers)), cold)
+        prepared = next((args.cache_dir / "models").iterdir()) / "prepared"
+        files = [prepared / name for name in read_plan(prepared).files]
+        before = raw_read(files, args.workers)
+        evict(shards)
+        fast = one_start(args.cache_dir, flags, wait_prepared=False)
+        report("fast_resume", faster(before, raw_read(files, args.workers)), fast)
 
 
 if __name__ == "__main__":

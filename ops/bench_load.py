@@ -1,27 +1,32 @@
-"""Prepared-snapshot load rate against the disk's own read rate, with the page cache dropped for both.
+"""Load rates against the disk's own read rate, with the page cache dropped for every read (ops/page_cache.py).
 
-Builds synthetic weights of the real expert shapes (NVFP4 stacks of 288 experts, as many MoE
-layers as fit --gib) plus a non-expert part, writes them as a prepared snapshot, evicts the files
-from the page cache (posix_fadvise DONTNEED), then measures:
-  - raw: parallel 64 MiB preads of the same files into one reused buffer (the disk's rate here);
+Prepared snapshot (default): builds synthetic weights of the real expert shapes (NVFP4 stacks of 288
+experts, as many MoE layers as fit --gib) plus a non-expert part, writes them as a prepared snapshot
+(timed), then measures:
+  - raw: parallel 64 MiB preads of the same files (the disk's rate here), before and after the loads;
   - load: `load_prepared` into final buffers, with and without hash verification.
 
-    python ops/bench_load.py --dir /workspace/bench-load --gib 8 [--device cuda] [--workers 8,16]
+Original checkpoint (--checkpoint DIR, e.g. a slice from ops/slice_snapshot.py): the cold start's one
+pass, `load_weights` of the safetensors shards, against the raw read of those shards (before and after).
+
+    python -m ops.bench_load --dir /workspace/bench-load --gib 8 [--device cuda] [--workers 8,16]
+    python -m ops.bench_load --checkpoint /workspace/slice-20g [--device cuda] [--expert-device cpu]
 """
 
 from __future__ import annotations
 
 import argparse
-import os
 import shutil
 import time
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
 
+from engine.checkpoint.loader import load_weights, shard_files
 from engine.checkpoint.prepared import load_prepared, save_prepared
+from engine.config import ModelConfig
 from engine.weights import DenseWeight, Nvfp4Weight
+from ops.page_cache import evict, faster, raw_read
 
 EXPERTS, HIDDEN, INTER = 288, 4096, 2048
 
@@ -49,60 +54,75 @@ def _bytes(weight) -> torch.Tensor:
     return torch.cat([t.contiguous().view(torch.uint8).reshape(-1).cpu() for t in tensors])
 
 
-def evict(directory: Path) -> None:
-    for path in directory.iterdir():
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
+def sync(device: str) -> None:
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize()
 
 
-def raw_read(directory: Path, workers: int, piece: int = 64 << 20) -> tuple[int, float]:
-    jobs = [(p, off) for p in sorted(directory.glob("*.bin")) for off in range(0, p.stat().st_size, piece)]
-
-    def read(job) -> int:
-        path, offset = job
-        buf = bytearray(piece)
-        with open(path, "rb", buffering=0) as f:
-            return os.preadv(f.fileno(), [buf], offset)
-
-    start = time.perf_counter()
-    with ThreadPoolExecutor(workers) as pool:
-        total = sum(pool.map(read, jobs))
-    return total, time.perf_counter() - start
+def bench_checkpoint(snapshot: Path, device: str, expert_device: str | None, dtype: torch.dtype,
+                     workers: list[int]) -> None:
+    shards = shard_files(snapshot)
+    cfg = ModelConfig.from_dir(snapshot)
+    for count in workers:
+        before = raw_read(shards, count)
+        start = time.perf_counter()
+        loaded = load_weights(snapshot, cfg, device, dtype, expert_device, count)
+        sync(device)
+        wall = time.perf_counter() - start
+        del loaded
+        total, seconds = faster(before, raw_read(shards, count))
+        print(f"raw_read_gb_s={total / seconds / 1e9:.3f} bytes={total} s={seconds:.2f} workers={count}", flush=True)
+        print(f"cold_pass s={wall:.2f} wall_gb_s={total / wall / 1e9:.3f} ratio_to_raw={seconds / wall:.2f} "
+              f"workers={count} device={device} expert_device={expert_device}", flush=True)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--dir", type=Path, required=True)
+    parser.add_argument("--dir", type=Path, help="where the synthetic prepared snapshot is written")
     parser.add_argument("--gib", type=float, default=4.0)
+    parser.add_argument("--checkpoint", type=Path, help="measure the cold pass over this safetensors snapshot instead")
+    parser.add_argument("--expert-device", help="with --checkpoint: where routed experts go (cpu: the host bank)")
+    parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--workers", default="8", help="comma-separated reader counts to measure")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--keep", action="store_true")
     args = parser.parse_args()
+    counts = [int(w) for w in args.workers.split(",")]
+    if args.checkpoint:
+        bench_checkpoint(args.checkpoint, args.device, args.expert_device, getattr(torch, args.dtype), counts)
+        return
+    if args.dir is None:
+        parser.error("give --dir (prepared snapshot) or --checkpoint")
     shutil.rmtree(args.dir, ignore_errors=True)
     start = time.perf_counter()
     weights = synthetic_weights(args.gib)
-    plan = save_prepared(weights, args.dir)
+    build_s = time.perf_counter() - start
+    start = time.perf_counter()
+    plan = save_prepared(weights, args.dir, workers=counts[0])
+    files = [args.dir / name for name in plan.files]
+    evict(files)  # includes the fsync: the write is done once its bytes are on the disk
     size = sum(plan.files.values())
-    print(f"prepared_bytes={size} files={len(plan.files)} write_s={time.perf_counter() - start:.2f}", flush=True)
-    for workers in (int(w) for w in args.workers.split(",")):
-        evict(args.dir)
-        total, seconds = raw_read(args.dir, workers)
-        raw = total / seconds / 1e9
-        print(f"raw_read_gb_s={raw:.3f} bytes={total} s={seconds:.2f} workers={workers}", flush=True)
+    write_s = time.perf_counter() - start
+    print(f"prepared_bytes={size} files={len(plan.files)} build_s={build_s:.2f} write_s={write_s:.2f} "
+          f"write_gb_s={size / write_s / 1e9:.3f} workers={counts[0]}", flush=True)
+    for workers in counts:
+        before = raw_read(files, workers)
+        rows = []
         for verify in (True, False):
-            evict(args.dir)
+            evict(files)
             start = time.perf_counter()
             loaded, stats = load_prepared(args.dir, args.device, workers, verify)
             wall = time.perf_counter() - start
             same = all(torch.equal(_bytes(loaded[name]).cpu(), _bytes(w)) for name, w in weights.items())
+            rows.append((verify, stats, wall, same))
+            del loaded
+        total, seconds = faster(before, raw_read(files, workers))
+        raw = total / seconds / 1e9
+        print(f"raw_read_gb_s={raw:.3f} bytes={total} s={seconds:.2f} workers={workers}", flush=True)
+        for verify, stats, wall, same in rows:
             print(f"load_verify={int(verify)} workers={workers} read_gb_s={stats.gb_per_s:.3f} "
                   f"wall_gb_s={size / wall / 1e9:.3f} ratio_to_raw={stats.gb_per_s / raw:.2f} device={args.device} "
                   f"identical={same}", flush=True)
-            del loaded
     if not args.keep:
         shutil.rmtree(args.dir)
 

@@ -1,9 +1,14 @@
 """From a model source to weights in memory, by the cheapest valid path: fast_resume or cold.
 
-fast_resume: the prepared snapshot for this model, dtype, format and engine version is on the
-volume; it is read at disk speed, every piece hash-checked. cold: download (resumable, verified)
--> verify -> prepare (convert once, write the prepared snapshot) -> load. A damaged prepared
-snapshot found while loading is reported, removed and rebuilt from the original files ("repair").
+fast_resume: the prepared snapshot for these files, dtype, format and engine version is on the
+volume; it is read at disk speed, every piece hash-checked. cold: download -> verify -> prepare (the
+original safetensors read once, in parallel, each weight converted and put straight in its place)
+-> load. A local directory is read in place: nothing is copied into the cache, which then holds
+only the prepared snapshot. A hub or S3 snapshot is downloaded (resumable, verified) into the cache
+and read in place from there. The prepared snapshot of a cold start is written from the weights in
+memory once the worker serves (`PreparedWrite`, `BackgroundPrepare`), so ready does not wait for
+it and the next start is a fast_resume. A damaged prepared snapshot found while loading is
+reported, removed and rebuilt ("repair").
 Blocking; runs in a worker thread while the server answers /health and /ready.
 """
 
@@ -11,14 +16,20 @@ from __future__ import annotations
 
 import hashlib
 import logging
-import shutil
-from dataclasses import dataclass
+import os
+import threading
+import time
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable
 
 import torch
 
+from engine.checkpoint.layout import is_expert_stack
 from engine.checkpoint.loader import LoadedWeights, checkpoint_sizes, load_weights
 from engine.checkpoint.prepared import FORMAT_VERSION, engine_version, load_prepared, prepared_sizes, save_prepared
+from engine.checkpoint.prepared_store import (PreparedPlan, PreparedSnapshotError, check_prepared, discard_prepared,
+                                              read_plan)
 from engine.config import ModelConfig
 from engine.engine_core import DTYPES, EngineCore
 from engine.offload.placement import WeightBytes, plan_load
@@ -26,14 +37,43 @@ from engine.tiny.factory import write_tiny_model
 from provision.cache import check_snapshot
 from provision.download import DownloadProgress, download_snapshot
 from provision.errors import ProvisionError
-from engine.checkpoint.prepared_store import PreparedSnapshotError, check_prepared, read_plan
 from provision.settings import Settings
-from provision.sources import source_for
+from provision.sources import LocalSource, Source, SourceInfo, source_for
 from provision.stages import StageClock
 from worker.engine_options import engine_options
 
 log = logging.getLogger("glmflash.provision")
 TINY_NAME = "glmflash-tiny"
+
+
+@dataclass
+class PreparedWrite:
+    """A cold start's prepared snapshot, to be written from the weights in memory once the worker serves.
+
+    The engine may rebind entries of the weights dict to views of its fused buffers (the same bytes)
+    and moves the routed expert stacks out of it into its host bank; those are held here by reference
+    (no copy) until written.
+    """
+
+    directory: Path
+    meta: dict
+    weights: LoadedWeights
+    names: list[str] = field(init=False)
+    expert_stacks: dict = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.names = list(self.weights)
+        self.expert_stacks = {n: w for n, w in self.weights.items() if is_expert_stack(n)}
+
+    def write(self, workers: int, stop: threading.Event | None = None) -> PreparedPlan:
+        final = {n: self.weights[n] if n in self.weights else self.expert_stacks.get(n) for n in self.names}
+        gone = [n for n, w in final.items() if w is None]
+        if gone:
+            raise PreparedSnapshotError(f"weights {gone[:3]} left the engine before the prepared snapshot was written")
+        try:
+            return save_prepared(final, self.directory, self.meta, workers, stop)
+        finally:
+            self.expert_stacks = {}
 
 
 @dataclass
@@ -43,6 +83,57 @@ class LoadedModel:
     files: Path  # config, tokenizer and chat template live here
     name: str
     moe_vram_budget: int | str | None = None  # as resolved for this device and model (engine_core.EngineOptions)
+    prepare: PreparedWrite | None = None  # a cold start's prepared snapshot, written after ready
+
+
+class BackgroundPrepare:
+    """Writes a cold start's prepared snapshot on its own thread while the worker serves.
+
+    /ready shows `prepared_snapshot`: writing, written, failed or stopped. A write that does not
+    finish leaves nothing a later start trusts (that start is cold again).
+    """
+
+    def __init__(self, job: PreparedWrite, workers: int, clock: StageClock,
+                 on_done: Callable[[], None] = lambda: None) -> None:
+        """on_done: called once the write has ended, whatever its outcome."""
+        self.job, self.workers, self.clock, self.on_done = job, workers, clock, on_done
+        self.cancel = threading.Event()
+        self.thread = threading.Thread(target=self._run, name="glmflash-prepare", daemon=True)
+
+    def start(self) -> BackgroundPrepare:
+        self.clock.progress(prepared_snapshot="writing")
+        self.thread.start()
+        return self
+
+    def _run(self) -> None:
+        start = time.perf_counter()
+        try:
+            plan = self.job.write(self.workers, self.cancel)
+        except Exception as exc:
+            self.on_done()
+            state = "stopped" if self.cancel.is_set() else "failed"
+            log.warning("event=prepared_snapshot state=%s path=%s error=%s", state, self.job.directory,
+                        _quote(str(exc)))
+            self.clock.progress(prepared_snapshot=state)
+            return
+        self.on_done()
+        seconds = time.perf_counter() - start
+        size = sum(plan.files.values())
+        log.info("event=prepared_snapshot state=written path=%s bytes=%d seconds=%.2f gb_s=%.3f workers=%d",
+                 self.job.directory, size, seconds, size / seconds / 1e9 if seconds else 0.0, self.workers)
+        self.clock.progress(prepared_snapshot="written", prepared_s=round(seconds, 3))
+
+    def stop(self, finish: bool) -> None:
+        """Wait for the write to end; with `finish` False it is abandoned first."""
+        if not finish:
+            self.cancel.set()
+        if self.thread.is_alive():
+            self.thread.join()
+
+
+def cpu_workers(settings: Settings) -> int:
+    """Threads for work that is mostly CPU (hashing, copies): the parallel-read count, at most one per core."""
+    return max(1, min(settings.download_workers, os.cpu_count() or 1))
 
 
 def model_spec(settings: Settings) -> tuple[str, str]:
@@ -61,37 +152,58 @@ def provision_and_load(settings: Settings, clock: StageClock) -> LoadedModel:
     spec, name = model_spec(settings)
     device, dtype = torch.device(settings.resolved_device()), settings.resolved_dtype()
     home = settings.cache_dir / "models" / _slug(spec, settings.model_revision)
-    snapshot, prepared = home / "snapshot", home / "prepared"
+    prepared = home / "prepared"
+    source = source_for(spec, settings)
+    files = source.root if isinstance(source, LocalSource) else home / "snapshot"
     wanted = {"spec": spec, "revision": settings.model_revision, "dtype": dtype}
-    problems = _resume_problems(snapshot, prepared, wanted)
+    problems = _resume_problems(source, files, prepared, wanted)
     if not problems:
         clock.stage("fast_resume")
         clock.stage("load", path=str(prepared))
         try:
-            config = ModelConfig.from_dir(snapshot)
+            config = ModelConfig.from_dir(files)
             budget, slots = _placement(settings, config, device, prepared_sizes(read_plan(prepared).meta))
             weights, stats = load_prepared(prepared, device, settings.download_workers, expert_slots=slots)
             clock.progress(read_gb_s=round(stats.gb_per_s, 3), bytes=stats.bytes)
-            return LoadedModel(config, weights, snapshot, name, budget)
+            return LoadedModel(config, weights, files, name, budget)
         except PreparedSnapshotError as exc:
             clock.stage("repair", reason=_quote(str(exc)))
-            shutil.rmtree(prepared, ignore_errors=True)
             problems = [str(exc)]
     clock.stage("cold", reason=_quote(problems[0]))
-    source = source_for(spec, settings)
+    discard_prepared(prepared)
+    identity = _fetch(source, files, settings, clock)
+    clock.stage("prepare", path=str(prepared), written="after_ready")
+    config = ModelConfig.from_dir(files)
+    budget, slots = _placement(settings, config, device, checkpoint_sizes(files, config))
+    start, read = time.perf_counter(), [0]
+
+    def report(done: int, total: int) -> None:
+        read[0] = done
+        clock.progress(done_bytes=done, total_bytes=total)
+
+    weights = load_weights(files, config, device, DTYPES[dtype], slots, settings.download_workers, report)
+    seconds = time.perf_counter() - start
+    clock.stage("load", path="in-memory (converted)", bytes=read[0], read_gb_s=round(read[0] / seconds / 1e9, 3))
+    job = PreparedWrite(prepared, {"source": {**wanted, "files": identity.to_dict()}}, weights)
+    return LoadedModel(config, weights, files, name, budget, job)
+
+
+def _fetch(source: Source, files: Path, settings: Settings, clock: StageClock) -> SourceInfo:
+    """Make the source's files readable at `files`; returns what they are (the prepared snapshot records it).
+
+    A local directory is used where it is (nothing copied); others are downloaded into the cache."""
+    if isinstance(source, LocalSource):
+        clock.stage("download", source=source.describe().uri, in_place="true")
+        listed = source.list_files()
+        clock.stage("verify", files=len(listed), bytes=sum(f.size for f in listed))
+        return source.describe()
     clock.stage("download", source=source.describe().uri)
-    download_snapshot(source, snapshot, settings.download_workers, on_progress=_progress(clock))
+    download_snapshot(source, files, settings.download_workers, on_progress=_progress(clock))
     clock.stage("verify")
-    status = check_snapshot(snapshot)
-    if not status.ok:
-        raise ProvisionError(f"{snapshot}: snapshot still {status.state} after download: {status.problems[:3]}")
-    clock.stage("prepare", path=str(prepared))
-    config = ModelConfig.from_dir(snapshot)
-    budget, slots = _placement(settings, config, device, checkpoint_sizes(snapshot, config))
-    weights = load_weights(snapshot, config, device, DTYPES[dtype], slots)
-    save_prepared(weights, prepared, {"source": wanted})
-    clock.stage("load", path="in-memory (converted)")
-    return LoadedModel(config, weights, snapshot, name, budget)
+    status = check_snapshot(files)
+    if not status.ok or status.manifest is None:
+        raise ProvisionError(f"{files}: snapshot still {status.state} after download: {status.problems[:3]}")
+    return status.manifest.source
 
 
 def _placement(settings: Settings, config: ModelConfig, device: torch.device, sizes: WeightBytes
@@ -103,16 +215,20 @@ def _placement(settings: Settings, config: ModelConfig, device: torch.device, si
                      config.n_routed_experts, caches)
 
 
-def _resume_problems(snapshot: Path, prepared: Path, wanted: dict) -> list[str]:
-    """Why fast_resume cannot be taken (empty: it can). Cheap: sizes and versions, no data read."""
-    status = check_snapshot(snapshot)
-    if not status.ok:
-        return [f"snapshot {status.state}: {'; '.join(status.problems[:2]) or snapshot}"]
+def _resume_problems(source: Source, files: Path, prepared: Path, wanted: dict) -> list[str]:
+    """Why fast_resume cannot be taken (empty: it can). Cheap: listings, sizes and versions, no data read."""
+    if isinstance(source, LocalSource):
+        identity = source.describe()
+    else:
+        status = check_snapshot(files)
+        if not status.ok or status.manifest is None:
+            return [f"snapshot {status.state}: {'; '.join(status.problems[:2]) or files}"]
+        identity = status.manifest.source
     problems = check_prepared(prepared, FORMAT_VERSION, engine_version())
     if problems:
         return problems
-    recorded = read_plan(prepared).meta.get("source")
-    return [] if recorded == wanted else [f"prepared for {recorded}, wanted {wanted}"]
+    recorded, want = read_plan(prepared).meta.get("source"), {**wanted, "files": identity.to_dict()}
+    return [] if recorded == want else [f"prepared for {recorded}, wanted {want}"]
 
 
 def _progress(clock: StageClock):

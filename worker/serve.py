@@ -2,6 +2,8 @@
 
 Listen at once (so /health answers and /ready reports the stage), provision and load by the
 cheapest valid path, warm up, report ready, serve until SIGTERM or the idle timeout, drain, exit 0.
+After a cold start the prepared snapshot is written in the background while serving (parking
+waits for it; SIGTERM abandons it after the drain).
 """
 
 from __future__ import annotations
@@ -18,8 +20,8 @@ from engine.sampler import LogitsProcessor
 from provision.settings import Settings
 from provision.stages import StageClock
 from worker.lifecycle import Lifecycle
-from worker.provisioning import provision_and_load
-from worker.served_model import build_served_model, warm_up
+from worker.provisioning import BackgroundPrepare, cpu_workers, provision_and_load
+from worker.served_model import ServedModel, build_served_model, warm_up
 from worker.server import ServerState, build_app
 from worker.vast import VastWorker, benchmark_key, cached_max_perf, engine_generate_fn, measure_max_perf_within
 from engine.checkpoint.prepared import engine_version
@@ -43,6 +45,7 @@ async def serve(settings: Settings, stop: asyncio.Event | None = None,
     log.info("event=listening url=%s vast=%s", url, state.vast is not None)
     if state.vast:
         await state.vast.start()
+    prepare: BackgroundPrepare | None = None
     try:
         loaded = await asyncio.to_thread(provision_and_load, settings, state.clock)
         model = build_served_model(loaded, settings)
@@ -58,11 +61,16 @@ async def serve(settings: Settings, stop: asyncio.Event | None = None,
         print(f"ready url={url}/v1 model={model.name}", flush=True)
         if state.vast:
             await state.vast.mark_loaded(max_perf)
+        if loaded.prepare is not None:  # a cold start: the next one reads this back (fast_resume)
+            prepare = BackgroundPrepare(loaded.prepare, cpu_workers(settings), state.clock,
+                                        on_done=lambda: _release_swaps(model)).start()
         watcher = asyncio.create_task(lifecycle.watch(stop, lambda: state.stage))
         await stop.wait()
         reason = lifecycle.stop_reason or getattr(stop, "reason", "stopped")
         state.clock.stage("parking" if reason == "idle" else "draining")
         aborted = await lifecycle.drain(settings.drain_grace_s, model.engine.abort_all)
+        if prepare is not None:  # parking keeps the volume: finish, so the next start is fast
+            await asyncio.to_thread(prepare.stop, reason == "idle")
         state.clock.stage("stopped", reason=reason, aborted=aborted)
         watcher.cancel()
         return reason
@@ -71,11 +79,20 @@ async def serve(settings: Settings, stop: asyncio.Event | None = None,
             await state.vast.report_fatal(f"{type(exc).__name__}: {exc}")
         raise
     finally:
+        if prepare is not None:
+            await asyncio.to_thread(prepare.stop, False)
         if state.model is not None:
             await state.model.engine.shutdown()
         if state.vast:
             await state.vast.stop()
         await runner.cleanup()
+
+
+def _release_swaps(model: ServedModel) -> None:
+    """Experts may move between device slots and the host bank again (the prepared snapshot is done)."""
+    offload = model.engine.core.offload
+    if offload is not None:
+        offload.swaps_held = False
 
 
 async def _vast_max_perf(settings: Settings, model) -> float:

@@ -37,6 +37,8 @@ class ServedModel:
 def build_served_model(loaded: LoadedModel, settings: Settings) -> ServedModel:
     """An engine over loaded weights, with the tokenizer and chat template from the snapshot's files."""
     core = EngineCore(loaded.config, loaded.weights, engine_options(settings, loaded.moe_vram_budget))
+    if loaded.prepare is not None and core.offload is not None:
+        core.offload.swaps_held = True  # the prepared snapshot is written from the slots and the host bank
     files = loaded.files
     tokenizer = Tokenizer.from_file(str(files / "tokenizer.json"))
     template = ChatTemplate.from_dir(files) if _has_template(files) else None

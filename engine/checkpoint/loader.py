@@ -1,9 +1,12 @@
-"""Read a glm5_next snapshot directory into the engine's weight objects, shard by shard.
+"""Read a glm5_next snapshot directory into the engine's weight objects, in one parallel pass.
 
 Every key is first mapped to the layout table (engine.checkpoint.layout) from the safetensors
-headers alone, so a missing, extra or malformed tensor fails before any data is read. Data is then
-read one shard at a time; routed experts are copied into per-layer stacks as they arrive, so peak
-host memory stays near the model's own size. Vision tower and MTP tensors are recognised and skipped.
+headers alone, so a missing, extra or malformed tensor fails before any data is read. The shards
+are then read at disk speed (engine.checkpoint.shards: parallel reads into reused staging
+buffers) and each weight, once all its parts have arrived, is converted and put in its place by
+the reading thread (GPU memory, or host RAM for routed experts under an expert budget); routed
+experts are copied into per-layer stacks as they arrive, so the host never holds more than the
+staging buffers besides the weights themselves. Vision tower and MTP tensors are skipped unread.
 """
 
 from __future__ import annotations
@@ -11,14 +14,16 @@ from __future__ import annotations
 import json
 import math
 import re
-from collections import defaultdict
+import threading
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterable, Iterator
+from typing import Callable, Iterable
+
 import torch
-from safetensors import safe_open
 
 from engine.checkpoint.layout import EXPERT_KEY, TEXT_PREFIX, TensorSpec, stacked_expert_name, text_specs
+from engine.checkpoint.shards import CheckpointError, Chunk, StoredTensor, plan_chunks, read_chunks, read_header
 from engine.config import ModelConfig
 from engine.offload.placement import WeightBytes
 from engine.weights import DenseWeight, Fp8BlockWeight, Nvfp4Weight, SplitStack, Weight, map_tensors, tensor_fields
@@ -38,10 +43,6 @@ LINEAR_SUFFIXES = frozenset().union(*FORMATS.values(), IGNORED_SUFFIXES)
 SKIPPED = re.compile(r"^(model\.visual\.|visual\.|model\.vision_tower\.|.*\.shared_head\.|.*hc_head)")
 
 
-class CheckpointError(ValueError):
-    """A snapshot cannot be loaded; the message names the file or tensor and what was expected."""
-
-
 @dataclass
 class _Group:
     """The checkpoint keys that together make one logical tensor."""
@@ -50,9 +51,13 @@ class _Group:
     keys: dict[str, str] = field(default_factory=dict)  # suffix ("" for plain tensors) -> checkpoint key
     tensors: dict[str, torch.Tensor] = field(default_factory=dict)
 
-    @property
-    def complete(self) -> bool:
-        return len(self.tensors) == len(self.keys)
+    def add(self, suffix: str, tensor: torch.Tensor) -> dict[str, torch.Tensor] | None:
+        """Record one part (under the caller's lock); all parts once the last one arrives, else None."""
+        self.tensors[suffix] = tensor
+        if len(self.tensors) < len(self.keys):
+            return None
+        parts, self.tensors = self.tensors, {}
+        return parts
 
 
 def shard_files(snapshot: Path) -> list[Path]:
@@ -74,16 +79,13 @@ def shard_files(snapshot: Path) -> list[Path]:
 def checkpoint_sizes(snapshot: Path, cfg: ModelConfig) -> WeightBytes:
     """Bytes of the snapshot's weight shards and of its routed experts, from the safetensors headers alone
     (no tensor is read): near enough to decide placement before loading."""
+    files = shard_files(snapshot)
     experts = 0
-    for path in shard_files(snapshot):
-        with open(path, "rb") as f:
-            header = json.loads(f.read(int.from_bytes(f.read(8), "little")))
-        for key, entry in header.items():
-            name = logical_name(key, cfg.num_layers) if key != "__metadata__" else None
-            if name is not None and EXPERT_KEY.match(name.rpartition(".")[0]):
-                start, end = entry["data_offsets"]
-                experts += end - start
-    return WeightBytes(sum(path.stat().st_size for path in shard_files(snapshot)), experts)
+    for t in (t for path in files for t in read_header(path)):
+        name = logical_name(t.key, cfg.num_layers)
+        if name is not None and EXPERT_KEY.match(name.rpartition(".")[0]):
+            experts += t.nbytes
+    return WeightBytes(sum(path.stat().st_size for path in files), experts)
 
 
 def logical_name(key: str, num_layers: int) -> str | None:
@@ -103,28 +105,39 @@ def logical_name(key: str, num_layers: int) -> str | None:
 
 
 def load_weights(snapshot: Path | str, cfg: ModelConfig, device: torch.device | str = "cpu",
-                 dtype: torch.dtype = torch.bfloat16, expert_slots: int | None = None) -> LoadedWeights:
+                 dtype: torch.dtype = torch.bfloat16, expert_slots: int | None = None,
+                 workers: int = 8, progress: Callable[[int, int], None] | None = None) -> LoadedWeights:
     """Load the text model's tensors; see the module docstring for the guarantees. With `expert_slots`
     each MoE layer's first `expert_slots` routed experts go to `device` and the others straight to host
-    RAM (pinned when `device` is a GPU): expert stacks are `SplitStack`s."""
-    snapshot = Path(snapshot)
-    files = shard_files(snapshot)
-    groups, key_file = _plan(files, cfg)
-    by_file: dict[Path, list[tuple[str, _Group, str]]] = defaultdict(list)
-    for group in groups.values():
-        for suffix, key in group.keys.items():
-            by_file[key_file[key]].append((key, group, suffix))
+    RAM (pinned when `device` is a GPU): expert stacks are `SplitStack`s. `workers` threads read and
+    convert; `progress(done_bytes, total_bytes)` follows the reads."""
+    stored = [t for path in shard_files(Path(snapshot)) for t in read_header(path)]
+    part_of = _plan(stored, cfg)
+    assembler = _Assembler(cfg, device, dtype, expert_slots)
+    wanted = [t for t in stored if t.key in part_of]
+    chunks = plan_chunks(wanted, lambda key: part_of[key][0].spec.name)
+    lock = threading.Lock()
+    streams: dict[int, torch.cuda.Stream] = {}
 
-    def complete_groups() -> Iterator[tuple[TensorSpec, dict[str, torch.Tensor]]]:
-        for path in files:
-            with _open(path) as f:
-                for key, group, suffix in by_file[path]:
-                    group.tensors[suffix] = _read(f, key, path)
-                    if group.complete:
-                        yield group.spec, group.tensors
-                        group.tensors = {}
+    def consume(chunk: Chunk, views: list[torch.Tensor], staging: torch.Tensor | None) -> None:
+        inside = {t.key for t in chunk.tensors}
+        stream = None
+        if assembler.device.type == "cuda":
+            stream = streams.setdefault(threading.get_ident(), torch.cuda.Stream(assembler.device))
+        with torch.cuda.stream(stream) if stream is not None else nullcontext():
+            for stored_tensor, view in zip(chunk.tensors, views):
+                group, suffix = part_of[stored_tensor.key]
+                if staging is not None and not inside.issuperset(group.keys.values()):
+                    view = view.clone()  # the rest of this weight comes with another chunk: outlive the staging
+                with lock:
+                    parts = group.add(suffix, view)
+                if parts is not None:
+                    assembler.add(group.spec, parts, staging)
+        if stream is not None:
+            stream.synchronize()  # the staging buffer is reused as soon as this returns
 
-    return assemble(cfg, complete_groups(), device, dtype, expert_slots)
+    read_chunks(chunks, consume, workers, pin_memory=assembler.device.type == "cuda", progress=progress)
+    return assembler.finish()
 
 
 def assemble(cfg: ModelConfig, groups: Iterable[tuple[TensorSpec, dict[str, torch.Tensor]]],
@@ -134,44 +147,80 @@ def assemble(cfg: ModelConfig, groups: Iterable[tuple[TensorSpec, dict[str, torc
 
     Shared by file loading and by synthetic weights built in memory for benchmarks.
     """
-    device = torch.device(device)
-    out: LoadedWeights = {}
-    stacks = _ExpertStacks(cfg, device, expert_slots)
-    builder = _Builder(cfg, device, dtype)
-    expert_builder = builder if expert_slots is None else _Builder(cfg, torch.device("cpu"), dtype)
+    assembler = _Assembler(cfg, device, dtype, expert_slots)
     for spec, tensors in groups:
+        assembler.add(spec, tensors)
+    return assembler.finish()
+
+
+class _Assembler:
+    """Builds each complete group into its weight object and puts it in place; safe to feed from
+    several threads at once."""
+
+    def __init__(self, cfg: ModelConfig, device: torch.device | str, dtype: torch.dtype,
+                 expert_slots: int | None) -> None:
+        self.device = torch.device(device)
+        self.out: LoadedWeights = {}
+        self.stacks = _ExpertStacks(cfg, self.device, expert_slots)
+        self.builder = _Builder(cfg, self.device, dtype)
+        # Split stacks are filled expert by expert from host memory (most of them stay there).
+        self.expert_builder = self.builder if expert_slots is None else _Builder(cfg, torch.device("cpu"), dtype)
+
+    def add(self, spec: TensorSpec, tensors: dict[str, torch.Tensor], staging: torch.Tensor | None = None) -> None:
+        """`staging`: a buffer the tensors may live in that is reused afterwards (kept weights are copied out)."""
         expert = EXPERT_KEY.match(spec.name)
         if expert:
-            weight = expert_builder.build(spec, tensors)
-            stacks.put(int(expert.group(1)), int(expert.group(2)), expert.group(3), weight)
-        else:
-            out[spec.name] = builder.build(spec, tensors)
-    out.update(stacks.finish())
-    return out
+            weight = self.expert_builder.build(spec, tensors)
+            self.stacks.put(int(expert.group(1)), int(expert.group(2)), expert.group(3), weight)
+            return
+        weight = self.builder.build(spec, tensors)
+        if staging is not None:
+            weight = _owned(weight, staging)
+        self.out[spec.name] = weight
+
+    def finish(self) -> LoadedWeights:
+        self.out.update(self.stacks.finish())
+        return self.out
 
 
-def _plan(files: list[Path], cfg: ModelConfig) -> tuple[dict[str, _Group], dict[str, Path]]:
-    """Map every stored key to its layout entry from the headers; fail on unknown, missing or malformed sets."""
+def _owned(weight: Weight | torch.Tensor, staging: torch.Tensor) -> Weight | torch.Tensor:
+    """The weight with every tensor that still lives in `staging` (a CPU target, nothing to convert) copied out."""
+    base = staging.untyped_storage().data_ptr()
+
+    def own(t: torch.Tensor) -> torch.Tensor:
+        return t.clone() if t.device.type == "cpu" and t.untyped_storage().data_ptr() == base else t
+
+    return own(weight) if isinstance(weight, torch.Tensor) else map_tensors(weight, own)
+
+
+def _plan(stored: list[StoredTensor], cfg: ModelConfig) -> dict[str, tuple[_Group, str]]:
+    """Map every stored key to its layout entry from the headers; fail on unknown, missing or malformed sets.
+
+    Returns, for every key to read, the group it belongs to and its suffix in it."""
     specs = {s.name: s for s in text_specs(cfg)}
     groups: dict[str, _Group] = {}
-    key_file: dict[str, Path] = {}
-    for path in files:
-        with _open(path) as f:
-            keys = list(f.keys())
-        for key in keys:
-            name = logical_name(key, cfg.num_layers)
-            if name is None:
-                continue
-            key_file[key] = path
-            if name in specs and specs[name].role != "linear":
-                groups.setdefault(name, _Group(specs[name])).keys[""] = key
-                continue
-            base, _, suffix = name.rpartition(".")
-            spec = specs.get(base)
-            if spec is None or spec.role != "linear" or suffix not in LINEAR_SUFFIXES:
-                raise CheckpointError(f"{path.name}: unexpected tensor {key!r} (not part of the glm5_next text model)")
-            if suffix not in IGNORED_SUFFIXES:
-                groups.setdefault(base, _Group(spec)).keys[suffix] = key
+    part_of: dict[str, tuple[_Group, str]] = {}
+    seen: dict[str, Path] = {}
+    for t in stored:
+        if t.key in seen:
+            raise CheckpointError(f"tensor {t.key!r} is stored twice: in {seen[t.key].name} and {t.path.name}")
+        seen[t.key] = t.path
+        name = logical_name(t.key, cfg.num_layers)
+        if name is None:
+            continue
+        if name in specs and specs[name].role != "linear":
+            group = groups.setdefault(name, _Group(specs[name]))
+            group.keys[""] = t.key
+            part_of[t.key] = (group, "")
+            continue
+        base, _, suffix = name.rpartition(".")
+        spec = specs.get(base)
+        if spec is None or spec.role != "linear" or suffix not in LINEAR_SUFFIXES:
+            raise CheckpointError(f"{t.path.name}: unexpected tensor {t.key!r} (not part of the glm5_next text model)")
+        if suffix not in IGNORED_SUFFIXES:
+            group = groups.setdefault(base, _Group(spec))
+            group.keys[suffix] = t.key
+            part_of[t.key] = (group, suffix)
     for name, spec in specs.items():
         if name not in groups:
             hint = f"{TEXT_PREFIX}{name}" + (".weight" if spec.role == "linear" else "")
@@ -183,31 +232,7 @@ def _plan(files: list[Path], cfg: ModelConfig) -> tuple[dict[str, _Group], dict[
             raise CheckpointError(
                 f"tensor {name!r} has parts {sorted(found)}, which match no known format "
                 f"(expected one of {[sorted(v) for v in FORMATS.values()]})")
-    return groups, key_file
-
-
-class _open:
-    """safe_open that reports a damaged file by name instead of a bare library error."""
-
-    def __init__(self, path: Path) -> None:
-        self.path = path
-
-    def __enter__(self):
-        try:
-            self.handle = safe_open(str(self.path), framework="pt", device="cpu")
-            return self.handle.__enter__()
-        except Exception as exc:  # safetensors raises its own error types for truncated/garbled files
-            raise CheckpointError(f"{self.path.name}: cannot read safetensors file ({exc})") from exc
-
-    def __exit__(self, *exc_info) -> None:
-        self.handle.__exit__(*exc_info)
-
-
-def _read(f, key: str, path: Path) -> torch.Tensor:
-    try:
-        return f.get_tensor(key)
-    except Exception as exc:
-        raise CheckpointError(f"{path.name}: cannot read tensor {key!r} ({exc})") from exc
+    return part_of
 
 
 class _Builder:
@@ -257,19 +282,21 @@ class _Builder:
 
 
 class _ExpertStacks:
-    """Per-layer, per-projection stacks of all routed experts, filled one expert at a time: on `device`, or
-    split (`device_slots` given) between `device` (the first experts) and host RAM (the others, pinned
-    when `device` is a GPU)."""
+    """Per-layer, per-projection stacks of all routed experts, filled one expert at a time (from any thread):
+    on `device`, or split (`device_slots` given) between `device` (the first experts) and host RAM (the
+    others, pinned when `device` is a GPU)."""
 
     def __init__(self, cfg: ModelConfig, device: torch.device, device_slots: int | None = None) -> None:
         self.cfg, self.device, self.device_slots = cfg, device, device_slots
         self.stacks: dict[tuple[int, str], Weight | SplitStack] = {}
+        self.lock = threading.Lock()
 
     def put(self, layer: int, expert: int, proj: str, weight: Weight) -> None:
         slot = (layer, proj)
-        if slot not in self.stacks:
-            self.stacks[slot] = self._empty(weight)
-        stack = self.stacks[slot]
+        with self.lock:
+            if slot not in self.stacks:
+                self.stacks[slot] = self._empty(weight)
+            stack = self.stacks[slot]
         kind = type(stack.host if isinstance(stack, SplitStack) else stack)
         if kind is not type(weight):
             raise CheckpointError(f"layers.{layer}.mlp.experts.{expert}.{proj}: stored as {type(weight).__name__}, "

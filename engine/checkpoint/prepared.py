@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 import threading
+from contextlib import nullcontext
 from importlib import metadata
 from pathlib import Path
 
@@ -21,7 +22,7 @@ from engine.offload.placement import WeightBytes
 from engine.weights import DenseWeight, Fp8BlockWeight, Nvfp4Weight, SplitStack
 from engine.checkpoint.prepared_store import PIECE_BYTES, PreparedPlan, ReadStats, read_plan, read_regions, write_prepared
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: pieces checksummed with CRC-32 instead of BLAKE2b
 FIELDS = {"tensor": ("data",), "dense": ("data",), "fp8_block": ("data", "scale_inv"),
           "nvfp4": ("packed", "scale", "global_scale")}
 DTYPES = {str(d).removeprefix("torch."): d for d in (torch.float32, torch.bfloat16, torch.float16, torch.uint8,
@@ -47,11 +48,8 @@ def _fields(weight) -> tuple[str, ...]:
     return FIELDS[_kind(weight)]
 
 
-def _buffer(weight, field: str) -> torch.Tensor:
-    """One buffer of a weight, whole (a split expert stack's two parts joined, as a copy)."""
-    if isinstance(weight, torch.Tensor):
-        return weight
-    return weight.joined(field) if isinstance(weight, SplitStack) else getattr(weight, field)
+def _tensor(weight, field: str) -> torch.Tensor:
+    return weight if isinstance(weight, torch.Tensor) else getattr(weight, field)
 
 
 def describe(weights: LoadedWeights) -> dict:
@@ -60,7 +58,7 @@ def describe(weights: LoadedWeights) -> dict:
     for name, weight in weights.items():
         buffers = {}
         for f in _fields(weight):
-            part = _buffer(weight.host if isinstance(weight, SplitStack) else weight, f)
+            part = _tensor(weight.host if isinstance(weight, SplitStack) else weight, f)
             shape = list(weight.shape[:1]) + list(part.shape[1:]) if isinstance(weight, SplitStack) else list(part.shape)
             buffers[f] = {"dtype": str(part.dtype).removeprefix("torch."), "shape": shape}
         record = {"kind": _kind(weight), "buffers": buffers}
@@ -84,6 +82,26 @@ def file_groups(weights: LoadedWeights) -> list[tuple[str, list[tuple[str, objec
         else:
             dense.extend(items)
     return [("dense.bin", dense)] + sorted(experts.items())
+
+
+def _byte_parts(weight, field: str) -> list[torch.Tensor]:
+    """A buffer's bytes in order, as flat uint8 tensors: one, or a split expert stack's device then host part."""
+    if isinstance(weight, SplitStack):
+        tensors = [getattr(weight.device, field), getattr(weight.host, field)]
+    else:
+        tensors = [_tensor(weight, field)]
+    return [t.contiguous().reshape(-1).view(torch.uint8) for t in tensors]
+
+
+def _byte_range(parts: list[torch.Tensor], start: int, size: int) -> list[torch.Tensor]:
+    """The slices of `parts` (bytes laid end to end) that cover [start, start + size)."""
+    out, at = [], 0
+    for part in parts:
+        lo, hi = max(start, at), min(start + size, at + part.numel())
+        if lo < hi:
+            out.append(part[lo - at:hi - at])
+        at += part.numel()
+    return out
 
 
 def as_bytes(tensor: torch.Tensor) -> memoryview:
@@ -147,14 +165,40 @@ def prepared_sizes(meta: dict) -> WeightBytes:
     return WeightBytes(total, experts)
 
 
-def save_prepared(weights: LoadedWeights, directory: Path, extra_meta: dict | None = None) -> PreparedPlan:
-    """Write the weights as a prepared snapshot (buffers on any device; copied to host one at a time).
+def save_prepared(weights: LoadedWeights, directory: Path, extra_meta: dict | None = None, workers: int = 8,
+                  stop: threading.Event | None = None) -> PreparedPlan:
+    """Write the weights as a prepared snapshot, `workers` pieces at a time: host buffers are written from
+    their own memory, GPU buffers (and a piece across a split expert stack's two parts) through one
+    pinned PIECE_BYTES staging buffer per worker.
 
-    `extra_meta` is stored with the layout (the provisioning layer records what it was prepared for).
+    `extra_meta` is stored with the layout (the provisioning layer records what it was prepared for);
+    setting `stop` abandons the write (see `write_prepared`).
     """
-    groups = [(name, ((key, as_bytes(_buffer(w, f).cpu())) for key, w, f in items)) for name, items in file_groups(weights)]
+    groups = file_groups(weights)
+    parts = {key: _byte_parts(weight, f) for _, items in groups for key, weight, f in items}
+    on_gpu = any(t.device.type == "cuda" for ts in parts.values() for t in ts)
+    staging = [torch.empty(PIECE_BYTES, dtype=torch.uint8, pin_memory=True) for _ in range(workers)] if on_gpu else []
+    streams: dict[int, torch.cuda.Stream] = {}
+
+    def piece(key: str, start: int, size: int, buffer: torch.Tensor | None) -> memoryview:
+        sources = _byte_range(parts[key], start, size)
+        if len(sources) == 1 and sources[0].device.type == "cpu":
+            return as_bytes(sources[0])
+        out = buffer[:size] if buffer is not None else torch.empty(size, dtype=torch.uint8)
+        gpu = next((t.device for t in sources if t.device.type == "cuda"), None)
+        stream = streams.setdefault(threading.get_ident(), torch.cuda.Stream(gpu)) if gpu is not None else None
+        with torch.cuda.stream(stream) if stream is not None else nullcontext():
+            at = 0
+            for source in sources:
+                out[at:at + source.numel()].copy_(source, non_blocking=True)
+                at += source.numel()
+        if stream is not None:
+            stream.synchronize()  # the piece is hashed and written from the buffer as soon as this returns
+        return as_bytes(out)
+
+    files = [(name, [(key, sum(t.numel() for t in parts[key])) for key, _, _ in items]) for name, items in groups]
     meta = {**describe(weights), **(extra_meta or {})}
-    return write_prepared(directory, groups, FORMAT_VERSION, engine_version(), meta)
+    return write_prepared(directory, files, piece, FORMAT_VERSION, engine_version(), meta, workers, staging, stop)
 
 
 def load_prepared(directory: Path, device: torch.device | str = "cpu", workers: int = 8,

@@ -1,23 +1,32 @@
-"""The prepared snapshot on disk: named byte regions in a few large files, read back in parallel.
+"""The prepared snapshot on disk: named byte regions in a few large files, written and read back in parallel.
 
-Knows bytes, not tensors: the engine hands over memoryviews of its final buffers (to write from,
-or to read into). Regions start on 4 KiB boundaries; each is cut into pieces of at most
-`PIECE_BYTES`, hashed with BLAKE2b when written and verified while being read back, so a fast
-resume re-reads every byte once and still detects a flipped bit. Files are listed in the order
-they should be loaded (the engine puts non-expert weights first).
+Knows bytes, not tensors: the engine hands over its final buffers piece by piece (to write from)
+or memoryviews of them (to read into). Regions start on 4 KiB boundaries; each is cut into pieces
+of at most `PIECE_BYTES`, checksummed when written and verified while being read back, so a fast
+resume re-reads every byte once and still detects damage. The checksum is zlib's CRC-32: several
+times the speed of a cryptographic hash (reading stays disk-bound on a few cores), certain to catch
+a flipped bit or a short burst, and blind to other damage once in 2**32. Files are listed in the
+order they should be loaded (the engine puts non-expert weights first).
+
+A snapshot is written into `<directory>.partial` and renamed to `<directory>` only once every
+byte, the plan and the directory are on disk, so a process killed at any point leaves nothing at
+`<directory>` that `check_prepared` accepts.
 """
 
 from __future__ import annotations
 
-import hashlib
+import errno
 import json
 import os
 import queue
+import shutil
+import threading
 import time
+import zlib
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Callable, Iterable, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 
 class PreparedSnapshotError(ValueError):
@@ -60,40 +69,129 @@ class PreparedPlan:
 
 
 def _digest(view: memoryview) -> str:
-    return hashlib.blake2b(view, digest_size=16).hexdigest()
+    return f"{zlib.crc32(view):08x}"
 
 
 def _pieces(size: int) -> list[tuple[int, int]]:
     return [(start, min(PIECE_BYTES, size - start)) for start in range(0, size, PIECE_BYTES)] or [(0, 0)]
 
 
-def write_prepared(directory: Path, groups: Iterable[tuple[str, Iterable[tuple[str, memoryview]]]],
-                   format_version: int, engine_version: str, meta: dict) -> PreparedPlan:
-    """Write each (file name, [(key, bytes)]) group as one file; the plan is written last, atomically."""
-    directory.mkdir(parents=True, exist_ok=True)
-    (directory / PLAN_NAME).unlink(missing_ok=True)  # an old plan must never describe new files
+PieceSource = Callable[[str, int, int, Any], memoryview]
+"""(region key, offset inside the region, size, a free staging buffer or None) -> the piece's bytes: a
+view of the region's own memory, or of the staging buffer filled with them (GPU memory goes this way)."""
+
+
+def partial_dir(directory: Path) -> Path:
+    return directory.with_name(directory.name + ".partial")
+
+
+def discard_prepared(directory: Path) -> None:
+    """Remove a prepared snapshot and any unfinished write of one (its space is needed for the next)."""
+    shutil.rmtree(directory, ignore_errors=True)
+    shutil.rmtree(partial_dir(directory), ignore_errors=True)
+
+
+def write_prepared(directory: Path, files: Sequence[tuple[str, Sequence[tuple[str, int]]]], piece: PieceSource,
+                   format_version: int, engine_version: str, meta: dict, workers: int = 8,
+                   staging: Sequence[Any] = (), stop: threading.Event | None = None) -> PreparedPlan:
+    """Write each (file name, [(region key, size)]) file from the bytes `piece` hands over, `workers`
+    pieces at a time (filled, hashed and written in parallel); staged and swapped in as the module says.
+
+    `staging`: the caller's buffers (of at least PIECE_BYTES), one per worker, lent to `piece` in turn
+    (none given: `piece` gets None).
+    Setting `stop` abandons the write (PreparedSnapshotError); the partial files are removed.
+    """
+    stop = stop or threading.Event()
+    partial = partial_dir(directory)
+    shutil.rmtree(partial, ignore_errors=True)
+    partial.mkdir(parents=True)
     plan = PreparedPlan(format_version, engine_version, meta, {}, [])
-    for file_name, items in groups:
-        path = directory / file_name
+    for file_name, items in files:
         offset = 0
-        with open(path, "wb") as f:
-            for key, view in items:
-                view = view.cast("B")
-                offset = -(-offset // ALIGN) * ALIGN
-                f.seek(offset)
-                f.write(view)
-                hashes = [_digest(view[s:s + n]) for s, n in _pieces(len(view))]
-                plan.regions.append(Region(key, file_name, offset, len(view), hashes))
-                offset += len(view)
-            f.truncate(offset)
-            f.flush()
-            os.fsync(f.fileno())
+        for key, size in items:
+            offset = -(-offset // ALIGN) * ALIGN
+            plan.regions.append(Region(key, file_name, offset, size))
+            offset += size
         plan.files[file_name] = offset
-    plan.complete = True
-    tmp = directory / (PLAN_NAME + ".tmp")
-    tmp.write_text(plan.to_json())
-    os.replace(tmp, directory / PLAN_NAME)
+    fds: dict[str, int] = {}
+    try:
+        for file_name, size in plan.files.items():
+            fds[file_name] = os.open(partial / file_name, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+            _reserve(fds[file_name], size, partial / file_name)
+        free: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        for buffer in staging or [None] * workers:
+            free.put(buffer)
+
+        def write(job: tuple[Region, int, int]) -> str:
+            if stop.is_set():
+                raise PreparedSnapshotError(f"{directory}: writing stopped")
+            region, start, size = job
+            buffer = free.get()
+            try:
+                view = piece(region.key, start, size, buffer).cast("B")
+                if len(view) != size:
+                    raise PreparedSnapshotError(f"prepared region {region.key}: got {len(view)} bytes at {start}, "
+                                                f"expected {size}")
+                done, offset = 0, region.offset + start
+                while done < size:
+                    done += os.pwrite(fds[region.file], view[done:], offset + done)
+                return _digest(view)
+            finally:
+                free.put(buffer)
+
+        jobs = [(region, start, size) for region in plan.regions for start, size in _pieces(region.size)]
+        with ThreadPoolExecutor(max(1, workers), thread_name_prefix="glmflash-prepare") as pool:
+            futures = [pool.submit(write, job) for job in jobs]
+            try:
+                digests = [f.result() for f in futures]
+            except BaseException:
+                stop.set()
+                raise
+        it = iter(digests)
+        for region in plan.regions:
+            region.hashes = [next(it) for _ in _pieces(region.size)]
+        for fd in fds.values():
+            os.fsync(fd)
+        plan.complete = True
+        _write_durably(partial / PLAN_NAME, plan.to_json().encode())
+        _fsync_dir(partial)
+    except BaseException:
+        shutil.rmtree(partial, ignore_errors=True)
+        raise
+    finally:
+        for fd in fds.values():
+            os.close(fd)
+    shutil.rmtree(directory, ignore_errors=True)
+    os.replace(partial, directory)
+    _fsync_dir(directory.parent)
     return plan
+
+
+def _reserve(fd: int, size: int, path: Path) -> None:
+    """Claim the file's blocks up front, so a full volume fails now, naming the file, not half-way through."""
+    try:
+        os.posix_fallocate(fd, 0, size)
+    except OSError as exc:
+        if exc.errno == errno.ENOSPC:
+            raise PreparedSnapshotError(f"{path}: not enough disk space for {size} bytes") from exc
+        if exc.errno not in (errno.EOPNOTSUPP, errno.EINVAL, errno.ENOSYS):
+            raise
+        os.ftruncate(fd, size)
+
+
+def _write_durably(path: Path, data: bytes) -> None:
+    with open(path, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _fsync_dir(directory: Path) -> None:
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def read_plan(directory: Path) -> PreparedPlan | None:

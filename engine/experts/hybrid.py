@@ -101,6 +101,9 @@ class HybridExperts:
                                    lambda stacks: device_executor(stacks, swiglu_limit))
         self.expert_bytes = expert_nbytes(first.device or first.host)
         self.stats = OffloadStats()
+        # Set while something reads the slots and the host bank by expert id (a prepared snapshot being
+        # written from them): swaps would move experts under it.
+        self.swaps_held = False
 
     @classmethod
     def place(cls, stacks: dict[int, Stacks], placement: dict[int, list[int]], device: torch.device,
@@ -170,6 +173,8 @@ class HybridExperts:
 
     def rebalance(self, max_swaps: int) -> int:
         """Move up to `max_swaps` experts routed more often than a resident one into its slot; -> swaps made."""
+        if self.swaps_held:
+            return 0
         counts = self.counts.cpu()
         self.counts *= self.decay
         made = 0

@@ -16,11 +16,14 @@ _NOTE = "a local directory publishes no checksums"
 
 
 class LocalSource(Source):
-    """Copies files out of `root`: a reflink when the filesystem offers one, else a kernel-side
-    `copy_file_range` (plain read/write as the last resort), continuing from the partial file's size.
+    """A snapshot directory on this machine. Starts read it in place (`worker.provisioning`): its
+    listing and `describe()` (names, sizes, mtimes) say what it holds, and nothing is copied.
 
-    Files are never hardlinked: the cache must not share an inode with the source, or repairing
-    (or corrupting) one would change the other.
+    `fetch` (for `download_snapshot`, to mirror a directory into a cache) copies files out of `root`:
+    a reflink when the filesystem offers one, else a kernel-side `copy_file_range` (plain read/write
+    as the last resort), continuing from the partial file's size. Files are never hardlinked: a
+    cache must not share an inode with the source, or repairing (or corrupting) one would change
+    the other.
     """
 
     kind = "local"

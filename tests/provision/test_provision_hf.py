@@ -235,6 +235,34 @@ def test_hf_unknown_revision_names_the_source(hub):
         HuggingFaceSource(REPO, "nope", endpoint=hub.endpoint).describe()
 
 
+def test_hf_start_downloads_into_the_cache_and_reads_the_files_there(tmp_path, monkeypatch):
+    """A cold start from the hub: the files land in the cache (verified), the weights are read from there,
+    the prepared snapshot is written, and the next start is a fast_resume that asks the hub nothing."""
+    import worker.provisioning
+    from engine.tiny.factory import write_tiny_model
+    from provision.stages import StageClock
+
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    src = write_tiny_model(tmp_path / "src", "fp8")
+    hub = FakeHub({p.name: p.read_bytes() for p in src.iterdir()})
+    monkeypatch.setattr(worker.provisioning, "source_for",
+                        lambda spec, settings: HuggingFaceSource(spec, endpoint=hub.endpoint, token="hf_dummy"))
+    settings = Settings(model=REPO, cache_dir=tmp_path / "cache", device="cpu", dtype="float32")
+    try:
+        clock = StageClock(300)
+        loaded = worker.provisioning.provision_and_load(settings, clock)
+        assert [n for n, _ in clock.history] == ["cold", "download", "verify", "prepare", "load"]
+        assert loaded.files.parent == settings.cache_dir / "models" / loaded.files.parent.name
+        assert tree_bytes(loaded.files) == {p.name: p.read_bytes() for p in src.iterdir()}
+        loaded.prepare.write(workers=2)
+        hub.requests.clear()
+        clock = StageClock(300)
+        worker.provisioning.provision_and_load(settings, clock)
+        assert [n for n, _ in clock.history] == ["fast_resume", "load"] and hub.requests == []
+    finally:
+        hub.close()
+
+
 @pytest.mark.skipif(os.environ.get("GLMFLASH_TEST_HUB") != "1",
                     reason="needs network access to huggingface.co (none on CI/this machine); "
                            "set GLMFLASH_TEST_HUB=1 and optionally GLMFLASH_TEST_HUB_REPO=org/name to run")

@@ -1,4 +1,6 @@
-"""Boot: the cheapest valid start path is taken (cold, fast_resume, repair), SIGTERM drains, idle parks."""
+"""Boot: the cheapest valid start path is taken (cold, fast_resume, repair), a local source is read in
+place, the prepared snapshot is written after ready (and never trusted half-written), SIGTERM drains,
+idle parks."""
 
 from __future__ import annotations
 
@@ -12,19 +14,29 @@ from pathlib import Path
 
 import pytest
 import requests
+import torch
 
+from engine.checkpoint.loader import checkpoint_sizes, load_weights
+from engine.config import ModelConfig
+from engine.sampling_params import SamplingParams
+from engine.sequence import Sequence
+from engine.checkpoint.prepared import FORMAT_VERSION, engine_version, load_prepared
+from engine.checkpoint.prepared_store import PLAN_NAME, check_prepared, partial_dir, read_plan
 from engine.tiny.factory import write_tiny_model
-from engine.checkpoint.prepared_store import PLAN_NAME, read_plan
 from provision.settings import Settings
 from provision.stages import StageClock
 from server_helpers import free_port
 from worker.provisioning import provision_and_load
+from worker.served_model import build_served_model
 
 
 def boot_stages(settings: Settings) -> list[str]:
+    """One start's stages; a cold start's prepared snapshot is then written, as the server does after ready."""
     clock = StageClock(300)
     loaded = provision_and_load(settings, clock)
     assert loaded.weights and loaded.config.num_layers == 8
+    if loaded.prepare is not None:
+        loaded.prepare.write(workers=2)
     return [name for name, _ in clock.history]
 
 
@@ -38,24 +50,92 @@ def local_settings(tmp_path) -> Settings:
     return Settings(model=str(src), cache_dir=tmp_path / "cache", device="cpu", dtype="float32")
 
 
-def prepared_dir(settings: Settings) -> Path:
-    return next((settings.cache_dir / "models").iterdir()) / "prepared"
-
-
-def test_local_source_cold_then_fast_resume(local_settings):
-    assert boot_stages(local_settings) == COLD
-    assert boot_stages(local_settings) == FAST
-
-
-def test_s3_source_cold_then_fast_resume(tmp_path, s3, moto_endpoint):
+@pytest.fixture()
+def s3_settings(tmp_path, s3, moto_endpoint) -> Settings:
     src = write_tiny_model(tmp_path / "src", "nvfp4-modelopt")
     s3.create_bucket(Bucket="models")
     for path in src.iterdir():
         s3.upload_file(str(path), "models", f"glm/tiny/{path.name}")
-    settings = Settings(s3_uri="s3://models/glm/tiny", s3_endpoint_url=moto_endpoint, cache_dir=tmp_path / "cache",
-                        device="cpu", dtype="float32")
-    assert boot_stages(settings) == COLD
-    assert boot_stages(settings) == FAST
+    return Settings(s3_uri="s3://models/glm/tiny", s3_endpoint_url=moto_endpoint, cache_dir=tmp_path / "cache",
+                    device="cpu", dtype="float32")
+
+
+def model_home(settings: Settings) -> Path:
+    return next((settings.cache_dir / "models").iterdir())
+
+
+def prepared_dir(settings: Settings) -> Path:
+    return model_home(settings) / "prepared"
+
+
+def test_local_source_is_read_in_place_then_fast_resume(local_settings):
+    """Cold from a local directory copies nothing: the cache holds the prepared snapshot and nothing else."""
+    src = Path(local_settings.model)
+    clock = StageClock(300)
+    loaded = provision_and_load(local_settings, clock)
+    assert [name for name, _ in clock.history] == COLD and loaded.files == src.resolve()
+    tensor_bytes = json.loads((src / "model.safetensors.index.json").read_text())["metadata"]["total_size"]
+    assert tensor_bytes <= clock.detail["bytes"] <= sum(p.stat().st_size for p in src.glob("*.safetensors"))
+    assert not local_settings.cache_dir.exists() or not any(p.is_file() for p in local_settings.cache_dir.rglob("*"))
+    plan = loaded.prepare.write(workers=2)
+    cached = [p for p in local_settings.cache_dir.rglob("*") if p.is_file()]
+    assert {p.parent for p in cached} == {prepared_dir(local_settings)}
+    assert sum(p.stat().st_size for p in cached) - (prepared_dir(local_settings) / PLAN_NAME).stat().st_size == \
+        sum(plan.files.values())
+    assert boot_stages(local_settings) == FAST
+
+
+def test_changed_local_source_takes_the_cold_path(local_settings):
+    boot_stages(local_settings)
+    config = Path(local_settings.model) / "generation_config.json"
+    config.write_text(config.read_text().replace("0.95", "0.9"))
+    assert boot_stages(local_settings) == COLD
+    assert boot_stages(local_settings) == FAST
+
+
+def test_s3_source_lands_in_the_cache_and_is_read_there(s3_settings):
+    clock = StageClock(300)
+    loaded = provision_and_load(s3_settings, clock)
+    assert [name for name, _ in clock.history] == COLD
+    snapshot = model_home(s3_settings) / "snapshot"
+    assert loaded.files == snapshot and sorted(p.name for p in snapshot.glob("*.safetensors"))
+    loaded.prepare.write(workers=2)
+    assert boot_stages(s3_settings) == FAST
+
+
+def test_fast_resume_gives_the_weights_a_cold_start_served(local_settings):
+    """The prepared snapshot is written after the engine took the weights (it rebinds fused ones to views and
+    splits experts between device slots and its host bank under a budget) and served: expert swaps wait for
+    the write (they move experts between the two places); reading it back gives the checkpoint's bytes."""
+    half = checkpoint_sizes(Path(local_settings.model), ModelConfig.from_dir(local_settings.model)).experts / 2
+    settings = local_settings.model_copy(update={"moe_vram_budget_gib": half / 2 ** 30, "max_num_seqs": 2})
+    loaded = provision_and_load(settings, StageClock(300))
+    model = build_served_model(loaded, settings)
+    offload = model.engine.core.offload
+    assert offload is not None and 0 < len(offload.resident[offload.layers[0]]) < offload.num_experts
+
+    def serve_a_little(tag: str) -> None:
+        core = model.engine.core
+        for i, n in enumerate((9, 30)):
+            core.add(Sequence(f"{tag}{i}", list(range(3, 3 + n)), SamplingParams(max_tokens=6, ignore_eos=True)))
+        while core.has_work:
+            core.step()
+
+    serve_a_little("before")
+    assert offload.swaps_held and offload.stats.swaps == 0
+    loaded.prepare.write(workers=2)
+    offload.swaps_held = False  # what the worker does once the write has ended
+    serve_a_little("after")
+    assert offload.stats.swaps > 0  # the same traffic moves experts once they may
+    back, _ = load_prepared(prepared_dir(settings))
+    truth = load_weights(Path(settings.model), loaded.config, "cpu", torch.float32)
+    assert back.keys() == truth.keys()
+    for name, weight in truth.items():
+        a = [weight] if isinstance(weight, torch.Tensor) else [getattr(weight, f) for f in vars(weight)]
+        b = [back[name]] if isinstance(back[name], torch.Tensor) else [getattr(back[name], f) for f in vars(weight)]
+        for x, y in zip(a, b):
+            if isinstance(x, torch.Tensor):
+                assert x.dtype == y.dtype and torch.equal(x.view(torch.uint8), y.view(torch.uint8)), name
 
 
 def test_truncated_prepared_file_takes_the_cold_path(local_settings):
@@ -88,16 +168,20 @@ def test_engine_version_change_takes_the_cold_path(local_settings):
     assert boot_stages(local_settings) == COLD
 
 
-def test_damaged_original_snapshot_is_downloaded_again(local_settings):
-    boot_stages(local_settings)
-    snapshot = prepared_dir(local_settings).parent / "snapshot"
+def test_damaged_downloaded_snapshot_is_downloaded_again(s3_settings):
+    boot_stages(s3_settings)
+    snapshot = model_home(s3_settings) / "snapshot"
     shard = sorted(snapshot.glob("*.safetensors"))[0]
     shard.write_bytes(shard.read_bytes()[:100])
-    assert boot_stages(local_settings) == COLD
+    assert boot_stages(s3_settings) == COLD
+    assert boot_stages(s3_settings) == FAST
 
 
-def _boot_process(tmp_path: Path, port: int, *extra: str, **env: str) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "worker.cli", "boot", "--port", str(port), "--host", "127.0.0.1",
+def _boot_process(tmp_path: Path, port: int, *extra: str, code: str | None = None, **env: str) -> subprocess.Popen:
+    """`glmflash boot` in a process of its own (`code`: a program to run instead of the plain CLI, given the
+    same arguments)."""
+    program = ["-c", code] if code else ["-m", "worker.cli"]
+    return subprocess.Popen([sys.executable, *program, "boot", "--port", str(port), "--host", "127.0.0.1",
                              "--cache-dir", str(tmp_path / "cache"), "--device", "cpu", *extra],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             env={**os.environ, **env}, cwd=Path(__file__).parents[2])
@@ -177,3 +261,64 @@ def test_idle_timeout_parks_and_reports(tmp_path):
     assert "PROVISION_STAGE=parking" in output and "reason=idle" in output
     assert reports and reports[-1]["stage"] == "parked" and reports[0]["in_flight"] == 0
     loop.call_soon_threadsafe(loop.stop)
+
+
+# The CLI with the prepared snapshot written in 4 KiB pieces, each a few ms late: a write that lasts seconds.
+SLOW_PREPARE = """
+import sys, time
+import engine.checkpoint.prepared_store as store
+store.PIECE_BYTES = 4096
+digest = store._digest
+def late(view):
+    time.sleep(0.005)
+    return digest(view)
+store._digest = late
+from worker.cli import main
+main(sys.argv[1:])
+"""
+
+
+def _prepared_state(url: str) -> str | None:
+    return requests.get(f"{url}/ready", timeout=5).json().get("prepared_snapshot")
+
+
+def test_kill_9_during_the_background_prepare_leaves_nothing_trusted(tmp_path):
+    """A worker killed (SIGKILL) while it writes its prepared snapshot after ready: the next start does not
+    trust the half-written files, starts cold, serves, writes the snapshot whole; the one after is a fast_resume."""
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    proc = _boot_process(tmp_path, port, code=SLOW_PREPARE)
+    _wait_ready(proc, url)
+    home = next((tmp_path / "cache" / "models").iterdir())
+    prepared, partial = home / "prepared", partial_dir(home / "prepared")
+    deadline = time.monotonic() + 60
+    while not (partial.is_dir() and sum(p.stat().st_blocks for p in partial.iterdir()) > 0):
+        state = _prepared_state(url)
+        assert time.monotonic() < deadline and state == "writing", state
+        time.sleep(0.02)
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait(timeout=30)
+    first = proc.stdout.read()
+    assert "PROVISION_STAGE=ready" in first and "state=written" not in first, first
+    assert check_prepared(prepared, FORMAT_VERSION, engine_version()) != []
+
+    proc = _boot_process(tmp_path, port)
+    _wait_ready(proc, url)
+    deadline = time.monotonic() + 60
+    while (state := _prepared_state(url)) != "written":
+        assert time.monotonic() < deadline and state == "writing", state
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=30) == 0
+    second = proc.stdout.read()
+    assert "PROVISION_STAGE=cold" in second and "plan.json: missing" in second, second
+    assert "event=prepared_snapshot state=written" in second and not partial.exists()
+    assert check_prepared(prepared, FORMAT_VERSION, engine_version()) == []
+
+    proc = _boot_process(tmp_path, port)
+    _wait_ready(proc, url)
+    assert _prepared_state(url) is None  # nothing to write after a fast resume
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=30) == 0
+    third = proc.stdout.read()
+    assert "PROVISION_STAGE=fast_resume" in third and "PROVISION_STAGE=cold" not in third, third

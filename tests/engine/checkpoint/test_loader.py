@@ -136,3 +136,45 @@ def test_unknown_quant_method_is_refused(tiny_dir, tmp_path):
     (snapshot / "config.json").write_text(json.dumps(config))
     with pytest.raises(ConfigError, match=r"quant_method' = 'gptq'"):
         ModelConfig.from_dir(snapshot)
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "fp8", "nvfp4-ct", "nvfp4-modelopt"])
+def test_parallel_chunked_read_matches_the_safetensors_library(tiny_dir, fmt, monkeypatch):
+    """Chunks and staging buffers a few KiB large: weights whose parts straddle two chunks, tensors larger
+    than a staging buffer read in pieces by several threads, skipped activation scales read through; every
+    byte must equal what the safetensors library reads, put together the same way."""
+    import engine.checkpoint.shards as shards
+    from engine.checkpoint.layout import text_specs
+    from engine.checkpoint.loader import IGNORED_SUFFIXES, assemble
+
+    monkeypatch.setattr(shards, "CHUNK_BYTES", 4096)
+    monkeypatch.setattr(shards, "STAGING_BYTES", 3 * 4096)
+    snapshot = tiny_dir(fmt)
+    cfg = ModelConfig.from_dir(snapshot)
+    seen = []
+    got = load_weights(snapshot, cfg, "cpu", torch.float32, workers=4, progress=lambda done, total: seen.append((done, total)))
+    assert seen[-1][0] == seen[-1][1] and len(seen) > 50
+
+    stored = {}
+    for shard in snapshot.glob("*.safetensors"):
+        with safe_open(str(shard), "pt") as f:
+            stored.update({k: f.get_tensor(k) for k in f.keys()})
+
+    def groups():
+        for spec in text_specs(cfg):
+            base = "lm_head" if spec.name == "lm_head" else "model.language_model." + spec.name
+            if spec.role != "linear":
+                yield spec, {"": stored[base]}
+                continue
+            parts = {k[len(base) + 1:]: t for k, t in stored.items() if k.startswith(base + ".")}
+            yield spec, {s: t for s, t in parts.items() if "." not in s and s not in IGNORED_SUFFIXES}
+
+    want = assemble(cfg, groups(), "cpu", torch.float32)
+    assert got.keys() == want.keys()
+    for name, weight in want.items():
+        tensors = [weight] if isinstance(weight, torch.Tensor) else [getattr(weight, f) for f in vars(weight)
+                                                                    if isinstance(getattr(weight, f), torch.Tensor)]
+        mine = [got[name]] if isinstance(got[name], torch.Tensor) else [getattr(got[name], f) for f in vars(weight)
+                                                                         if isinstance(getattr(weight, f), torch.Tensor)]
+        for a, b in zip(mine, tensors):
+            assert a.dtype == b.dtype and a.shape == b.shape and torch.equal(a.view(torch.uint8), b.view(torch.uint8)), name

@@ -102,7 +102,7 @@ def test_experts_can_be_placed_apart_from_the_rest(tiny_dir, tmp_path):
 
 def test_split_experts_hold_the_same_bytes_as_whole_stacks(tiny_dir, tmp_path):
     """Loading split (from the checkpoint or the prepared snapshot) puts every expert's bytes where the
-    split says, and a snapshot prepared from split weights is byte for byte the one from whole stacks."""
+    split says, and a snapshot prepared from split weights holds the bytes of the one from whole stacks."""
     from engine.checkpoint.layout import is_expert_stack
 
     snapshot = tiny_dir("fp8")
@@ -111,8 +111,11 @@ def test_split_experts_hold_the_same_bytes_as_whole_stacks(tiny_dir, tmp_path):
     split = load_weights(snapshot, cfg, "cpu", torch.bfloat16, expert_slots=3)
     save_prepared(whole, tmp_path / "whole")
     save_prepared(split, tmp_path / "split")
-    for name in read_plan(tmp_path / "whole").files:
-        assert (tmp_path / "whole" / name).read_bytes() == (tmp_path / "split" / name).read_bytes(), name
+    from_whole, _ = load_prepared(tmp_path / "whole")
+    from_split, _ = load_prepared(tmp_path / "split")
+    assert from_whole.keys() == from_split.keys()
+    for name, weight in from_whole.items():
+        assert all(torch.equal(a, b) for a, b in zip(buffers(weight), buffers(from_split[name]))), name
     resumed, _ = load_prepared(tmp_path / "whole", expert_slots=3)
     for loaded in (split, resumed):
         for name, weight in whole.items():
@@ -122,3 +125,69 @@ def test_split_experts_hold_the_same_bytes_as_whole_stacks(tiny_dir, tmp_path):
                 full = getattr(weight, field)
                 assert torch.equal(getattr(loaded[name].device, field), full[:3]), name
                 assert torch.equal(getattr(loaded[name].host, field), full[3:]), name
+
+
+def test_pieces_lent_staging_buffers_round_trip(tmp_path, monkeypatch):
+    """The GPU path's writing mode (each piece copied into a lent staging buffer before it is hashed and
+    written), checked with host buffers: many pieces per region, buffers reused many times."""
+    import threading
+
+    import engine.checkpoint.prepared_store as store
+    from engine.checkpoint.prepared_store import read_regions, write_prepared
+
+    monkeypatch.setattr(store, "PIECE_BYTES", 4096)
+    data = {f"r{i}": torch.randint(0, 256, (n,), dtype=torch.uint8) for i, n in enumerate((10_000, 1, 4096, 0, 70_001))}
+    lent = [torch.empty(4096, dtype=torch.uint8) for _ in range(3)]
+    users: set[int] = set()
+
+    def piece(key, start, size, buffer):
+        assert buffer is not None and size <= 4096
+        users.add(id(buffer))
+        buffer[:size].copy_(data[key][start:start + size])
+        return memoryview(buffer[:size].numpy())
+
+    files = [("a.bin", [("r0", 10_000), ("r1", 1)]), ("b.bin", [("r2", 4096), ("r3", 0), ("r4", 70_001)])]
+    plan = write_prepared(tmp_path / "p", files, piece, 1, "v", {}, workers=3, staging=lent, stop=threading.Event())
+    assert users == {id(b) for b in lent} and not (tmp_path / "p.partial").exists()
+    assert check_prepared(tmp_path / "p", 1, "v") == []
+    back = {k: bytearray(len(v)) for k, v in data.items()}
+    read_regions(tmp_path / "p", plan, {k: memoryview(b) for k, b in back.items()}, workers=2)
+    assert all(bytes(back[k]) == v.numpy().tobytes() for k, v in data.items())
+
+
+def test_an_unfinished_write_leaves_nothing_a_start_would_trust(tiny_dir, tmp_path):
+    """A write that stops half-way (asked to, or failing) leaves neither the snapshot nor its partial files;
+    a complete older snapshot at the same place is only replaced once the new one is whole."""
+    import threading
+
+    import engine.checkpoint.prepared_store as store
+    from engine.checkpoint.prepared_store import partial_dir, write_prepared
+
+    snapshot = tiny_dir("nvfp4-ct")
+    weights = load_weights(snapshot, ModelConfig.from_dir(snapshot), "cpu", torch.bfloat16)
+    stop = threading.Event()
+    written = []
+
+    def stop_after_three(key, start, size, buffer):
+        written.append(key)
+        if len(written) == 3:
+            stop.set()
+        return memoryview(bytes(size))
+
+    files = [("dense.bin", [(f"k{i}", 100_000) for i in range(20)])]
+    with pytest.raises(PreparedSnapshotError, match="writing stopped"):
+        write_prepared(tmp_path / "p", files, stop_after_three, FORMAT_VERSION, engine_version(), {}, workers=1,
+                       stop=stop)
+    assert len(written) == 3 and not (tmp_path / "p").exists() and not partial_dir(tmp_path / "p").exists()
+
+    save_prepared(weights, tmp_path / "p")
+    before = read_plan(tmp_path / "p")
+
+    def failing(key, start, size, buffer):
+        raise OSError(28, "No space left on device")
+
+    with pytest.raises(OSError):
+        write_prepared(tmp_path / "p", files, failing, FORMAT_VERSION, engine_version(), {}, workers=2)
+    assert read_plan(tmp_path / "p") == before and not partial_dir(tmp_path / "p").exists()
+    assert check_prepared(tmp_path / "p", FORMAT_VERSION, engine_version()) == []
+    assert store.PLAN_NAME in {p.name for p in (tmp_path / "p").iterdir()}

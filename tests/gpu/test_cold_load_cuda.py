@@ -1,0 +1,49 @@
+"""The cold start's one pass on CUDA: shards read through pinned staging straight into GPU memory (experts
+into pinned host stacks under a budget), the prepared snapshot written back from GPU memory through pinned
+staging; every byte equals the CPU load's (runs only where a GPU is)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.checkpoint.layout import is_expert_stack
+from engine.checkpoint.loader import load_weights
+from engine.checkpoint.prepared import load_prepared, save_prepared
+from engine.config import ModelConfig
+from engine.tiny.factory import write_tiny_model
+
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (none on this machine)")]
+
+
+def _buffers(weight) -> list[torch.Tensor]:
+    return [weight] if isinstance(weight, torch.Tensor) else [v for v in vars(weight).values()
+                                                              if isinstance(v, torch.Tensor)]
+
+
+@pytest.mark.parametrize("fmt,expert_device", [("nvfp4-ct", None), ("nvfp4-ct", "cpu"), ("fp8", None),
+                                                ("bf16", "cpu")])
+def test_cold_pass_to_cuda_and_prepared_written_from_it(tmp_path, monkeypatch, fmt, expert_device):
+    import engine.checkpoint.prepared_store as store
+    import engine.checkpoint.shards as shards
+
+    monkeypatch.setattr(shards, "CHUNK_BYTES", 64 << 10)  # many chunks, straddling weights, own-buffer tensors
+    monkeypatch.setattr(shards, "STAGING_BYTES", 96 << 10)
+    monkeypatch.setattr(store, "PIECE_BYTES", 32 << 10)  # many pieces through the writer's staging buffers
+    snapshot = write_tiny_model(tmp_path / fmt, fmt)
+    cfg = ModelConfig.from_dir(snapshot)
+    truth = load_weights(snapshot, cfg, "cpu", torch.bfloat16)
+    on_gpu = load_weights(snapshot, cfg, "cuda", torch.bfloat16, expert_device, workers=4)
+    for name, weight in on_gpu.items():
+        want = "cpu" if expert_device and is_expert_stack(name) else "cuda"
+        assert {t.device.type for t in _buffers(weight)} == {want}, name
+        if want == "cpu":
+            assert all(t.is_pinned() for t in _buffers(weight)), name
+    save_prepared(on_gpu, tmp_path / "prepared", workers=3)
+    back, _ = load_prepared(tmp_path / "prepared", "cuda", workers=3, expert_device=expert_device)
+    for loaded in (on_gpu, back):
+        assert loaded.keys() == truth.keys()
+        for name, weight in truth.items():
+            for a, b in zip(_buffers(loaded[name]), _buffers(weight)):
+                assert a.dtype == b.dtype and torch.equal(a.cpu().view(torch.uint8), b.view(torch.uint8)), name
