@@ -39,9 +39,9 @@ def build_served_model(loaded: LoadedModel, settings: Settings) -> ServedModel:
                             max_num_batched_tokens=settings.max_num_batched_tokens, max_waiting=settings.max_queue,
                             moe_vram_budget=loaded.moe_vram_budget,
                             cpu_expert_threads=settings.cpu_expert_threads)
-    core = EngineCore(loaded.config, loaded.weights, options)
     files = loaded.files
     tokenizer = Tokenizer.from_file(str(files / "tokenizer.json"))
+    core = EngineCore(loaded.config, loaded.weights, options, tokenizer)
     template = ChatTemplate.from_dir(files) if _has_template(files) else None
     return ServedModel(loaded.name, AsyncEngine(core, tokenizer), tokenizer, template, settings.max_model_len,
                        loaded.config.vocab_size)
