@@ -100,8 +100,9 @@ class AsyncEngine:
         grammar that does not compile) before the first one."""
         request_id = request_id or uuid.uuid4().hex
         self.check(len(prompt_token_ids), params.max_tokens)
-        # Compiled here, off the engine thread: a large grammar must not stall everyone's next step.
-        constraint = await asyncio.to_thread(self.core.constraint, request_id, params)
+        # A grammar is compiled here, off the engine thread: a large one must not stall everyone's next step.
+        constraint = (await asyncio.to_thread(self.core.constraint, request_id, params) if params.grammar is not None
+                      else self.core.constraint(request_id, params))
         queue: asyncio.Queue = asyncio.Queue()
         with self._cv:
             waiting = len(self.core.scheduler.waiting) + len(self._incoming)

@@ -8,8 +8,8 @@ name, then an object of the tool's `parameters` schema), which the GLM tool pars
 
 With thinking on (the prompt ends inside `<think>`) the grammar applies after `</think>`, as in
 vLLM; a structured request may not stop while reasoning, and its reasoning is capped so the answer
-keeps room: at `thinking_token_budget` tokens when the request gives one, else at half of
-`max_tokens`, after which `</think>` is forced.
+keeps room: at `thinking_token_budget` tokens when the request gives one (-1: no cap), else at half
+of `max_tokens`, after which `</think>` is forced.
 """
 
 from __future__ import annotations
@@ -64,11 +64,12 @@ def reasoning_limit(body: ChatCompletionRequest, model: ServedModel, in_reasonin
                     max_tokens: int) -> Reasoning | None:
     """Where the output's reasoning ends and how long it may run, when that matters: a structured answer
     or a `thinking_token_budget` while the prompt opened reasoning."""
-    budget = body.thinking_token_budget if body.thinking_token_budget != -1 else None
-    if not in_reasoning or not (structured or budget is not None):
+    given = body.thinking_token_budget  # -1: explicitly no limit
+    if not in_reasoning or not (structured or given not in (None, -1)):
         return None
     end = model.tokenizer.token_to_id(THINK_END)
     if end is None:
         raise ProtocolError(f"this model's tokenizer has no single {THINK_END} token to end reasoning with; "
                             'send "chat_template_kwargs": {"enable_thinking": false}', param="chat_template_kwargs")
-    return Reasoning(end, budget if budget is not None else max_tokens // 2)
+    budget = given if given is not None else max_tokens // 2
+    return Reasoning(end, None if budget == -1 else budget)

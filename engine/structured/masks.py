@@ -29,7 +29,6 @@ class PendingMasks:
 
 class GrammarMasks:
     def __init__(self, vocab_size: int, max_rows: int, device: torch.device) -> None:
-        self.vocab_size, self.device = vocab_size, device
         self.bitmask = torch.full((max_rows, mask_words(vocab_size)), -1, dtype=torch.int32,
                                   pin_memory=device.type == "cuda")
         self._shifts = torch.arange(32, dtype=torch.int32, device=device)
