@@ -144,7 +144,7 @@ def tokenizer(tiny_dir) -> Tokenizer:
 
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
 def test_every_generation_validates_against_the_schema(llm, tokenizer, temperature):
-    prompts = [list(f"prompt {i}".encode()) for i in range(16)]
+    prompts = [list(f"prompt {i}".encode()) for i in range(8)]
     params = SamplingParams(max_tokens=160, temperature=temperature, seed=None if temperature == 0 else 7,
                             grammar=GrammarSpec.json_schema(PERSON))
     outputs = llm.generate(prompts, params)

@@ -80,7 +80,7 @@ def test_json_schema_answers_all_validate(client, temperature):
 
 def test_json_schema_after_reasoning(client):
     """Thinking on: free reasoning (at most half of max_tokens by default), then </think>, then the answer."""
-    response = chat(client, response_format=JSON_FORMAT, n=4, max_tokens=300, temperature=1.0, seed=3,
+    response = chat(client, response_format=JSON_FORMAT, n=2, max_tokens=300, temperature=1.0, seed=3,
                     logprobs=True)
     for choice in response.choices:
         assert choice.finish_reason == "stop" and choice.message.reasoning_content
@@ -161,7 +161,7 @@ def test_logprobs_rank_only_the_allowed_tokens(client):
 @pytest.mark.parametrize("thinking", [False, True])
 def test_tool_choice_required(client, thinking):
     extra = {} if thinking else NO_THINKING
-    response = chat(client, tools=TOOLS, tool_choice="required", parallel_tool_calls=False, n=6, max_tokens=200,
+    response = chat(client, tools=TOOLS, tool_choice="required", parallel_tool_calls=False, n=4, max_tokens=160,
                     temperature=1.0, seed=8, extra_body=extra)
     for choice in response.choices:
         assert choice.finish_reason == "tool_calls" and choice.message.content is None
@@ -170,7 +170,7 @@ def test_tool_choice_required(client, thinking):
 
 
 def test_tool_choice_required_with_parallel_calls(client):
-    response = chat(client, tools=TOOLS, tool_choice="required", n=6, max_tokens=400, temperature=1.0, seed=10,
+    response = chat(client, tools=TOOLS, tool_choice="required", n=4, max_tokens=400, temperature=1.0, seed=10,
                     extra_body=NO_THINKING)
     for choice in response.choices:
         assert choice.finish_reason == "tool_calls"
@@ -180,7 +180,7 @@ def test_tool_choice_required_with_parallel_calls(client):
 
 def test_named_tool_choice_streamed_and_whole(client):
     named = {"type": "function", "function": {"name": "get_weather"}}
-    response = chat(client, tools=TOOLS, tool_choice=named, n=4, max_tokens=200, temperature=1.0, seed=12,
+    response = chat(client, tools=TOOLS, tool_choice=named, n=2, max_tokens=200, temperature=1.0, seed=12,
                     extra_body=NO_THINKING)
     for choice in response.choices:
         assert len(choice.message.tool_calls) == 1
