@@ -37,6 +37,9 @@ class GenerationDelta:
     text: str
     logprobs: list[TokenLogprobs] = field(default_factory=list)
     finish_reason: str | None = None
+    # Per token: characters of output text before it (a token inside a multi-byte character is counted
+    # where that character starts).
+    text_offsets: list[int] = field(default_factory=list)
 
 
 class _RequestStream:
@@ -93,16 +96,20 @@ class AsyncEngine:
 
     async def generate(self, prompt_token_ids: list[int], params: SamplingParams,
                        request_id: str | None = None) -> AsyncIterator[GenerationDelta]:
-        """Submit a request and iterate over its deltas. Raises QueueFull or ValueError before the first one."""
+        """Submit a request and iterate over its deltas. Raises QueueFull or ValueError (GrammarError for a
+        grammar that does not compile) before the first one."""
         request_id = request_id or uuid.uuid4().hex
         self.check(len(prompt_token_ids), params.max_tokens)
+        # A grammar is compiled here, off the engine thread: a large one must not stall everyone's next step.
+        constraint = (await asyncio.to_thread(self.core.constraint, request_id, params) if params.grammar is not None
+                      else self.core.constraint(request_id, params))
         queue: asyncio.Queue = asyncio.Queue()
         with self._cv:
             waiting = len(self.core.scheduler.waiting) + len(self._incoming)
             if waiting >= self.core.scheduler.limits.max_waiting:
                 raise QueueFull(f"{waiting} requests already waiting")
             self._streams[request_id] = queue
-            self._incoming.append(Sequence(request_id, list(prompt_token_ids), params))
+            self._incoming.append(Sequence(request_id, list(prompt_token_ids), params, constraint=constraint))
             self._cv.notify()
         return _RequestStream(self, request_id, self._deltas(request_id, prompt_token_ids, params, queue))
 
@@ -133,6 +140,7 @@ class AsyncEngine:
         delta = GenerationDelta([], "")
         for out in outputs:
             delta.token_ids.append(out.token_id)
+            delta.text_offsets.append(detok.decoded_chars if detok is not None else 0)
             if out.logprobs is not None:
                 delta.logprobs.append(out.logprobs)
             stop_token = out.finish_reason == "stop"

@@ -108,6 +108,7 @@ class IncrementalDetokenizer:
                 self._prefix_text = context_text
 
         self._held = ""  # decoded text withheld because it may begin a stop string
+        self._decoded_chars = 0  # characters decoded so far, held ones included
         self._chunks: list[str] = []
         self._text_cache: str | None = ""
         self._stop_str: str | None = None
@@ -126,6 +127,7 @@ class IncrementalDetokenizer:
             return ""
         self._ids.append(token_id)
         new_text = self._decode_new_text()
+        self._decoded_chars += len(new_text)
         if not new_text:
             return ""
         return self._release(new_text, final=False)
@@ -153,6 +155,12 @@ class IncrementalDetokenizer:
         rest = self._decode(self._ids[self._prefix :])[len(self._prefix_text) :]
         self._commit(len(self._ids))
         return self._release(rest, final=True)
+
+    @property
+    def decoded_chars(self) -> int:
+        """Characters of output decoded so far, including text held back for stop strings but not an
+        incomplete character: the offset in the output text where the next token's text starts."""
+        return self._decoded_chars
 
     @property
     def text(self) -> str:

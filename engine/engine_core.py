@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from tokenizers import Tokenizer
 
 from engine.cache import PagedLatents, RequestSlots
 from engine.checkpoint.loader import LoadedWeights, checkpoint_sizes, load_weights
@@ -25,8 +26,11 @@ from engine.offload.placement import AUTO, auto_budget, plan_load
 from engine.model.glm5_next import Glm5NextModel
 from engine.model_runner import ModelRunner
 from engine.sampler import TokenLogprobs, sample_batch
+from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler, SchedulerLimits
 from engine.sequence import Sequence
+from engine.structured import GrammarCompiler, RequestConstraint
+from engine.structured.masks import GrammarMasks
 
 log = logging.getLogger("glmflash.engine")
 
@@ -83,7 +87,10 @@ def _caches(config: ModelConfig, options: EngineOptions, device: torch.device, d
 
 
 class EngineCore:
-    def __init__(self, config: ModelConfig, weights: LoadedWeights, options: EngineOptions = EngineOptions()) -> None:
+    def __init__(self, config: ModelConfig, weights: LoadedWeights, options: EngineOptions = EngineOptions(),
+                 tokenizer: Tokenizer | None = None) -> None:
+        """`tokenizer` (the snapshot's) is what grammars are compiled against; without it requests cannot
+        ask for structured output."""
         self.config, self.options = config, options
         embed = weights["embed_tokens.weight"]
         dev, dtype = embed.device, embed.dtype
@@ -96,6 +103,8 @@ class EngineCore:
         self.scheduler = Scheduler(self.slots, self.cache, limits)
         self.runner = ModelRunner(self.model, self.slots, self.cache, self.cache.pages_for(options.max_model_len))
         self._by_id: dict[str, Sequence] = {}
+        self.grammars = GrammarCompiler(tokenizer, config.vocab_size, config.eos_token_ids) if tokenizer else None
+        self.masks = GrammarMasks(config.vocab_size, options.max_num_seqs, dev)
         if dev.type == "cuda" and fast_kernels_enabled():
             self._warm_up(options)
 
@@ -140,7 +149,20 @@ class EngineCore:
                                   len(config.moe_layers), config.n_routed_experts,
                                   cls.cache_bytes(config, options, DTYPES[dtype]))
         weights = load_weights(model, config, device, DTYPES[dtype], slots)
-        return cls(config, weights, dataclasses.replace(options, moe_vram_budget=budget))
+        tokenizer_file = Path(model) / "tokenizer.json"
+        tokenizer = Tokenizer.from_file(str(tokenizer_file)) if tokenizer_file.exists() else None
+        return cls(config, weights, dataclasses.replace(options, moe_vram_budget=budget), tokenizer)
+
+    def constraint(self, request_id: str, params: SamplingParams) -> RequestConstraint | None:
+        """The token constraint `params` ask for, compiled (GrammarError if the grammar does not compile;
+        may take long for a huge grammar, so callers that serve others compile off the engine thread)."""
+        if params.grammar is None and (params.reasoning is None or params.reasoning.budget is None):
+            return None
+        if params.grammar is not None and self.grammars is None:
+            raise ValueError("structured output needs the model's tokenizer, and this engine has none")
+        matcher = self.grammars.matcher(params.grammar) if params.grammar is not None else None
+        stops = set(params.stop_token_ids) | (set() if params.ignore_eos else set(self.config.eos_token_ids))
+        return RequestConstraint(request_id, self.config.vocab_size, matcher, params.reasoning, stops)
 
     @staticmethod
     def cache_bytes(config: ModelConfig, options: EngineOptions, dtype: torch.dtype) -> int:
@@ -152,6 +174,8 @@ class EngineCore:
     def add(self, seq: Sequence) -> None:
         if seq.request_id in self._by_id:
             raise ValueError(f"request id {seq.request_id!r} is already in use")
+        if seq.constraint is None:
+            seq.constraint = self.constraint(seq.request_id, seq.params)
         self.scheduler.add(seq)
         self._by_id[seq.request_id] = seq
 
@@ -172,13 +196,18 @@ class EngineCore:
         scheduled = self.scheduler.schedule()
         if not scheduled:
             return []
+        done = [seq for seq, new in scheduled if seq.cached + new == seq.num_tokens]  # the logits rows, in order
+        masks = self.masks.start(done)  # filled on the CPU while the forward runs
         logits = self.runner.run(scheduled)
         if self.offload is not None:
             self.offload.rebalance(self.options.max_expert_swaps)
-        done = [seq for seq, _ in scheduled if seq.cached == seq.num_tokens]
+        if masks is not None:
+            self.masks.apply(logits, masks)
         outputs = []
         for seq, (token, logprobs) in zip(done, sample_batch(logits, done)):
             seq.append(token, self.config.eos_token_ids)
+            if seq.constraint is not None:
+                seq.constraint.accept(token)
             outputs.append(StepOutput(seq.request_id, token, logprobs, seq.finish_reason))
             if seq.finished:
                 self.scheduler.finish(seq)

@@ -2,7 +2,7 @@
 
 Each request samples with its own generator, so a seeded request gives the same tokens whatever
 else shares its batch. Logprobs are taken from the model's raw distribution (before penalties and
-temperature), as OpenAI reports them.
+temperature), as OpenAI reports them; a structured-output mask is already applied, as in vLLM.
 """
 
 from __future__ import annotations
@@ -59,8 +59,11 @@ def sample(logits: torch.Tensor, seq: Sequence) -> tuple[int, TokenLogprobs | No
     if params.logprobs is None:
         return token, None
     logprobs = torch.log_softmax(raw, dim=-1)
-    top = torch.topk(logprobs, params.logprobs) if params.logprobs else None
-    ranked = list(zip(top.indices.tolist(), top.values.tolist())) if top is not None else []
+    ranked: list[tuple[int, float]] = []
+    if params.logprobs:
+        top = torch.topk(logprobs, params.logprobs)
+        # A grammar's mask may leave fewer candidates than asked for: masked tokens (-inf) are none.
+        ranked = [(t, v) for t, v in zip(top.indices.tolist(), top.values.tolist()) if v != float("-inf")]
     return token, TokenLogprobs(float(logprobs[token]), ranked)
 
 

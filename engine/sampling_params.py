@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+from engine.structured.spec import GrammarSpec, Reasoning
+
 
 @dataclass
 class SamplingParams:
@@ -24,6 +26,8 @@ class SamplingParams:
     skip_special_tokens: bool = True
     # Callables (token ids so far, logits [V]) -> logits, applied in order before sampling (constrained output).
     logits_processors: list[Callable[[list[int], Any], Any]] = field(default_factory=list)
+    grammar: GrammarSpec | None = None  # the output (after any reasoning) must match it
+    reasoning: Reasoning | None = None  # the output starts in reasoning: where it ends, and its budget
 
     def __post_init__(self) -> None:
         checks = [

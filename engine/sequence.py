@@ -3,10 +3,14 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
 from engine.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from engine.structured.constraint import RequestConstraint
 
 
 @dataclass(eq=False)  # identity: a request is itself, whatever its tokens
@@ -20,6 +24,7 @@ class Sequence:
     cached: int = 0  # tokens whose state is already in the slot and pages
     finish_reason: str | None = None
     generator: torch.Generator | None = None
+    constraint: RequestConstraint | None = None  # grammar / reasoning budget state, when the params ask for one
 
     def __post_init__(self) -> None:
         if self.params.seed is not None and self.generator is None:

@@ -30,7 +30,7 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from typing import Any, ClassVar, Literal, TypeVar, Union
+from typing import Any, ClassVar, Literal, NamedTuple, TypeVar, Union
 
 from pydantic import (
     BaseModel,
@@ -66,6 +66,9 @@ __all__ = [
     "NamedToolChoiceFunction",
     "NamedToolChoice",
     "ResponseFormat",
+    "JsonSchemaFormat",
+    "StructuredOutputs",
+    "StructuredOutputRequest",
     "StreamOptions",
     "ChatCompletionRequest",
     "CompletionRequest",
@@ -421,20 +424,97 @@ class NamedToolChoice(_RequestModel):
     function: NamedToolChoiceFunction
 
 
+class JsonSchemaFormat(_RequestModel):
+    """``response_format.json_schema``: the schema is always enforced (``strict`` or not, as in vLLM)."""
+
+    name: str | None = None
+    description: str | None = None
+    schema_: dict[str, Any] = Field(alias="schema")
+    strict: bool | None = None
+
+
 class ResponseFormat(_RequestModel):
-    """Only ``{"type": "text"}`` is supported (structured output is not)."""
+    """``{"type": "text" | "json_object" | "json_schema", "json_schema": {...}}``."""
 
     type: str
+    json_schema: JsonSchemaFormat | None = None
 
     @field_validator("type")
     @classmethod
-    def _only_text(cls, value: str) -> str:
-        if value != "text":
-            raise _invalid(
-                f"response_format type {_short_repr(value)} is not supported; only 'text' is "
-                "(structured output / JSON mode is not available on this server)"
-            )
+    def _known_type(cls, value: str) -> str:
+        if value not in ("text", "json_object", "json_schema"):
+            raise _invalid(f"response_format type {_short_repr(value)} is not supported; use 'text', "
+                           "'json_object' or 'json_schema'")
         return value
+
+    @model_validator(mode="after")
+    def _schema_given(self) -> "ResponseFormat":
+        if self.type == "json_schema" and self.json_schema is None:
+            raise _invalid("response_format of type 'json_schema' needs 'json_schema' with a 'schema'",
+                           "json_schema", code="missing_required_parameter")
+        return self
+
+
+def _json_schema_value(value: Any) -> Any:
+    """A JSON schema given as an object or as its JSON text (vLLM accepts both)."""
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as exc:
+            raise _invalid(f"the schema is not valid JSON ({exc.msg})") from None
+    if not isinstance(value, dict):
+        raise _invalid("a JSON schema must be a JSON object", code="invalid_type")
+    return value
+
+
+def _choice_value(value: Any) -> Any:
+    if not isinstance(value, list) or not value or not all(isinstance(c, str) for c in value):
+        raise _invalid("choices must be a non-empty list of strings", code="invalid_type")
+    return value
+
+
+class StructuredOutputs(_RequestModel):
+    """vLLM's ``structured_outputs``: exactly one of ``json``, ``regex``, ``choice``, ``grammar``, ``json_object``."""
+
+    json_: dict[str, Any] | None = Field(default=None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    structural_tag: Any = None
+
+    @field_validator("json_", mode="before")
+    @classmethod
+    def _schema(cls, value: Any) -> Any:
+        return None if value is None else _json_schema_value(value)
+
+    @field_validator("choice", mode="before")
+    @classmethod
+    def _choices(cls, value: Any) -> Any:
+        return None if value is None else _choice_value(value)
+
+    @model_validator(mode="after")
+    def _exactly_one(self) -> "StructuredOutputs":
+        if self.structural_tag is not None:
+            raise _invalid("structural_tag is not supported", "structural_tag")
+        given = [name for name in ("json", "regex", "choice", "grammar") if self.constraint_value(name) is not None]
+        given += ["json_object"] if self.json_object else []
+        if len(given) != 1:
+            raise _invalid("structured_outputs must set exactly one of 'json', 'regex', 'choice', 'grammar', "
+                           f"'json_object' (got {', '.join(given) or 'none'})")
+        return self
+
+    def constraint_value(self, name: str) -> Any:
+        return self.json_ if name == "json" else getattr(self, name)
+
+
+class StructuredOutputRequest(NamedTuple):
+    """The one structured-output constraint of a request: where it came from (named in errors), its kind
+    (``json_schema``, ``json_object``, ``regex``, ``choice``, ``grammar``) and its value."""
+
+    param: str
+    kind: str
+    value: Any
 
 
 class StreamOptions(_RequestModel):
@@ -474,6 +554,23 @@ class _SamplingRequest(_RequestModel):
     ignore_eos: bool = False
     skip_special_tokens: bool = True
     user: str | None = None
+    # Structured output: OpenAI's response_format, vLLM's structured_outputs and its older guided_* fields.
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputs | None = None
+    guided_json: dict[str, Any] | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+
+    @field_validator("guided_json", mode="before")
+    @classmethod
+    def _guided_schema(cls, value: Any) -> Any:
+        return None if value is None else _json_schema_value(value)
+
+    @field_validator("guided_choice", mode="before")
+    @classmethod
+    def _guided_choices(cls, value: Any) -> Any:
+        return None if value is None else _choice_value(value)
 
     @field_validator("stop", mode="before")
     @classmethod
@@ -502,6 +599,40 @@ class _SamplingRequest(_RequestModel):
             raise _invalid("stream_options is only allowed when stream is true", "stream_options")
         return self
 
+    @model_validator(mode="after")
+    def _one_structured_output(self):
+        given = [field for field in ("response_format", "structured_outputs", "guided_json", "guided_regex",
+                                     "guided_choice", "guided_grammar") if self._constraint_field(field)]
+        if len(given) > 1:
+            raise _invalid(f"only one structured-output constraint may be given, got {' and '.join(given)}",
+                           given[1])
+        return self
+
+    def _constraint_field(self, field: str) -> bool:
+        value = getattr(self, field)
+        return value is not None and not (field == "response_format" and value.type == "text")
+
+    @property
+    def structured_output(self) -> StructuredOutputRequest | None:
+        """The request's structured-output constraint, from whichever field carries it."""
+        fmt = self.response_format
+        if fmt is not None and fmt.type == "json_object":
+            return StructuredOutputRequest("response_format", "json_object", True)
+        if fmt is not None and fmt.type == "json_schema":
+            return StructuredOutputRequest("response_format.json_schema.schema", "json_schema", fmt.json_schema.schema_)
+        so = self.structured_outputs
+        if so is not None:
+            if so.json_object:
+                return StructuredOutputRequest("structured_outputs.json_object", "json_object", True)
+            name = next(n for n in ("json", "regex", "choice", "grammar") if so.constraint_value(n) is not None)
+            kind = "json_schema" if name == "json" else name
+            return StructuredOutputRequest(f"structured_outputs.{name}", kind, so.constraint_value(name))
+        for kind in ("json", "regex", "choice", "grammar"):
+            value = getattr(self, f"guided_{kind}")
+            if value is not None:
+                return StructuredOutputRequest(f"guided_{kind}", "json_schema" if kind == "json" else kind, value)
+        return None
+
     @property
     def stop_sequences(self) -> list[str]:
         """``stop`` as a list, empty strings dropped."""
@@ -526,7 +657,8 @@ class ChatCompletionRequest(_SamplingRequest):
     tool_choice: Union[Literal["none", "auto", "required"], NamedToolChoice, None] = None
     parallel_tool_calls: bool | None = None
     chat_template_kwargs: dict[str, Any] | None = None
-    response_format: ResponseFormat | None = None
+    # vLLM's: reasoning tokens after which </think> is forced (-1: no limit).
+    thinking_token_budget: int | None = Field(default=None, ge=-1)
 
     @field_validator("messages", mode="before")
     @classmethod
@@ -578,6 +710,10 @@ class ChatCompletionRequest(_SamplingRequest):
         if choice == "required" or isinstance(choice, NamedToolChoice):
             if not self.tools:
                 raise _invalid("tool_choice 'required' or a named function requires 'tools'", "tool_choice")
+            if self.structured_output is not None:
+                raise _invalid(f"tool_choice 'required' or a named function constrains the output to tool calls; "
+                               f"it cannot be combined with {self.structured_output.param.split('.')[0]}",
+                               "tool_choice")
             if isinstance(choice, NamedToolChoice):
                 names = {tool.function.name for tool in self.tools}
                 if choice.function.name not in names:

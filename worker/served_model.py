@@ -36,11 +36,11 @@ class ServedModel:
 
 def build_served_model(loaded: LoadedModel, settings: Settings) -> ServedModel:
     """An engine over loaded weights, with the tokenizer and chat template from the snapshot's files."""
-    core = EngineCore(loaded.config, loaded.weights, engine_options(settings, loaded.moe_vram_budget))
-    if loaded.prepare is not None and core.offload is not None:
-        core.offload.swaps_held = True  # the prepared snapshot is written from the slots and the host bank
     files = loaded.files
     tokenizer = Tokenizer.from_file(str(files / "tokenizer.json"))
+    core = EngineCore(loaded.config, loaded.weights, engine_options(settings, loaded.moe_vram_budget), tokenizer)
+    if loaded.prepare is not None and core.offload is not None:
+        core.offload.swaps_held = True  # the prepared snapshot is written from the slots and the host bank
     template = ChatTemplate.from_dir(files) if _has_template(files) else None
     return ServedModel(loaded.name, AsyncEngine(core, tokenizer), tokenizer, template, settings.max_model_len,
                        loaded.config.vocab_size)

@@ -16,6 +16,7 @@ from engine.async_engine import GenerationDelta
 from engine.sampler import TokenLogprobs
 from engine.sampling_params import SamplingParams
 from engine.scheduler import QueueFull
+from engine.structured import GrammarError, GrammarSpec, Reasoning
 from worker.metrics import Metrics
 from worker.protocol import ProtocolError, _SamplingRequest, error_body, parse_request
 from worker.served_model import ServedModel
@@ -59,7 +60,8 @@ def completion_budget(model: ServedModel, prompt_len: int, requested: int | None
     return requested if requested is not None else min(default or room, room)
 
 
-def sampling_params(body: _SamplingRequest, model: ServedModel, max_tokens: int, logprobs: int | None) -> SamplingParams:
+def sampling_params(body: _SamplingRequest, model: ServedModel, max_tokens: int, logprobs: int | None,
+                    grammar: GrammarSpec | None = None, reasoning: Reasoning | None = None) -> SamplingParams:
     try:
         return SamplingParams(
             max_tokens=max_tokens,
@@ -77,6 +79,8 @@ def sampling_params(body: _SamplingRequest, model: ServedModel, max_tokens: int,
             logprobs=logprobs,
             skip_special_tokens=body.skip_special_tokens,
             logits_processors=list(model.logits_processors),
+            grammar=grammar,
+            reasoning=reasoning,
         )
     except ValueError as exc:
         raise ProtocolError(str(exc)) from exc
@@ -89,10 +93,11 @@ def check_token_ids(ids: list[int], model: ServedModel, param: str) -> None:
 
 
 async def open_streams(model: ServedModel, prompts: list[list[int]], params: SamplingParams,
-                       n: int) -> list[AsyncIterator[GenerationDelta]]:
+                       n: int, grammar_param: str | None = None) -> list[AsyncIterator[GenerationDelta]]:
     """One engine request per (prompt, sample); seeds differ per sample so n > 1 gives n different answers.
 
-    All or nothing: if the queue is full for any of them, the ones already queued are aborted.
+    All or nothing: if the queue is full for any of them, the ones already queued are aborted. A grammar
+    that does not compile is a 400 naming `grammar_param`, the field it came from.
     """
     streams: list[AsyncIterator[GenerationDelta]] = []
     try:
@@ -103,6 +108,10 @@ async def open_streams(model: ServedModel, prompts: list[list[int]], params: Sam
     except QueueFull as exc:
         await close_streams(streams)
         raise ProtocolError("The server is at capacity; retry shortly.", status=429, code="queue_full") from exc
+    except GrammarError as exc:
+        await close_streams(streams)
+        raise ProtocolError(f"Invalid value for '{grammar_param}': it cannot be compiled into a grammar: {exc}",
+                            param=grammar_param, code="invalid_grammar") from exc
     except ValueError as exc:
         await close_streams(streams)
         raise ProtocolError(str(exc), param="max_tokens") from exc

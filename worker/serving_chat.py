@@ -18,6 +18,7 @@ from worker.protocol import (
     random_id,
 )
 from worker.served_model import ServedModel
+from worker.structured import output_grammar, reasoning_limit, tool_call_grammar
 from worker.serving import (
     STATE, Timing, check_model, close_streams, collect, completion_budget, merged, open_streams, read_request, sampling_params,
     serve_sse, top_logprobs,
@@ -94,12 +95,17 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     ids = model.encode(prompt)
     max_tokens = completion_budget(model, len(ids), body.effective_max_tokens, None, "messages")
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
-    params = sampling_params(body, model, max_tokens, logprobs)
     settings = state.settings
+    grammar, grammar_param = output_grammar(body) or tool_call_grammar(body, model) or (None, None)
+    if grammar_param == "tools" and not settings.tool_call_parser:
+        raise ProtocolError("tool_choice 'required' or a named function needs a tool-call parser, and this server "
+                            "runs without one", param="tool_choice")
+    reasoning = reasoning_limit(body, model, prompt.ends_in_reasoning, grammar is not None, max_tokens)
+    params = sampling_params(body, model, max_tokens, logprobs, grammar, reasoning)
     parsers = [make_parser(body, model, prompt.ends_in_reasoning, settings.reasoning_parser,
                            settings.tool_call_parser) for _ in range(body.n)]
     timing = Timing(state.metrics)
-    streams = await open_streams(model, [ids], params, body.n)
+    streams = await open_streams(model, [ids], params, body.n, grammar_param)
     try:  # whatever happens before the streams are read (client gone, cancelled), they are aborted
         if body.stream:
             return await _stream(request, body, model, parsers, streams, len(ids), timing)

@@ -12,6 +12,7 @@ from worker.protocol import (
     random_id,
 )
 from worker.served_model import ServedModel
+from worker.structured import output_grammar
 from worker.serving import (
     STATE, Timing, check_model, check_token_ids, close_streams, collect, completion_budget, merged, open_streams, read_request,
     sampling_params, serve_sse, top_logprobs,
@@ -21,16 +22,18 @@ DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 
 
 class LogprobBuilder:
-    """OpenAI's parallel-list completion logprobs, built token by token with running text offsets."""
+    """OpenAI's parallel-list completion logprobs, token by token. `text_offset` counts characters of the
+    choice's text (after the echoed prompt): where each token's text starts, or for a token inside a
+    multi-byte character, where that character starts."""
 
     def __init__(self, model: ServedModel, offset: int) -> None:
-        self.model, self.offset = model, offset
+        self.model, self.offset = model, offset  # offset: characters before the generated text
 
     def add(self, delta: GenerationDelta) -> CompletionLogprobs | None:
         if not delta.logprobs:
             return None
         out = CompletionLogprobs()
-        for token, lp in zip(delta.token_ids, delta.logprobs):
+        for token, lp, text_offset in zip(delta.token_ids, delta.logprobs, delta.text_offsets):
             text = self.model.token_text(token)
             out.tokens.append(text)
             out.token_logprobs.append(lp.logprob)
@@ -38,8 +41,7 @@ class LogprobBuilder:
             for top_text, value in top_logprobs(self.model, lp):  # best first
                 top.setdefault(top_text, value)  # texts can collide (lone bytes read "\ufffd"): keep the best
             out.top_logprobs.append(top)
-            out.text_offset.append(self.offset)
-            self.offset += len(text)
+            out.text_offset.append(self.offset + text_offset)
         return out
 
 
@@ -66,13 +68,14 @@ async def completions(request: web.Request) -> web.StreamResponse:
         check_token_ids(ids, model, "prompt")
         prompts.append(ids)
     max_tokens = min(completion_budget(model, len(ids), body.max_tokens, DEFAULT_MAX_TOKENS, "prompt") for ids in prompts)
-    params = sampling_params(body, model, max_tokens, body.logprobs)
+    grammar, grammar_param = output_grammar(body) or (None, None)
+    params = sampling_params(body, model, max_tokens, body.logprobs, grammar)
     echoes = [model.tokenizer.decode(ids, skip_special_tokens=False) if body.echo else "" for ids in prompts]
     echoes = [e for e in echoes for _ in range(body.n)]
     builders = [LogprobBuilder(model, len(e)) for e in echoes]
     prompt_tokens = sum(len(ids) for ids in prompts)
     timing = Timing(state.metrics)
-    streams = await open_streams(model, prompts, params, body.n)
+    streams = await open_streams(model, prompts, params, body.n, grammar_param)
     try:  # whatever happens before the streams are read (client gone, cancelled), they are aborted
         if body.stream:
             return await _stream(request, body, model, streams, echoes, builders, prompt_tokens, timing)

@@ -351,3 +351,21 @@ def test_random_bytes_including_invalid_utf8_match_decode(tok):
             deltas = stream(detok, ids)
             assert "".join(deltas) == tok.decode(ids, skip_special_tokens=skip), ids
             assert counting.max_ids <= 16
+
+
+@pytest.mark.parametrize("text, stop", [("aé日b🎉c", []), ("axyzb", ["xyw"]), ("ab<think>c", [])])
+def test_decoded_chars_is_where_each_token_starts(tok, text, stop):
+    """Before each push: the character offset of that token's text (a byte inside a multi-byte
+    character counts where the character starts), also while text is held back for stop strings."""
+    ids = tok.encode(text, add_special_tokens=False).ids
+    detok = IncrementalDetokenizer(tok, stop=stop, skip_special_tokens=False)
+    offsets = []
+    for token in ids:
+        offsets.append(detok.decoded_chars)
+        detok.push(token)
+    expected, decoded = [], ""
+    for token in ids:  # the oracle: characters of the complete characters decoded before the token
+        expected.append(len(decoded))
+        decoded = tok.decode(ids[:len(expected)], skip_special_tokens=False).rstrip("\ufffd")
+    assert offsets == expected
+    assert detok.decoded_chars == len(text)

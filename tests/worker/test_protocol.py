@@ -262,10 +262,17 @@ CHAT_ERRORS = [
     (chat(parallel_tool_calls="x"), "parallel_tool_calls", "invalid_type"),
     (chat(chat_template_kwargs=["enable_thinking"]), "chat_template_kwargs", "invalid_type"),
     (chat(chat_template_kwargs={"messages": []}), "chat_template_kwargs.messages", "invalid_value"),
-    (chat(response_format={"type": "json_object"}), "response_format.type", "invalid_value"),
-    (chat(response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": {}}}),
-     "response_format.type", "invalid_value"),
+    (chat(response_format={"type": "structural_tag"}), "response_format.type", "invalid_value"),
+    (chat(response_format={"type": "json_schema"}), "response_format.json_schema", "missing_required_parameter"),
+    (chat(response_format={"type": "json_schema", "json_schema": {"name": "x"}}),
+     "response_format.json_schema.schema", "missing_required_parameter"),
+    (chat(response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": "obj"}}),
+     "response_format.json_schema.schema", "invalid_type"),
     (chat(response_format={}), "response_format.type", "missing_required_parameter"),
+    (chat(response_format={"type": "json_object"}, guided_regex="a"), "guided_regex", "invalid_value"),
+    (chat(tools=TOOLS, tool_choice="required", response_format={"type": "json_object"}), "tool_choice",
+     "invalid_value"),
+    (chat(thinking_token_budget=-2), "thinking_token_budget", "invalid_value"),
     (chat(skip_special_tokens="maybe"), "skip_special_tokens", "invalid_type"),
     (chat(ignore_eos=[]), "ignore_eos", "invalid_type"),
     (chat(user=5), "user", "invalid_type"),
@@ -301,7 +308,42 @@ COMPLETION_ERRORS = [
     (completion(stop=[None]), "stop[0]", "invalid_type"),
     (completion(presence_penalty=9), "presence_penalty", "invalid_value"),
     (completion(stream_options={"include_usage": True}), "stream_options", "invalid_value"),
+    (completion(guided_choice=[]), "guided_choice", "invalid_type"),
+    (completion(guided_choice=["a", 1]), "guided_choice", "invalid_type"),
+    (completion(guided_json="{x"), "guided_json", "invalid_value"),
+    (completion(guided_json="[1]"), "guided_json", "invalid_type"),
+    (completion(guided_regex="a", guided_choice=["b"]), "guided_choice", "invalid_value"),
+    (completion(structured_outputs={}), "structured_outputs", "invalid_value"),
+    (completion(structured_outputs={"regex": "a", "choice": ["b"]}), "structured_outputs", "invalid_value"),
+    (completion(structured_outputs={"regex": "a", "structural_tag": "{}"}), "structured_outputs.structural_tag",
+     "invalid_value"),
+    (completion(structured_outputs={"json": 5}), "structured_outputs.json", "invalid_type"),
 ]
+
+
+STRUCTURED = {"type": "object", "properties": {"a": {"type": "integer"}}}
+
+
+@pytest.mark.parametrize("fields, expected", [
+    ({}, None),
+    ({"response_format": {"type": "text"}}, None),
+    ({"response_format": {"type": "json_object"}}, ("response_format", "json_object", True)),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "a", "schema": STRUCTURED, "strict": True}}},
+     ("response_format.json_schema.schema", "json_schema", STRUCTURED)),
+    ({"structured_outputs": {"json": json.dumps(STRUCTURED)}}, ("structured_outputs.json", "json_schema", STRUCTURED)),
+    ({"structured_outputs": {"regex": "[0-9]+"}}, ("structured_outputs.regex", "regex", "[0-9]+")),
+    ({"structured_outputs": {"choice": ["x", "y"]}}, ("structured_outputs.choice", "choice", ["x", "y"])),
+    ({"structured_outputs": {"grammar": 'root ::= "x"'}}, ("structured_outputs.grammar", "grammar", 'root ::= "x"')),
+    ({"structured_outputs": {"json_object": True}}, ("structured_outputs.json_object", "json_object", True)),
+    ({"guided_json": STRUCTURED, "response_format": {"type": "text"}}, ("guided_json", "json_schema", STRUCTURED)),
+    ({"guided_regex": "a+"}, ("guided_regex", "regex", "a+")),
+    ({"guided_choice": ["x"]}, ("guided_choice", "choice", ["x"])),
+    ({"guided_grammar": 'start: "x"'}, ("guided_grammar", "grammar", 'start: "x"')),
+])
+def test_structured_output_fields(fields, expected):
+    for cls, payload in ((ChatCompletionRequest, chat(**fields)), (CompletionRequest, completion(**fields))):
+        request = parse_request(cls, payload).structured_output
+        assert (tuple(request) if request else None) == expected
 
 
 @pytest.mark.parametrize(

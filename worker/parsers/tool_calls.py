@@ -7,11 +7,19 @@ GLM-4.5/4.6 write one call as::
     <arg_value>Beijing</arg_value>
     </tool_call>
 
-and GLM-4.7/5 write the same without the newlines.  Several calls may follow
-each other and ordinary content may come first.  All six tags are non-special
-added tokens, so they reach us as literal text, possibly split across deltas.
+and GLM-4.7/5 write the same without the newlines.  GLM-5.3-Flash mostly writes
+the JSON form that SGLang's ``glm53_flash`` detector documents::
 
-Arguments become a JSON object text built pair by pair.  A value is kept as the
+    <tool_call>get_weather>{"city": "Beijing"}
+
+the name ended by ``>`` and the arguments one JSON object, with no closing tag
+(a ``</tool_call>`` after it is dropped).  Both forms may appear in one output;
+several calls may follow each other and ordinary content may come first.  All
+six tags are non-special added tokens, so they reach us as literal text,
+possibly split across deltas.  The JSON form is also what the server forces for
+``tool_choice`` "required" or a named function (``worker/structured.py``).
+
+In the tag form, arguments become a JSON object text built pair by pair; a value is kept as the
 raw string when the tool's JSON schema says the parameter is a string (also
 ``["string", "null"]`` and ``anyOf``/``oneOf`` of string and null, which is how
 pydantic writes ``Optional[str]``), so ``"01234"`` stays ``"01234"``.  Any other
@@ -21,8 +29,16 @@ tools at all -- is parsed with ``json.loads`` and, failing that,
 neither gives a JSON value.  That is the order vLLM's ``glm4_moe_tool_parser``
 (``_deserialize``) and SGLang's ``glm47_moe_detector`` (``parse_arguments``) use.
 
-Streaming emits the tool name once it is complete (at ``<arg_key>`` or
-``</tool_call>``), then argument text as it becomes final: a string value is
+JSON-form arguments are streamed as they are generated, character for
+character (SGLang sends them only once the object is complete); the object's
+end is found by counting braces and brackets outside strings.  Before the
+object only whitespace may come: anything else leaves the call with ``{}``
+and is read as content.  A name with namespaces (``Weather/get_weather``) one
+of whose parts is a given tool becomes that tool (SGLang; its fuzzier matches,
+case or substrings, are not done).
+
+Streaming emits the tool name once it is complete (at ``<arg_key>``,
+``</tool_call>`` or the JSON form's ``>``), then argument text as it becomes final: a string value is
 streamed while it is generated (escaped, with the partial ``</arg_value>`` held
 back; long file contents would otherwise arrive in one piece, vLLM issue
 #32829); other values when their ``</arg_value>`` arrives; the closing ``}`` at
@@ -39,7 +55,8 @@ SGLang's ``glm47_moe_detector.py`` where they agree and noted where not:
 * the name is the text before the first tag, first line only (GLM-4.5's
   newline; SGLang also ends it at a literal ``\\n``), stripped; so a stray tag
   such as ``<tool_call>f</arg_value></tool_call>`` gives ``f``, not
-  ``f</arg_value>``.  A call with an empty name is dropped (SGLang);
+  ``f</arg_value>`` (a ``>`` after a ``<`` in the name closes such a tag, not
+  the name).  A call with an empty name is dropped (SGLang);
 * a zero-argument call ``<tool_call>f</tool_call>`` has arguments ``{}`` also
   when streamed (vLLM's streaming parser used to drop it, vLLM issue #44326);
 * a key not followed by ``<arg_value>`` before the next ``<arg_key>`` or
@@ -50,7 +67,8 @@ SGLang's ``glm47_moe_detector.py`` where they agree and noted where not:
   value"); a repeated key is written twice, so a JSON reader keeps the last one,
   as vLLM's and SGLang's dicts do;
 * a ``<tool_call>`` right after a complete pair starts a new call: the previous
-  one only lacked its ``</tool_call>``;
+  one only lacked its ``</tool_call>``; in the JSON form, a tool-call tag outside
+  a string ends unfinished arguments where they stand;
 * content is the text outside calls, joined verbatim (vLLM's streaming parser
   and SGLang's detectors keep text between and after calls too), except that
   whitespace separating it from a call at its start or end is dropped, so
@@ -80,6 +98,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 TOOL_CALL_START = "<tool_call>"
+NAME_END = ">"  # GLM-5.3-Flash's JSON form: <tool_call>name>{arguments}
 TOOL_CALL_END = "</tool_call>"
 ARG_KEY_START = "<arg_key>"
 ARG_KEY_END = "</arg_key>"
@@ -126,12 +145,13 @@ class _State(enum.Enum):
     VALUE = enum.auto()
     BETWEEN = enum.auto()  # after a complete pair
     DISCARD = enum.auto()  # inside a call with an empty name
+    JSON = enum.auto()  # GLM-5.3-Flash's form: the arguments object after `name>`
 
 
 # The tags each state reacts to; any other text is that state's data.
 _TAGS: dict[_State, tuple[str, ...]] = {
     _State.CONTENT: (TOOL_CALL_START, TOOL_CALL_END),
-    _State.NAME: (ARG_KEY_START, TOOL_CALL_END),
+    _State.NAME: (ARG_KEY_START, TOOL_CALL_END, NAME_END),
     _State.KEY: (ARG_KEY_END, TOOL_CALL_END),
     _State.AWAIT_VALUE: (ARG_VALUE_START, ARG_KEY_START, TOOL_CALL_END),
     _State.VALUE: (ARG_VALUE_END, TOOL_CALL_END),
@@ -224,6 +244,9 @@ class GlmToolParser:
     def __init__(self, tools: Sequence[Mapping[str, Any]] | None = None) -> None:
         self._tools = tools
         self._string_params = _string_params(tools)
+        self._json_depth = 0  # JSON form: open objects and arrays of the arguments
+        self._json_string = self._json_escape = False  # JSON form: inside a string, after a backslash
+        self._emit_json = True  # JSON form: False while skipping the arguments of a call with no name
         self._state = _State.CONTENT
         self._buf = ""  # unconsumed text: at most a partial tag
         self._held_ws = ""  # trailing content whitespace: dropped if only calls follow
@@ -256,6 +279,12 @@ class GlmToolParser:
         self._out = ToolStreamDelta()
         text, start = self._buf + delta, 0  # scan by offset: a whole output may hold many tags
         while True:
+            if self._state is _State.JSON:
+                start = self._scan_json(text, start)
+                if self._state is _State.JSON:  # all consumed, or a partial tag held
+                    self._buf = text[start:]
+                    return self._out
+                continue
             tags = _TAGS[self._state]
             pos, tag = _find_tag(text, tags, start)
             if tag is None:
@@ -275,6 +304,10 @@ class GlmToolParser:
             self._out.content = held + self._buf
         elif self._state is _State.BETWEEN:
             self._close_call()
+        elif self._state is _State.JSON and self._emit_json:  # cut: what was generated stays as it is
+            rest = self._buf if self._json_depth else "{}"
+            if rest:
+                self._arguments(rest)
         self._buf = self._held_ws = ""
         return self._out
 
@@ -299,19 +332,20 @@ class GlmToolParser:
                 self._start_call()
             # a stray </tool_call> in content is dropped
         elif state is _State.NAME:
-            self._name = _clean_name("".join(self._parts))
+            if tag == NAME_END and "<" in "".join(self._parts):
+                self._parts.append(tag)  # the end of a stray tag after the name, not the name's end
+                return
+            self._name = self._resolve_name(_clean_name("".join(self._parts)))
+            if tag == NAME_END:
+                self._start_json(announce=bool(self._name))
+                return
             if not self._name:
                 if tag == ARG_KEY_START:
                     self._state = _State.DISCARD
                 else:
                     self._end_call()
                 return
-            self._index += 1
-            self._out.tool_calls.append(
-                ToolCallDelta(
-                    index=self._index, id=f"call_{uuid.uuid4().hex[:24]}", type="function", name=self._name
-                )
-            )
+            self._announce()
             if tag == ARG_KEY_START:
                 self._start_key()
             else:
@@ -360,6 +394,76 @@ class GlmToolParser:
     def _end_call(self) -> None:
         """Back to content after a call (emitted or dropped)."""
         self._state, self._skip_ws = _State.CONTENT, not self._started
+
+    def _resolve_name(self, name: str) -> str:
+        """A namespaced name (`Weather/get_weather`) whose part names a given tool is that tool."""
+        names = {(tool.get("function") or {}).get("name") for tool in self._tools or ()}
+        if name in names or "/" not in name:
+            return name
+        return next((part.strip() for part in name.split("/") if part.strip() in names), name)
+
+    def _announce(self) -> None:
+        self._index += 1
+        self._out.tool_calls.append(
+            ToolCallDelta(index=self._index, id=f"call_{uuid.uuid4().hex[:24]}", type="function", name=self._name)
+        )
+
+    def _start_json(self, announce: bool) -> None:
+        self._state, self._emit_json = _State.JSON, announce
+        self._json_depth, self._json_string, self._json_escape = 0, False, False
+        if announce:
+            self._announce()
+
+    def _scan_json(self, text: str, pos: int) -> int:
+        """Stream the arguments object (raw, as generated) until it closes; returns where scanning stopped.
+
+        Before the object only whitespace may come: anything else means the call has no arguments
+        (`{}`) and is content or markup again. Outside strings, a tool-call tag ends the call where
+        it stands (the arguments stay cut, as at the end of output); a partial one is held back.
+        """
+        begin = pos
+        while pos < len(text):
+            char = text[pos]
+            if not self._json_depth:
+                if char.isspace():
+                    pos = begin = pos + 1
+                    continue
+                if char != "{":
+                    self._finish_json("{}")
+                    return pos
+                self._json_depth = 1
+            elif self._json_string:
+                if self._json_escape:
+                    self._json_escape = False
+                elif char == "\\":
+                    self._json_escape = True
+                elif char == '"':
+                    self._json_string = False
+            elif char == '"':
+                self._json_string = True
+            elif char in "{[":
+                self._json_depth += 1
+            elif char in "}]":
+                self._json_depth -= 1
+                if not self._json_depth:
+                    self._finish_json(text[begin:pos + 1])
+                    return pos + 1
+            elif char == "<":
+                rest = text[pos:pos + len(TOOL_CALL_END)]
+                if rest.startswith(TOOL_CALL_START) or rest.startswith(TOOL_CALL_END):
+                    self._finish_json(text[begin:pos])
+                    return pos
+                if any(tag.startswith(rest) for tag in (TOOL_CALL_START, TOOL_CALL_END)):
+                    break  # the end of the text may still become a tag
+            pos += 1
+        if self._emit_json and pos > begin:
+            self._arguments(text[begin:pos])
+        return pos
+
+    def _finish_json(self, arguments: str) -> None:
+        if self._emit_json and arguments:
+            self._arguments(arguments)
+        self._end_call()
 
     def _start_key(self) -> None:
         self._state, self._parts = _State.KEY, []

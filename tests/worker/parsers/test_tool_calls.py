@@ -237,6 +237,62 @@ CASES: list[tuple[str, str, Result]] = [
         "<arg_key>city</arg_key><arg_value>B</arg_value></tool_call>",
         (None, [("get_weather", {"city": "B"})]),
     ),
+    (
+        "GLM-5.3 JSON form: arguments kept exactly as generated",
+        '<tool_call>get_weather>{"city": "Paris", "days": 3, "options": {"a": [1, {"b": null}]}}',
+        (None, [("get_weather", {"city": "Paris", "days": 3, "options": {"a": [1, {"b": None}]}})]),
+    ),
+    (
+        "JSON form: content before, optional </tool_call> after",
+        "Sure.\n<tool_call>get_time>{}</tool_call>",
+        ("Sure.", [("get_time", {})]),
+    ),
+    (
+        "JSON form: calls back to back, content after",
+        '<tool_call>get_time>{}<tool_call>get_weather>{"city": "Oslo"}\nDone.',
+        ("Done.", [("get_time", {}), ("get_weather", {"city": "Oslo"})]),
+    ),
+    (
+        "JSON form: braces, escaped quotes, backslashes and tags inside strings",
+        '<tool_call>write_file>{"path": "a}b]", "content": "x \\"}\\" \\\\ <tool_call> {"}',
+        (None, [("write_file", {"path": "a}b]", "content": 'x "}" \\ <tool_call> {'})]),
+    ),
+    (
+        "JSON form: whitespace before the object, namespaced name of a known tool",
+        '<tool_call>Weather/get_weather> \n{"city": "Rome"}',
+        (None, [("get_weather", {"city": "Rome"})]),
+    ),
+    (
+        "JSON form: unknown namespaced name forwarded",
+        "<tool_call>Web/search>{}",
+        (None, [("Web/search", {})]),
+    ),
+    (
+        "JSON form: no object after the name: no arguments, the rest is content",
+        "<tool_call>get_time>then text",
+        ("then text", [("get_time", {})]),
+    ),
+    (
+        "JSON form: cut inside the arguments: kept as generated",
+        '<tool_call>get_weather>{"city": "Li',
+        (None, [("get_weather", '{"city": "Li')]),
+    ),
+    ("JSON form: cut right after the name", "<tool_call>get_time>", (None, [("get_time", {})])),
+    (
+        "JSON form: a tag outside strings ends unfinished arguments",
+        '<tool_call>get_weather>{"city": 1 <tool_call>get_time>{}',
+        (None, [("get_weather", '{"city": 1 '), ("get_time", {})]),
+    ),
+    (
+        "JSON form: empty name: the call is dropped",
+        '<tool_call>>{"a": "}"} ok',
+        ("ok", []),
+    ),
+    (
+        "both forms in one output",
+        call("get_weather", city="Kyiv") + '<tool_call>get_weather>{"city": "Lviv"}',
+        (None, [("get_weather", {"city": "Kyiv"}), ("get_weather", {"city": "Lviv"})]),
+    ),
     ("plain text untouched", "  Just text, 1 < 2 > 0.\n", ("  Just text, 1 < 2 > 0.\n", [])),
     ("empty output", "", (None, [])),
 ]
@@ -292,6 +348,16 @@ def test_arguments_stream_before_the_call_ends() -> None:
     parser.feed("<tool_call>get_weather<arg_key>days</arg_key><arg_value>1")
     assert parser.feed("0</arg_value>").tool_calls[0].arguments == '{"days": 10'
     assert parser.feed("</tool_call>").tool_calls[0].arguments == "}"
+
+
+def test_json_form_arguments_stream_as_generated() -> None:
+    parser = GlmToolParser(TOOLS)
+    first = parser.feed("<tool_call>get_weather>")
+    assert [(p.index, p.name, p.arguments) for p in first.tool_calls] == [(0, "get_weather", "")]
+    assert parser.feed('{"city": "Pa').tool_calls[0].arguments == '{"city": "Pa'
+    assert parser.feed('ris", "days": 2 <tool_').tool_calls[0].arguments == 'ris", "days": 2 '  # a tag may follow
+    assert parser.feed("bar}").tool_calls[0].arguments == "<tool_bar}"
+    assert parser.feed(" after").content == "after"
 
 
 def test_content_never_includes_a_partial_tag() -> None:

@@ -1,0 +1,185 @@
+"""Structured output in the engine: bit packing, the compiler, one request's constraint, the batch masks
+applied to real logits, and whole generations of the random tiny model checked with jsonschema / re."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import jsonschema
+import numpy as np
+import pytest
+import torch
+from tokenizers import Tokenizer
+
+from engine import LLM, SamplingParams
+from engine.sequence import Sequence
+from engine.structured import GrammarCompiler, GrammarError, GrammarSpec, Reasoning, RequestConstraint
+from engine.structured.constraint import pack_mask, token_mask
+from engine.structured.masks import GrammarMasks
+from engine.tiny.tokenizer import TOKEN_IDS, build_tokenizer
+
+VOCAB = 320  # the tiny model's logits width (tokenizer: 283)
+EOS = [256, 263, 265]
+END_THINK = TOKEN_IDS["</think>"]
+PERSON = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 6},
+        "age": {"type": "integer", "minimum": 0, "maximum": 150},
+        "tags": {"type": "array", "items": {"enum": ["a", "b", "c"]}, "maxItems": 3},
+        "nested": {"type": "object", "properties": {"ok": {"type": "boolean"}, "note": {"type": ["string", "null"],
+                                                                                        "maxLength": 4}},
+                   "required": ["ok", "note"], "additionalProperties": False},
+        "level": {"enum": [1, 2, 3]},
+    },
+    "required": ["name", "age", "tags", "nested"],
+    "additionalProperties": False,
+}
+
+
+def unpack(words: torch.Tensor, vocab: int = VOCAB) -> np.ndarray:
+    """Reference unpacking of an int32 bitmask, in numpy: bool [vocab]."""
+    raw = words.numpy().astype(np.uint32)
+    return np.array([(raw[t // 32] >> np.uint32(t % 32)) & 1 for t in range(vocab)], dtype=bool)
+
+
+@pytest.fixture(scope="module")
+def compiler() -> GrammarCompiler:
+    return GrammarCompiler(build_tokenizer(), VOCAB, EOS)
+
+
+def reference_mask(matcher) -> np.ndarray:
+    """llguidance's own single-matcher mask (bytes, little-endian words)."""
+    words = torch.frombuffer(bytearray(matcher.compute_bitmask()), dtype=torch.int32)
+    return unpack(words)
+
+
+def test_pack_mask_round_trips_every_bit():
+    allowed = torch.rand(VOCAB, generator=torch.Generator().manual_seed(0)) < 0.5
+    allowed[31] = allowed[63] = True  # the sign bits of two words
+    packed = pack_mask(allowed)
+    assert packed.dtype == torch.int32 and packed.shape == (10,)
+    assert (unpack(packed) == allowed.numpy()).all()
+    assert unpack(token_mask(VOCAB, [5, 300], allowed=True)).nonzero()[0].tolist() == [5, 300]
+    assert (~unpack(token_mask(VOCAB, EOS, allowed=False))).nonzero()[0].tolist() == EOS
+
+
+def test_compiler_kinds_and_errors(compiler):
+    text = lambda m, ids: bytes(ids).decode()  # noqa: E731 - byte tokens are their bytes
+    matcher = compiler.matcher(GrammarSpec.json_schema({"type": "object", "properties": {"a": {"const": 1}},
+                                                        "required": ["a"]}))
+    forced = matcher.compute_ff_tokens()
+    assert text(matcher, forced).startswith('{"a": 1')  # compact, json.dumps separators
+    for spec in (GrammarSpec("regex", "[0-9]{3}"), GrammarSpec.choice(["yes", "no"]),
+                 GrammarSpec("grammar", 'root ::= "x" [0-9]'), GrammarSpec("grammar", 'start: "x" /[0-9]/')):
+        assert not compiler.matcher(spec).is_error()
+    with pytest.raises(GrammarError, match="Invalid type"):
+        compiler.matcher(GrammarSpec.json_schema({"type": "foo"}))
+    with pytest.raises(GrammarError, match="unclosed group"):
+        compiler.matcher(GrammarSpec("regex", "a(b"))
+    with pytest.raises(GrammarError, match="/nope"):
+        compiler.matcher(GrammarSpec.json_schema({"$ref": "#/nope"}))
+
+
+def test_compiled_grammars_are_shared_but_matchers_are_not(compiler):
+    spec = GrammarSpec.choice(["ab", "cd"])
+    first, second = compiler.matcher(spec), compiler.matcher(spec)
+    assert first.consume_token(ord("a"))
+    assert reference_mask(first).nonzero()[0].tolist() == [ord("b")]
+    assert reference_mask(second).nonzero()[0].tolist() == [ord("a"), ord("c")]
+
+
+def test_reasoning_phase_then_grammar(compiler):
+    constraint = RequestConstraint("r", VOCAB, compiler.matcher(GrammarSpec.choice(["ok"])), Reasoning(END_THINK, 2),
+                                   EOS)
+    assert constraint.active and constraint.in_reasoning
+    assert (~unpack(constraint.fixed_mask)).nonzero()[0].tolist() == EOS  # may not stop while reasoning
+    constraint.accept(ord("x"))
+    constraint.accept(ord("y"))
+    assert unpack(constraint.fixed_mask).nonzero()[0].tolist() == [END_THINK]  # budget spent
+    constraint.accept(END_THINK)
+    assert not constraint.in_reasoning and constraint.fixed_mask is None
+    assert reference_mask(constraint.matcher).nonzero()[0].tolist() == [ord("o")]
+
+
+def test_reasoning_that_ends_early_and_budget_only_constraints():
+    early = RequestConstraint("r", VOCAB, None, Reasoning(END_THINK, 5), EOS)
+    assert not early.active  # no grammar: free until the budget is spent
+    early.accept(END_THINK)
+    assert not early.in_reasoning and not early.active
+    zero = RequestConstraint("r", VOCAB, None, Reasoning(END_THINK, 0), EOS)
+    assert zero.active and unpack(zero.fixed_mask).nonzero()[0].tolist() == [END_THINK]
+
+
+def test_batch_masks_match_the_library_and_leave_free_rows_alone(compiler):
+    seqs = [Sequence(str(i), [1], SamplingParams()) for i in range(4)]
+    seqs[0].constraint = RequestConstraint("0", VOCAB, compiler.matcher(GrammarSpec.json_schema(PERSON)), None, EOS)
+    seqs[2].constraint = RequestConstraint("2", VOCAB, compiler.matcher(GrammarSpec("regex", "[a-c]+")), None, EOS)
+    seqs[3].constraint = RequestConstraint("3", VOCAB, None, Reasoning(END_THINK, 0), EOS)
+    masks = GrammarMasks(VOCAB, 8, torch.device("cpu"))
+    logits = torch.randn(4, VOCAB, generator=torch.Generator().manual_seed(1))
+    original = logits.clone()
+    pending = masks.start(seqs)
+    assert pending.rows == [0, 2, 3]
+    masks.apply(logits, pending)
+    expected = {0: reference_mask(seqs[0].constraint.matcher), 2: reference_mask(seqs[2].constraint.matcher),
+                3: unpack(token_mask(VOCAB, [END_THINK], allowed=True))}
+    for row, allowed in expected.items():
+        assert torch.equal(logits[row][torch.from_numpy(allowed)], original[row][torch.from_numpy(allowed)])
+        assert torch.isneginf(logits[row][torch.from_numpy(~allowed)]).all()
+    assert torch.equal(logits[1], original[1])
+    assert masks.start([seqs[1]]) is None
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_dir) -> LLM:
+    return LLM(model=tiny_dir("bf16"), device="cpu", dtype="float32", max_num_seqs=16)
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_dir) -> Tokenizer:
+    return Tokenizer.from_file(str(tiny_dir("bf16") / "tokenizer.json"))
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_every_generation_validates_against_the_schema(llm, tokenizer, temperature):
+    prompts = [list(f"prompt {i}".encode()) for i in range(8)]
+    params = SamplingParams(max_tokens=160, temperature=temperature, seed=None if temperature == 0 else 7,
+                            grammar=GrammarSpec.json_schema(PERSON))
+    outputs = llm.generate(prompts, params)
+    for out in outputs:
+        assert out.finish_reason == "stop" and out.token_ids[-1] in EOS
+        jsonschema.validate(json.loads(tokenizer.decode(out.token_ids)), PERSON)
+    assert len({tuple(o.token_ids) for o in outputs}) > 1  # the prompts steer a real model, not a script
+
+
+def test_regex_and_choice_generations(llm, tokenizer):
+    prompts = [list(f"p{i}".encode()) for i in range(8)]
+    regex = SamplingParams(max_tokens=40, temperature=1.0, seed=3, grammar=GrammarSpec("regex", r"[a-f]{2,5}-[0-9]{3}"))
+    choice = SamplingParams(max_tokens=40, temperature=1.0, seed=3, grammar=GrammarSpec.choice(["yes", "no", "ná"]))
+    for out in llm.generate(prompts, regex):
+        assert re.fullmatch(r"[a-f]{2,5}-[0-9]{3}", tokenizer.decode(out.token_ids)), out
+    for out in llm.generate(prompts, choice):
+        assert tokenizer.decode(out.token_ids) in ("yes", "no", "ná")
+
+
+def test_greedy_under_a_mask_is_the_argmax_of_the_allowed_logits(llm, compiler):
+    prompt = list(b"hello")
+    logits = llm.prompt_logits(prompt)[-1]
+    free_choice = int(logits.argmax())
+    spec = GrammarSpec("regex", "[0-9]+" if not chr(free_choice).isdigit() else "[a-z]+")  # excludes the free choice
+    allowed = torch.from_numpy(reference_mask(compiler.matcher(spec)))
+    expected = int(torch.where(allowed, logits, float("-inf")).argmax())
+    (out,) = llm.generate([prompt], SamplingParams(max_tokens=1, temperature=0.0, grammar=spec))
+    assert out.token_ids == [expected] and expected != free_choice
+
+
+def test_reasoning_runs_to_its_budget_then_the_grammar(llm, tokenizer):
+    prompts = [list(f"think {i}".encode()) for i in range(6)]
+    params = SamplingParams(max_tokens=60, temperature=1.0, seed=5, grammar=GrammarSpec.choice(["A", "B"]),
+                            reasoning=Reasoning(END_THINK, 12))
+    for out in llm.generate(prompts, params):
+        end = out.token_ids.index(END_THINK)
+        assert end <= 12 and not set(out.token_ids[:end]) & set(EOS)  # no stop while reasoning
+        assert tokenizer.decode(out.token_ids[end + 1:]) in ("A", "B") and out.finish_reason == "stop"
