@@ -37,6 +37,7 @@ class GenerationDelta:
     text: str
     logprobs: list[TokenLogprobs] = field(default_factory=list)
     finish_reason: str | None = None
+    cached_tokens: int = 0  # prompt tokens restored from the prefix cache (the same in every delta)
 
 
 class _RequestStream:
@@ -130,7 +131,7 @@ class AsyncEngine:
     @staticmethod
     def _delta(outputs: list[StepOutput], params: SamplingParams,
                detok: IncrementalDetokenizer | None) -> GenerationDelta:
-        delta = GenerationDelta([], "")
+        delta = GenerationDelta([], "", cached_tokens=outputs[0].cached_tokens)
         for out in outputs:
             delta.token_ids.append(out.token_id)
             if out.logprobs is not None:

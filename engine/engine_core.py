@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 
 from engine.cache import PagedLatents, RequestSlots
+from engine.cache.prefix_cache import PrefixCache, PrefixCacheStats, TierSize
 from engine.checkpoint.loader import LoadedWeights, checkpoint_bytes, load_weights
 from engine.kernels.dispatch import fast_kernels_enabled
 from engine.kernels.kda.fla_prefill import warm_up_kda_prefill
@@ -41,6 +42,7 @@ class StepOutput:
     token_id: int
     logprobs: TokenLogprobs | None
     finish_reason: str | None
+    cached_tokens: int = 0  # prompt tokens the request restored from the prefix cache
 
 
 @dataclass(frozen=True)
@@ -52,6 +54,7 @@ class EngineStats:
     pages_used: int
     pages_total: int
     offload: OffloadStats | None = None  # hybrid expert placement's totals (None: every expert resident)
+    prefix: PrefixCacheStats | None = None  # prefix cache totals (None: no prefix cache)
 
 
 @dataclass(frozen=True)
@@ -67,6 +70,9 @@ class EngineOptions:
     moe_vram_budget: int | str | None = None
     max_expert_swaps: int = 4  # host experts moved into device slots between two steps, at most
     cpu_expert_threads: int | None = None  # threads of the CPU expert executor; None: torch's thread count
+    prefix_cache: bool = True  # start requests from the saved state of their longest cached prefix
+    prefix_cache_bytes: int = 4 << 30  # device memory for cached prefixes (snapshots and extra pages)
+    prefix_cache_host_bytes: int = 0  # host RAM for prefixes evicted from the device (0: none, evictions drop)
 
 
 def graph_sizes(max_num_seqs: int) -> tuple[int, ...]:
@@ -83,12 +89,15 @@ class EngineCore:
         # Caches first: an automatic expert budget is the device memory they leave.
         self.slots = RequestSlots(config, options.max_num_seqs, dev, dtype)
         pages = options.max_num_seqs * -(-options.max_model_len // options.page_size)
-        self.cache = PagedLatents(config, pages, options.page_size, dev, dtype)
+        tier = (TierSize.of(options.prefix_cache_bytes, config, options.page_size, dtype, pages)
+                if options.prefix_cache else TierSize(0, 0))
+        self.cache = PagedLatents(config, pages + tier.pages, options.page_size, dev, dtype)  # the cache's pages join
+        self.prefix = self._prefix_cache(config, options, tier, pages) if options.prefix_cache else None
         self.offload = self._hybrid_experts(config, weights, options)
         self.model = Glm5NextModel(config, weights, self.offload)
         limits = SchedulerLimits(options.max_model_len, max(options.max_num_batched_tokens, options.max_num_seqs),
                                  options.max_waiting)
-        self.scheduler = Scheduler(self.slots, self.cache, limits)
+        self.scheduler = Scheduler(self.slots, self.cache, limits, self.prefix)
         self.runner = ModelRunner(self.model, self.slots, self.cache, self.cache.pages_for(options.max_model_len))
         self._by_id: dict[str, Sequence] = {}
         if dev.type == "cuda" and fast_kernels_enabled():
@@ -106,6 +115,12 @@ class EngineCore:
             sizes = graph_sizes(options.max_num_seqs)
             seconds = self.runner.capture_graphs(sizes)
             log.info("event=decode_graphs sizes=%s capture_s=%.2f", ",".join(map(str, sizes)), seconds)
+
+    def _prefix_cache(self, config: ModelConfig, options: EngineOptions, device: TierSize, pages: int) -> PrefixCache:
+        host = TierSize.of(options.prefix_cache_host_bytes, config, options.page_size, self.cache.latents.dtype, pages)
+        log.info("event=prefix_cache device_snapshots=%d device_pages=%d host_snapshots=%d host_pages=%d",
+                 device.snapshots, device.pages, host.snapshots, host.pages)
+        return PrefixCache(config, self.slots, self.cache, device.snapshots, host)
 
     @staticmethod
     def _hybrid_experts(config: ModelConfig, weights: LoadedWeights, options: EngineOptions) -> HybridExperts | None:
@@ -159,13 +174,14 @@ class EngineCore:
         if not scheduled:
             return []
         logits = self.runner.run(scheduled)
+        self.scheduler.commit(scheduled)
         if self.offload is not None:
             self.offload.rebalance(self.options.max_expert_swaps)
         done = [seq for seq, _ in scheduled if seq.cached == seq.num_tokens]
         outputs = []
         for seq, (token, logprobs) in zip(done, sample_batch(logits, done)):
             seq.append(token, self.config.eos_token_ids)
-            outputs.append(StepOutput(seq.request_id, token, logprobs, seq.finish_reason))
+            outputs.append(StepOutput(seq.request_id, token, logprobs, seq.finish_reason, seq.cached_prompt_tokens))
             if seq.finished:
                 self.scheduler.finish(seq)
                 del self._by_id[seq.request_id]
@@ -175,4 +191,5 @@ class EngineCore:
         return EngineStats(len(self.scheduler.running), len(self.scheduler.waiting),
                            self.slots.num_slots - self.slots.free_count, self.slots.num_slots,
                            self.cache.num_pages - self.cache.free_pages, self.cache.num_pages,
-                           None if self.offload is None else dataclasses.replace(self.offload.stats))
+                           None if self.offload is None else dataclasses.replace(self.offload.stats),
+                           None if self.prefix is None else self.prefix.stats())

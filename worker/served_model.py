@@ -38,7 +38,9 @@ def build_served_model(loaded: LoadedModel, settings: Settings) -> ServedModel:
     options = EngineOptions(max_num_seqs=settings.max_num_seqs, max_model_len=settings.max_model_len,
                             max_num_batched_tokens=settings.max_num_batched_tokens, max_waiting=settings.max_queue,
                             moe_vram_budget=loaded.moe_vram_budget,
-                            cpu_expert_threads=settings.cpu_expert_threads)
+                            cpu_expert_threads=settings.cpu_expert_threads, prefix_cache=settings.prefix_cache,
+                            prefix_cache_bytes=settings.prefix_cache_bytes,
+                            prefix_cache_host_bytes=settings.prefix_cache_host_bytes)
     core = EngineCore(loaded.config, loaded.weights, options)
     files = loaded.files
     tokenizer = Tokenizer.from_file(str(files / "tokenizer.json"))
