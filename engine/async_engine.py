@@ -40,6 +40,7 @@ class GenerationDelta:
     # Per token: characters of output text before it (a token inside a multi-byte character is counted
     # where that character starts).
     text_offsets: list[int] = field(default_factory=list)
+    cached_tokens: int = 0  # prompt tokens restored from the prefix cache (the same in every delta)
 
 
 class _RequestStream:
@@ -137,7 +138,7 @@ class AsyncEngine:
     @staticmethod
     def _delta(outputs: list[StepOutput], params: SamplingParams,
                detok: IncrementalDetokenizer | None) -> GenerationDelta:
-        delta = GenerationDelta([], "")
+        delta = GenerationDelta([], "", cached_tokens=outputs[0].cached_tokens)
         for out in outputs:
             delta.token_ids.append(out.token_id)
             delta.text_offsets.append(detok.decoded_chars if detok is not None else 0)

@@ -16,6 +16,8 @@ import torch
 from tokenizers import Tokenizer
 
 from engine.cache import PagedLatents, RequestSlots
+from engine.cache.prefix_cache import PrefixCache, PrefixCacheStats, TierSize
+from engine.cache.state_rows import state_bytes
 from engine.checkpoint.loader import LoadedWeights, checkpoint_sizes, load_weights
 from engine.kernels.dispatch import fast_kernels_enabled
 from engine.kernels.kda.fla_prefill import warm_up_kda_prefill
@@ -45,6 +47,7 @@ class StepOutput:
     token_id: int
     logprobs: TokenLogprobs | None
     finish_reason: str | None
+    cached_tokens: int = 0  # prompt tokens the request restored from the prefix cache
 
 
 @dataclass(frozen=True)
@@ -56,6 +59,7 @@ class EngineStats:
     pages_used: int
     pages_total: int
     offload: OffloadStats | None = None  # hybrid expert placement's totals (None: every expert resident)
+    prefix: PrefixCacheStats | None = None  # prefix cache totals (None: no prefix cache)
 
 
 @dataclass(frozen=True)
@@ -71,6 +75,9 @@ class EngineOptions:
     moe_vram_budget: int | str | None = None
     max_expert_swaps: int = 4  # host experts moved into device slots between two steps, at most
     cpu_expert_threads: int | None = None  # threads of the CPU expert executor; None: torch's thread count
+    prefix_cache: bool = True  # start requests from the saved state of their longest cached prefix
+    prefix_cache_bytes: int = 4 << 30  # device memory for cached prefixes (snapshots and extra pages)
+    prefix_cache_host_bytes: int = 0  # host RAM for prefixes evicted from the device (0: none, evictions drop)
 
 
 def graph_sizes(max_num_seqs: int) -> tuple[int, ...]:
@@ -79,11 +86,19 @@ def graph_sizes(max_num_seqs: int) -> tuple[int, ...]:
     return tuple(sorted(sizes | {max_num_seqs}))
 
 
+def _cache_pages(config: ModelConfig, options: EngineOptions, dtype: torch.dtype) -> tuple[int, TierSize]:
+    """(pages the requests reserve, what the prefix cache's device budget holds)."""
+    pages = options.max_num_seqs * -(-options.max_model_len // options.page_size)
+    tier = (TierSize.of(options.prefix_cache_bytes, config, options.page_size, dtype, pages)
+            if options.prefix_cache else TierSize(0, 0))
+    return pages, tier
+
+
 def _caches(config: ModelConfig, options: EngineOptions, device: torch.device, dtype: torch.dtype
             ) -> tuple[RequestSlots, PagedLatents]:
-    pages = options.max_num_seqs * -(-options.max_model_len // options.page_size)
-    return RequestSlots(config, options.max_num_seqs, device, dtype), PagedLatents(config, pages, options.page_size,
-                                                                                   device, dtype)
+    pages, tier = _cache_pages(config, options, dtype)
+    return (RequestSlots(config, options.max_num_seqs, device, dtype),
+            PagedLatents(config, pages + tier.pages, options.page_size, device, dtype))
 
 
 class EngineCore:
@@ -95,12 +110,14 @@ class EngineCore:
         embed = weights["embed_tokens.weight"]
         dev, dtype = embed.device, embed.dtype
         # Caches first: an automatic expert budget is the device memory they leave.
-        self.slots, self.cache = _caches(config, options, dev, dtype)
+        pages, tier = _cache_pages(config, options, dtype)
+        self.slots, self.cache = _caches(config, options, dev, dtype)  # the prefix cache's device pages join
+        self.prefix = self._prefix_cache(config, options, tier, pages) if options.prefix_cache else None
         self.offload = self._hybrid_experts(config, weights, options)
         self.model = Glm5NextModel(config, weights, self.offload)
         limits = SchedulerLimits(options.max_model_len, max(options.max_num_batched_tokens, options.max_num_seqs),
                                  options.max_waiting)
-        self.scheduler = Scheduler(self.slots, self.cache, limits)
+        self.scheduler = Scheduler(self.slots, self.cache, limits, self.prefix)
         self.runner = ModelRunner(self.model, self.slots, self.cache, self.cache.pages_for(options.max_model_len))
         self._by_id: dict[str, Sequence] = {}
         self.grammars = GrammarCompiler(tokenizer, config.vocab_size, config.eos_token_ids) if tokenizer else None
@@ -120,6 +137,12 @@ class EngineCore:
             sizes = graph_sizes(options.max_num_seqs)
             seconds = self.runner.capture_graphs(sizes)
             log.info("event=decode_graphs sizes=%s capture_s=%.2f", ",".join(map(str, sizes)), seconds)
+
+    def _prefix_cache(self, config: ModelConfig, options: EngineOptions, device: TierSize, pages: int) -> PrefixCache:
+        host = TierSize.of(options.prefix_cache_host_bytes, config, options.page_size, self.cache.latents.dtype, pages)
+        log.info("event=prefix_cache device_snapshots=%d device_pages=%d host_snapshots=%d host_pages=%d",
+                 device.snapshots, device.pages, host.snapshots, host.pages)
+        return PrefixCache(config, self.slots, self.cache, device.snapshots, host)
 
     @staticmethod
     def _hybrid_experts(config: ModelConfig, weights: LoadedWeights, options: EngineOptions) -> HybridExperts | None:
@@ -166,10 +189,12 @@ class EngineCore:
 
     @staticmethod
     def cache_bytes(config: ModelConfig, options: EngineOptions, dtype: torch.dtype) -> int:
-        """Device bytes the request slots and the latent cache will take (measured on the meta device)."""
+        """Device bytes the request slots, the latent cache and the prefix cache's state snapshots will take
+        (the first two measured on the meta device)."""
         caches = _caches(config, options, torch.device("meta"), dtype)
-        return sum(t.numel() * t.element_size() for cache in caches for t in vars(cache).values()
-                   if isinstance(t, torch.Tensor))
+        snapshots = _cache_pages(config, options, dtype)[1].snapshots * state_bytes(config, options.page_size, dtype)
+        return snapshots + sum(t.numel() * t.element_size() for cache in caches for t in vars(cache).values()
+                               if isinstance(t, torch.Tensor))
 
     def add(self, seq: Sequence) -> None:
         if seq.request_id in self._by_id:
@@ -199,6 +224,7 @@ class EngineCore:
         done = [seq for seq, new in scheduled if seq.cached + new == seq.num_tokens]  # the logits rows, in order
         masks = self.masks.start(done)  # filled on the CPU while the forward runs
         logits = self.runner.run(scheduled)
+        self.scheduler.commit(scheduled)
         if self.offload is not None:
             self.offload.rebalance(self.options.max_expert_swaps)
         if masks is not None:
@@ -208,7 +234,7 @@ class EngineCore:
             seq.append(token, self.config.eos_token_ids)
             if seq.constraint is not None:
                 seq.constraint.accept(token)
-            outputs.append(StepOutput(seq.request_id, token, logprobs, seq.finish_reason))
+            outputs.append(StepOutput(seq.request_id, token, logprobs, seq.finish_reason, seq.cached_prompt_tokens))
             if seq.finished:
                 self.scheduler.finish(seq)
                 del self._by_id[seq.request_id]
@@ -218,4 +244,5 @@ class EngineCore:
         return EngineStats(len(self.scheduler.running), len(self.scheduler.waiting),
                            self.slots.num_slots - self.slots.free_count, self.slots.num_slots,
                            self.cache.num_pages - self.cache.free_pages, self.cache.num_pages,
-                           None if self.offload is None else dataclasses.replace(self.offload.stats))
+                           None if self.offload is None else dataclasses.replace(self.offload.stats),
+                           None if self.prefix is None else self.prefix.stats())

@@ -5,6 +5,11 @@ budget on prefill chunks (requests already prefilling first, then newly admitted
 long prompt never stalls running decodes. A request is admitted when a state slot and the cache
 pages for prompt + max_tokens are free; it reserves them, so it never waits for memory later.
 The waiting queue is bounded: past it `add` raises QueueFull and the caller answers "retry later".
+
+With a prefix cache, admission starts a request from its longest cached prefix (cached pages it
+reuses are not reserved again, cached pages nobody uses are evicted to make room), prefill chunks
+end where the cache wants a snapshot, and a request whose prompt another request is still
+prefilling waits for that prefix instead of computing it a second time.
 """
 
 from __future__ import annotations
@@ -13,6 +18,7 @@ from collections import deque
 from dataclasses import dataclass
 
 from engine.cache import PagedLatents, RequestSlots
+from engine.cache.prefix_cache import PrefixCache, PrefixHit
 from engine.sequence import Sequence
 
 Scheduled = list[tuple[Sequence, int]]  # (request, tokens to run this step)
@@ -30,10 +36,11 @@ class SchedulerLimits:
 
 
 class Scheduler:
-    def __init__(self, slots: RequestSlots, cache: PagedLatents, limits: SchedulerLimits) -> None:
+    def __init__(self, slots: RequestSlots, cache: PagedLatents, limits: SchedulerLimits,
+                 prefix: PrefixCache | None = None) -> None:
         if limits.max_num_batched_tokens < slots.num_slots:
             raise ValueError("max_num_batched_tokens must be at least the number of request slots")
-        self.slots, self.cache, self.limits = slots, cache, limits
+        self.slots, self.cache, self.limits, self.prefix = slots, cache, limits, prefix
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
 
@@ -57,33 +64,64 @@ class Scheduler:
 
     def schedule(self) -> Scheduled:
         budget = self.limits.max_num_batched_tokens
-        step: Scheduled = []
+        plan: dict[Sequence, int] = {}
         decoding = [s for s in self.running if s.pending == 1 and s.cached >= len(s.prompt_token_ids)]
         prefilling = [s for s in self.running if s not in decoding]
         for seq in decoding:
-            step.append((seq, 1))
+            plan[seq] = 1
             budget -= 1
         for seq in prefilling:
             if budget <= 0:
                 break
-            n = min(seq.pending, budget)
-            step.append((seq, n))
-            budget -= n
-        while budget > 0 and self.waiting and self.try_admit(self.waiting[0]):
-            seq = self.waiting.popleft()
-            n = min(seq.pending, budget)
-            step.append((seq, n))
-            budget -= n
-        return step
+            plan[seq] = self._chunk(seq, budget)
+            budget -= plan[seq]
+        for seq in list(self.waiting):
+            if budget <= 0:
+                break
+            hit = self.prefix.lookup(seq.prompt_token_ids) if self.prefix else PrefixHit()
+            owner = self.prefix.wait_for(seq, hit, self.running) if self.prefix else None
+            if owner is not None:  # it will find the prefix cached once `owner` got there
+                if owner in plan:
+                    budget += plan[owner] - (cut := self._chunk(owner, plan[owner]))
+                    plan[owner] = cut
+                continue
+            if not self.try_admit(seq, hit):
+                break
+            self.waiting.remove(seq)
+            plan[seq] = self._chunk(seq, budget)
+            budget -= plan[seq]
+        return list(plan.items())
 
-    def try_admit(self, seq: Sequence) -> bool:
-        """Reserve a slot and the request's pages and mark it running, if both are free."""
+    def _chunk(self, seq: Sequence, budget: int) -> int:
+        """Tokens of `seq` to run now: what it has pending, within the budget, up to its next snapshot stop."""
+        limit = self.prefix.chunk_limit(seq) if self.prefix else None
+        return min(seq.pending, budget, limit or seq.pending)
+
+    def try_admit(self, seq: Sequence, hit: PrefixHit | None = None) -> bool:
+        """Reserve a slot and the request's pages and mark it running, if both are free. `hit` (from the
+        prefix cache's lookup) is where the request starts; None starts it from zero."""
         pages = self.cache.pages_for(len(seq.prompt_token_ids) + seq.params.max_tokens)
-        if not self.slots.free_count or pages > self.cache.free_pages:
+        if not self.slots.free_count:
             return False
-        seq.slot, seq.pages = self.slots.allocate(), self.cache.allocate(pages)
+        if self.prefix is None:
+            if pages > self.cache.free_pages:
+                return False
+            seq.slot, seq.pages = self.slots.allocate(), self.cache.allocate(pages)
+        else:
+            slot = self.slots.allocate()
+            reserved = self.prefix.admit(seq, hit or PrefixHit(), slot, pages)
+            if reserved is None:
+                self.slots.release(slot)
+                return False
+            seq.slot, seq.pages = slot, reserved
         self.running.append(seq)
         return True
+
+    def commit(self, scheduled: Scheduled) -> None:
+        """After the step ran: the prefix cache records what the scheduled requests computed."""
+        if self.prefix is not None:
+            for seq, _ in scheduled:
+                self.prefix.commit(seq)
 
     def finish(self, seq: Sequence) -> None:
         """Release a finished or aborted request's slot and pages (it may still be waiting)."""
@@ -91,6 +129,8 @@ class Scheduler:
             self.waiting.remove(seq)
             return
         self.running.remove(seq)
+        if self.prefix is not None:  # an engine-finished request's state is whole; an aborted one's may not be
+            self.prefix.finish(seq, keep_state=seq.finish_reason in ("stop", "length"))
         self.slots.release(seq.slot)
         self.cache.release(seq.pages)
         seq.slot, seq.pages = None, []

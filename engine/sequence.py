@@ -22,6 +22,7 @@ class Sequence:
     slot: int | None = None
     pages: list[int] = field(default_factory=list)
     cached: int = 0  # tokens whose state is already in the slot and pages
+    cached_prompt_tokens: int = 0  # prompt tokens restored from the prefix cache instead of computed
     finish_reason: str | None = None
     generator: torch.Generator | None = None
     constraint: RequestConstraint | None = None  # grammar / reasoning budget state, when the params ask for one

@@ -55,6 +55,15 @@ class Settings(BaseSettings):
     cpu_expert_threads: int | None = Field(None, ge=1, validation_alias=_env("CPU_EXPERT_THREADS"),
                                            description="CPU threads computing the routed experts kept in host RAM "
                                                        "(default: torch's thread count)")
+    prefix_cache: bool = Field(True, validation_alias=_env("PREFIX_CACHE"),
+                               description="Start each request from the saved state of the longest prompt prefix "
+                                           "seen before (shared system prompts, conversation turns, n > 1)")
+    prefix_cache_gib: float = Field(4.0, ge=0, validation_alias=_env("PREFIX_CACHE_GIB"),
+                                    description="Device memory for cached prefixes, in GiB: KDA state snapshots "
+                                                "(about 141 MiB each on the full model) and latent pages")
+    prefix_cache_host_gib: float = Field(0.0, ge=0, validation_alias=_env("PREFIX_CACHE_HOST_GIB"),
+                                         description="Host RAM, in GiB, that prefixes evicted from the device move "
+                                                     "to (0: evicted prefixes are dropped)")
     max_queue: int = Field(256, ge=0, validation_alias=_env("MAX_QUEUE"),
                            description="Requests waiting for a slot; beyond it the server answers 429")
     tool_call_parser: str = Field("glm45", validation_alias=_env("TOOL_CALL_PARSER"))
@@ -101,6 +110,14 @@ class Settings(BaseSettings):
     @property
     def moe_vram_budget_bytes(self) -> int | None:
         return None if self.moe_vram_budget_gib is None else int(self.moe_vram_budget_gib * 2 ** 30)
+
+    @property
+    def prefix_cache_bytes(self) -> int:
+        return int(self.prefix_cache_gib * 2 ** 30)
+
+    @property
+    def prefix_cache_host_bytes(self) -> int:
+        return int(self.prefix_cache_host_gib * 2 ** 30)
 
     @property
     def vast_mode(self) -> bool:

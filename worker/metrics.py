@@ -1,4 +1,4 @@
-"""Prometheus metrics of one server: requests, tokens, latency, queue and cache occupancy.
+"""Prometheus metrics of one server: requests, tokens, latency, queue, cache occupancy and prefix cache hits.
 
 A registry per app, so several servers (tests) can live in one process.
 """
@@ -43,6 +43,19 @@ class Metrics:
                                   registry=r)
         self.expert_host_gbps = Gauge("glmflash_expert_host_gbps", "Expert bytes the CPU executor read per second",
                                       registry=r)
+        # Prefix cache totals since start (engine counters, mirrored at every refresh).
+        self.prefix_requests = Gauge("glmflash_prefix_cache_requests", "Requests looked up in the prefix cache",
+                                     registry=r)
+        self.prefix_hits = Gauge("glmflash_prefix_cache_hits", "Requests that started from a cached prefix",
+                                 registry=r)
+        self.prefix_hit_tokens = Gauge("glmflash_prefix_cache_hit_tokens",
+                                       "Prompt tokens restored from the prefix cache instead of computed", registry=r)
+        self.prompt_tokens_computed = Gauge("glmflash_prompt_tokens_computed",
+                                            "Prompt tokens run through the model (all but the cached ones)", registry=r)
+        self.prefix_evictions = Gauge("glmflash_prefix_cache_evictions",
+                                      "Cached pages and state snapshots evicted from the device", ["kind"], registry=r)
+        self.prefix_entries = Gauge("glmflash_prefix_cache_entries", "Cached pages and state snapshots held now",
+                                    ["kind", "tier"], registry=r)
 
     def observe_engine(self, stats) -> None:
         """Refresh the occupancy gauges from an engine stats snapshot."""
@@ -60,6 +73,20 @@ class Metrics:
             self.expert_swaps.set(offload.swaps)
             self.expert_fetched_bytes.set(offload.fetched_bytes)
             self.expert_host_gbps.set(offload.host_bytes / offload.host_seconds / 1e9 if offload.host_seconds else 0.0)
+        if stats.prefix is not None:
+            self.observe_prefix_cache(stats.prefix)
+
+    def observe_prefix_cache(self, prefix) -> None:
+        self.prefix_requests.set(prefix.requests)
+        self.prefix_hits.set(prefix.hits)
+        self.prefix_hit_tokens.set(prefix.hit_tokens)
+        self.prompt_tokens_computed.set(prefix.computed_prompt_tokens)
+        self.prefix_evictions.labels(kind="page").set(prefix.evicted_pages)
+        self.prefix_evictions.labels(kind="snapshot").set(prefix.evicted_snapshots)
+        for kind, tier, value in (("page", "device", prefix.device_pages), ("page", "host", prefix.host_pages),
+                                  ("snapshot", "device", prefix.device_snapshots),
+                                  ("snapshot", "host", prefix.host_snapshots)):
+            self.prefix_entries.labels(kind=kind, tier=tier).set(value)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -162,12 +162,13 @@ class Collected:
     finish_reasons: list[str]
     deltas: list[list[GenerationDelta]]
     completion_tokens: int
+    cached: list[int]  # per choice, prompt tokens restored from the prefix cache
 
 
 async def collect(streams: list[AsyncIterator[GenerationDelta]], timing: "Timing", prompt_tokens: int,
                   prefixes: list[str]) -> Collected:
     """Read all streams to the end; each choice's text starts with its prefix (echoed prompt or "")."""
-    out = Collected(list(prefixes), [""] * len(streams), [[] for _ in streams], 0)
+    out = Collected(list(prefixes), [""] * len(streams), [[] for _ in streams], 0, [0] * len(streams))
     events = merged(streams)
     try:
         async for index, delta in events:
@@ -175,11 +176,18 @@ async def collect(streams: list[AsyncIterator[GenerationDelta]], timing: "Timing
             timing.tokens(index, len(delta.token_ids))
             out.texts[index] += delta.text
             out.deltas[index].append(delta)
+            out.cached[index] = delta.cached_tokens
             out.finish_reasons[index] = delta.finish_reason or out.finish_reasons[index]
     finally:
         await events.aclose()
         timing.finish(prompt_tokens, out.completion_tokens)
     return out
+
+
+def cached_prompt_tokens(per_choice: list[int], n: int) -> int:
+    """usage.prompt_tokens_details.cached_tokens: per prompt (n choices each), the prompt tokens its choices found
+    cached, the fewest of them (the prompt is counted once, as computed once); summed over prompts."""
+    return sum(min(per_choice[i:i + n]) for i in range(0, len(per_choice), n))
 
 
 class Timing:

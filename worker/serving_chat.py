@@ -20,8 +20,8 @@ from worker.protocol import (
 from worker.served_model import ServedModel
 from worker.structured import output_grammar, reasoning_limit, tool_call_grammar
 from worker.serving import (
-    STATE, Timing, check_model, close_streams, collect, completion_budget, merged, open_streams, read_request, sampling_params,
-    serve_sse, top_logprobs,
+    STATE, Timing, cached_prompt_tokens, check_model, close_streams, collect, completion_budget, merged, open_streams,
+    read_request, sampling_params, serve_sse, top_logprobs,
 )
 
 
@@ -121,7 +121,7 @@ async def _stream(request: web.Request, body: ChatCompletionRequest, model: Serv
 
 async def _chunks(body: ChatCompletionRequest, model: ServedModel, parsers: list[ChoiceParser], streams,
                   prompt_tokens: int, timing: Timing) -> AsyncIterator[ChatCompletionChunk]:
-    chunk_id, completion_tokens = random_id("chatcmpl"), 0
+    chunk_id, completion_tokens, cached = random_id("chatcmpl"), 0, [0] * body.n
 
     def chunk(index: int, delta: DeltaMessage, **extra) -> ChatCompletionChunk:
         return ChatCompletionChunk(id=chunk_id, model=model.name,
@@ -133,6 +133,7 @@ async def _chunks(body: ChatCompletionRequest, model: ServedModel, parsers: list
             yield chunk(i, DeltaMessage(role="assistant", content=""))
         async for index, delta in events:
             completion_tokens += len(delta.token_ids)
+            cached[index] = delta.cached_tokens
             timing.tokens(index, len(delta.token_ids))
             message = parsers[index].feed(delta.text)
             logprobs = chat_logprobs(model, delta)
@@ -142,7 +143,8 @@ async def _chunks(body: ChatCompletionRequest, model: ServedModel, parsers: list
                 tail = parsers[index].finish()
                 yield chunk(index, tail, finish_reason=finish_reason(parsers[index], delta.finish_reason))
         if body.include_usage:
-            yield ChatCompletionChunk(id=chunk_id, model=model.name, usage=Usage.of(prompt_tokens, completion_tokens))
+            yield ChatCompletionChunk(id=chunk_id, model=model.name, usage=Usage.of(
+                prompt_tokens, completion_tokens, cached_tokens=cached_prompt_tokens(cached, body.n)))
     finally:
         await events.aclose()
         timing.finish(prompt_tokens, completion_tokens)
@@ -166,5 +168,6 @@ async def _whole(body: ChatCompletionRequest, model: ServedModel, parsers: list[
                                         tool_calls=calls or None)
         choices.append(ChatCompletionChoice(index=i, message=message, finish_reason=finish_reason(parser, reasons[i]),
                                             logprobs=ChatCompletionLogprobs(content=logprobs[i]) if body.logprobs else None))
+    usage = Usage.of(prompt_tokens, completion_tokens, cached_tokens=cached_prompt_tokens(done.cached, body.n))
     return web.json_response(text=ChatCompletionResponse(model=model.name, choices=choices,
-                                                         usage=Usage.of(prompt_tokens, completion_tokens)).model_dump_json())
+                                                         usage=usage).model_dump_json())

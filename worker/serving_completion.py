@@ -14,8 +14,8 @@ from worker.protocol import (
 from worker.served_model import ServedModel
 from worker.structured import output_grammar
 from worker.serving import (
-    STATE, Timing, check_model, check_token_ids, close_streams, collect, completion_budget, merged, open_streams, read_request,
-    sampling_params, serve_sse, top_logprobs,
+    STATE, Timing, cached_prompt_tokens, check_model, check_token_ids, close_streams, collect, completion_budget, merged,
+    open_streams, read_request, sampling_params, serve_sse, top_logprobs,
 )
 
 DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
@@ -92,11 +92,12 @@ async def _stream(request: web.Request, body: CompletionRequest, model: ServedMo
 async def _chunks(body: CompletionRequest, model: ServedModel, streams, echoes: list[str],
                   builders: list[LogprobBuilder], prompt_tokens: int, timing: Timing) -> AsyncIterator[CompletionChunk]:
     chunk_id, completion_tokens = random_id("cmpl"), 0
-    started = [False] * len(streams)
+    started, cached = [False] * len(streams), [0] * len(streams)
     events = merged(streams)
     try:
         async for index, delta in events:
             completion_tokens += len(delta.token_ids)
+            cached[index] = delta.cached_tokens
             timing.tokens(index, len(delta.token_ids))
             text = delta.text if started[index] else echoes[index] + delta.text
             started[index] = True
@@ -104,7 +105,8 @@ async def _chunks(body: CompletionRequest, model: ServedModel, streams, echoes: 
                                       finish_reason=delta.finish_reason)
             yield CompletionChunk(id=chunk_id, model=model.name, choices=[choice])
         if body.include_usage:
-            yield CompletionChunk(id=chunk_id, model=model.name, usage=Usage.of(prompt_tokens, completion_tokens))
+            yield CompletionChunk(id=chunk_id, model=model.name, usage=Usage.of(
+                prompt_tokens, completion_tokens, cached_tokens=cached_prompt_tokens(cached, body.n)))
     finally:
         await events.aclose()
         timing.finish(prompt_tokens, completion_tokens)
@@ -119,5 +121,6 @@ async def _whole(body: CompletionRequest, model: ServedModel, streams, echoes: l
     choices = [CompletionChoice(index=i, text=texts[i], finish_reason=reasons[i],
                                 logprobs=merge_logprobs(logprobs[i]) if body.logprobs is not None else None)
                for i in range(len(streams))]
-    response = CompletionResponse(model=model.name, choices=choices, usage=Usage.of(prompt_tokens, completion_tokens))
+    usage = Usage.of(prompt_tokens, completion_tokens, cached_tokens=cached_prompt_tokens(done.cached, body.n))
+    response = CompletionResponse(model=model.name, choices=choices, usage=usage)
     return web.json_response(text=response.model_dump_json())

@@ -14,9 +14,8 @@ def test_prefill_then_decode_equals_full_recompute(tiny_dir, prompt):
     full = llm.prompt_logits(ids)
     # Prefill 41 tokens, then feed the remaining 29 one at a time through the decode path.
     seq = Sequence(0, ids[:41], SamplingParams(max_tokens=40))
-    llm.scheduler.add(seq)
-    step = llm.scheduler.schedule()
-    logits = [llm.runner.run(step, all_rows=True)]
+    assert llm.scheduler.try_admit(seq)
+    logits = [llm.runner.run([(seq, 41)], all_rows=True)]
     for token in ids[41:]:
         seq.output_token_ids.append(token)
         logits.append(llm.runner.run([(seq, 1)]))
