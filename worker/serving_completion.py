@@ -26,8 +26,8 @@ class LogprobBuilder:
     choice's text (after the echoed prompt): where each token's text starts, or for a token inside a
     multi-byte character, where that character starts."""
 
-    def __init__(self, model: ServedModel, offset: int) -> None:
-        self.model, self.offset = model, offset  # offset: characters before the generated text
+    def __init__(self, model: ServedModel, prefix_chars: int) -> None:
+        self.model, self.prefix_chars = model, prefix_chars  # the echoed prompt's length
 
     def add(self, delta: GenerationDelta) -> CompletionLogprobs | None:
         if not delta.logprobs:
@@ -41,7 +41,7 @@ class LogprobBuilder:
             for top_text, value in top_logprobs(self.model, lp):  # best first
                 top.setdefault(top_text, value)  # texts can collide (lone bytes read "\ufffd"): keep the best
             out.top_logprobs.append(top)
-            out.text_offset.append(self.offset + text_offset)
+            out.text_offset.append(self.prefix_chars + text_offset)
         return out
 
 
