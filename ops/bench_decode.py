@@ -158,7 +158,7 @@ def main() -> None:
     max_len = max(contexts + prefills) + args.steps + 8
     start = time.perf_counter()
     llm = LLM.from_weights(cfg, weights, max_num_seqs=max(batches + [1]), max_model_len=max_len,
-                           max_num_batched_tokens=max(prefills + [2048]))
+                           max_num_batched_tokens=max(prefills + [2048]), prefix_cache=False)  # repeated prompts
     report({"engine_init_s": time.perf_counter() - start})
 
     def decode_figures(name: str, batch: int, context: int) -> None:
