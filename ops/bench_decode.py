@@ -185,7 +185,7 @@ def main() -> None:
     budget = slots * round(sizes[1]) * len(cfg.moe_layers) if hybrid else None
     llm = LLM.from_weights(cfg, weights, max_num_seqs=max(batches + [1]), max_model_len=max_len,
                            max_num_batched_tokens=max(prefills + [2048]), moe_vram_budget=budget,
-                           max_expert_swaps=args.max_expert_swaps)
+                           max_expert_swaps=args.max_expert_swaps, prefix_cache=False)  # repeated prompts
     report({"engine_init_s": time.perf_counter() - start})
 
     def decode_figures(name: str, batch: int, context: int) -> None:

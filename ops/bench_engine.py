@@ -243,7 +243,8 @@ def main() -> None:
             "torch": torch.__version__, "cuda": torch.version.cuda, "layers": cfg.num_layers, "format": args.format,
             "build_s": time.perf_counter() - start})
     bandwidth = copy_bandwidth(device, 4 << 30 if device.type == "cuda" else 256 << 20)
-    llm = LLM.from_weights(cfg, weights, max_num_seqs=1, max_model_len=max(args.prefill, args.parity_prompt) + 64)
+    llm = LLM.from_weights(cfg, weights, max_num_seqs=1, max_model_len=max(args.prefill, args.parity_prompt) + 64,
+                           prefix_cache=False)  # time_engine runs the whole prompt as one prefill step
     gen = torch.Generator().manual_seed(0)
     prompt = torch.randint(0, min(cfg.vocab_size, 150000), (args.parity_prompt,), generator=gen).tolist()
     ours = time_engine(llm, prompt[: args.prefill], args.decode_steps, device, args.profile)
@@ -263,7 +264,7 @@ def main() -> None:
     if dtype != torch.float32:
         # fp32 truth: the same weights upcast (the engine's fp32 path matches transformers to 1e-5 in CI).
         truth_llm = LLM.from_weights(cfg, synthetic_weights(cfg, args.format, device, torch.float32), max_num_seqs=1,
-                                     max_model_len=args.parity_prompt + 64)
+                                     max_model_len=args.parity_prompt + 64, prefix_cache=False)
         truth = truth_llm.prompt_logits(prompt)
         del truth_llm
         report({f"engine_vs_fp32_{k}": v for k, v in agreement(ours_logits, truth).items()})

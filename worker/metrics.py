@@ -31,7 +31,9 @@ class Metrics:
         self.waiting = Gauge("glmflash_requests_waiting", "Requests queued for a slot", registry=r)
         self.slots_used = Gauge("glmflash_state_slots_used", "Per-request state slots in use", registry=r)
         self.slots_total = Gauge("glmflash_state_slots_total", "Per-request state slots", registry=r)
-        self.cache_usage = Gauge("glmflash_cache_usage_ratio", "Fraction of DSA cache pages in use", registry=r)
+        self.cache_usage = Gauge("glmflash_cache_usage_ratio",
+                                 "Fraction of DSA cache pages in use (cached prefixes included: evicted on demand)",
+                                 registry=r)
         self.expert_hit = Gauge("glmflash_expert_device_hit_ratio",
                                 "Routed (token, expert) pairs served from device slots, of all pairs", registry=r)
         self.expert_host_pairs = Gauge("glmflash_expert_host_pairs", "Routed pairs computed on the CPU since start",

@@ -188,7 +188,8 @@ class PrefixCache:
             store = self.host_states if snap.on_host else self.states
             store.load(snap.row, self.slots, slot, self.cache, pages[depth] if snap.tail else None)
             (self._host_states if snap.on_host else self._states).touch(snap)
-        self._touch_chain(hit.blocks[-1] if hit.blocks else self.root)
+        # Matched blocks past the snapshot may have been evicted just now (never the claimed ones, kept above).
+        self._touch_chain(next((b for b in reversed(hit.blocks) if b.alive), self.root))
         seq.cached = seq.cached_prompt_tokens = hit.position
         self._progress[seq] = _Progress(chain[-1] if chain else self.root, self._stops(seq, hit))
         prompt_len = len(seq.prompt_token_ids)
@@ -352,7 +353,7 @@ class PrefixCache:
             self.cache.release([block.page])
         if block.host_row is not None:
             self._free_host_page(block)
-        block.alive = False
+        block.page, block.alive = None, False
 
     def _drop_snapshot(self, snap: Snapshot) -> None:
         rows = self._host_states if snap.on_host else self._states

@@ -24,8 +24,9 @@ DELAY = 0.02  # seconds before each generated chunk
 
 
 def stand_in(chunks: int = 4, tokens_per_chunk: int = 1, fail_every: int = 0, usage: bool = True,
-             done: bool = True) -> tuple[web.Application, list[dict[str, Any]]]:
-    """OpenAI streaming stand-in: a role-only chat chunk, `chunks` text chunks DELAY apart, usage, [DONE]."""
+             done: bool = True, cached: int | None = None) -> tuple[web.Application, list[dict[str, Any]]]:
+    """OpenAI streaming stand-in: a role-only chat chunk, `chunks` text chunks DELAY apart, usage (with
+    `cached` as prompt_tokens_details.cached_tokens when given), [DONE]."""
     bodies: list[dict[str, Any]] = []
 
     async def models(request: web.Request) -> web.Response:
@@ -49,7 +50,9 @@ def stand_in(chunks: int = 4, tokens_per_chunk: int = 1, fail_every: int = 0, us
             delta = {"reasoning_content": "hm"} if i == 0 else {"content": f" w{i}"}
             await send({"choices": [{"index": 0, "delta": delta} if chat else {"index": 0, "text": f" w{i}"}]})
         if usage:
-            await send({"choices": [], "usage": {"prompt_tokens": 7, "completion_tokens": chunks * tokens_per_chunk}})
+            details = {} if cached is None else {"prompt_tokens_details": {"cached_tokens": cached}}
+            await send({"choices": [], "usage": {"prompt_tokens": 7, "completion_tokens": chunks * tokens_per_chunk,
+                                                 **details}})
         if done:
             await resp.write(b"data: [DONE]\n\n")
         return resp
@@ -146,3 +149,36 @@ def test_stream_without_done_is_a_failure(tmp_path: Path) -> None:
     (lvl,) = report["levels"]
     assert rc == 1 and (lvl["ok"], lvl["failed"]) == (0, 3) and lvl["ttft_p50_ms"] is None
     assert lvl["errors"] == {"stream ended without [DONE]": 3} and report["model"] == "m"
+
+
+def test_agent_workload_sends_growing_histories_and_counts_computed_tokens(tmp_path: Path, capsys) -> None:
+    app, bodies = stand_in(chunks=3, cached=5)
+    out = tmp_path / "agent.json"
+    with serve(app) as base_url:
+        rc = bench.main(["--base-url", base_url, "--workload", "agent", "--conversations", "3", "--turns", "2",
+                         "--system-tokens", "30", "--user-tokens", "4", "--max-tokens", "3", "--json", str(out)])
+    (run,) = json.loads(out.read_text())["runs"]
+    assert rc == 0 and (run["requests"], run["ok"]) == (6, 6)
+    assert (run["prompt_tokens"], run["cached_tokens"], run["prefill_tokens_computed"]) == (42, 30, 12)
+    assert run["ttft_first_turn_p50_ms"] is not None and run["ttft_later_turns_p50_ms"] is not None
+    systems = {b["messages"][0]["content"] for b in bodies}
+    assert len(systems) == 1 and len(systems.pop().split()) == 30  # one system prompt shared by all
+    assert all(b["tools"] and b["temperature"] == 0 for b in bodies)
+    second = [b["messages"] for b in bodies if len(b["messages"]) == 4]
+    assert len(second) == 3 and all(m[2] == {"role": "assistant", "content": " w1 w2"} for m in second)
+    assert "computed_fraction=0.2857" in capsys.readouterr().out
+
+
+def test_agent_workload_starts_glmflash_with_the_cache_on_and_off(tmp_path: Path, capsys) -> None:
+    out = tmp_path / "agent.json"
+    rc = bench.main(["--workload", "agent", "--serve", "tiny", "--device", "cpu", "--conversations", "2",
+                     "--turns", "2", "--system-tokens", "40", "--user-tokens", "3", "--max-tokens", "2",
+                     "--serve-env", f"GLMFLASH_CACHE_DIR={tmp_path / 'cache'}", "--json", str(out)])
+    report = json.loads(out.read_text())
+    on, off = report["runs"]
+    assert rc == 0 and (on["run"], off["run"]) == ("cache_on", "cache_off") and on["ok"] == off["ok"] == 4
+    assert on["prompt_tokens"] == off["prompt_tokens"]  # the same conversations (greedy answers, same histories)
+    # Each second turn restores its first turn's prompt (less its last token): about half of all prompt tokens.
+    assert off["cached_tokens"] == 0 and on["cached_tokens"] > on["prompt_tokens"] * 0.4
+    assert report["computed_drop"] > 0.4
+    assert "compare computed_drop=" in capsys.readouterr().out
