@@ -11,7 +11,6 @@ import torch
 from tokenizers import Tokenizer
 
 from engine import LLM, SamplingParams
-from engine.sampling_params import SamplingParams as Params
 from engine.sequence import Sequence
 from engine.structured import GrammarCompiler, GrammarSpec, Reasoning, RequestConstraint
 from engine.structured.masks import GrammarMasks
@@ -29,7 +28,7 @@ SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength
 
 def test_device_masks_equal_the_cpu_masks():
     compiler = GrammarCompiler(build_tokenizer(), 320, [256, 263, 265])
-    seqs = [Sequence(str(i), [1], Params()) for i in range(5)]
+    seqs = [Sequence(str(i), [1], SamplingParams()) for i in range(5)]
     for i, spec in ((0, GrammarSpec.json_schema(SCHEMA)), (1, GrammarSpec("regex", "[a-z]{3}")),
                     (3, GrammarSpec.choice(["yes", "no"]))):
         seqs[i].constraint = RequestConstraint(str(i), 320, compiler.matcher(spec), None, [256])
