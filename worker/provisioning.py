@@ -100,10 +100,9 @@ class BackgroundPrepare:
         self.cancel = threading.Event()
         self.thread = threading.Thread(target=self._run, name="glmflash-prepare", daemon=True)
 
-    def start(self) -> BackgroundPrepare:
-        self.clock.progress(prepared_snapshot="writing")
+    def start(self) -> None:
+        """Start writing; /ready already says `prepared_snapshot=writing` (the ready stage carries it)."""
         self.thread.start()
-        return self
 
     def _run(self) -> None:
         start = time.perf_counter()

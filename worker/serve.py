@@ -57,13 +57,16 @@ async def serve(settings: Settings, stop: asyncio.Event | None = None,
         if state.vast:
             state.clock.stage("benchmark")
             max_perf = await _vast_max_perf(settings, model)
-        state.clock.stage("ready", url=f"{url}/v1", model=model.name)
+        if loaded.prepare is not None:  # a cold start: the next one reads this back (fast_resume)
+            prepare = BackgroundPrepare(loaded.prepare, cpu_workers(settings), state.clock,
+                                        on_done=lambda: _release_swaps(model))
+        state.clock.stage("ready", url=f"{url}/v1", model=model.name,
+                          **({"prepared_snapshot": "writing"} if prepare is not None else {}))
         print(f"ready url={url}/v1 model={model.name}", flush=True)
         if state.vast:
             await state.vast.mark_loaded(max_perf)
-        if loaded.prepare is not None:  # a cold start: the next one reads this back (fast_resume)
-            prepare = BackgroundPrepare(loaded.prepare, cpu_workers(settings), state.clock,
-                                        on_done=lambda: _release_swaps(model)).start()
+        if prepare is not None:
+            prepare.start()
         watcher = asyncio.create_task(lifecycle.watch(stop, lambda: state.stage))
         await stop.wait()
         reason = lifecycle.stop_reason or getattr(stop, "reason", "stopped")

@@ -287,38 +287,48 @@ def test_kill_9_during_the_background_prepare_leaves_nothing_trusted(tmp_path):
     trust the half-written files, starts cold, serves, writes the snapshot whole; the one after is a fast_resume."""
     port = free_port()
     url = f"http://127.0.0.1:{port}"
-    proc = _boot_process(tmp_path, port, code=SLOW_PREPARE)
-    _wait_ready(proc, url)
-    home = next((tmp_path / "cache" / "models").iterdir())
-    prepared, partial = home / "prepared", partial_dir(home / "prepared")
-    deadline = time.monotonic() + 60
-    while not (partial.is_dir() and sum(p.stat().st_blocks for p in partial.iterdir()) > 0):
-        state = _prepared_state(url)
-        assert time.monotonic() < deadline and state == "writing", state
-        time.sleep(0.02)
-    os.kill(proc.pid, signal.SIGKILL)
-    proc.wait(timeout=30)
-    first = proc.stdout.read()
-    assert "PROVISION_STAGE=ready" in first and "state=written" not in first, first
-    assert check_prepared(prepared, FORMAT_VERSION, engine_version()) != []
+    started: list[subprocess.Popen] = []
 
-    proc = _boot_process(tmp_path, port)
-    _wait_ready(proc, url)
-    deadline = time.monotonic() + 60
-    while (state := _prepared_state(url)) != "written":
-        assert time.monotonic() < deadline and state == "writing", state
-        time.sleep(0.05)
-    proc.send_signal(signal.SIGTERM)
-    assert proc.wait(timeout=30) == 0
-    second = proc.stdout.read()
-    assert "PROVISION_STAGE=cold" in second and "plan.json: missing" in second, second
-    assert "event=prepared_snapshot state=written" in second and not partial.exists()
-    assert check_prepared(prepared, FORMAT_VERSION, engine_version()) == []
+    def boot(code: str | None = None) -> subprocess.Popen:
+        started.append(_boot_process(tmp_path, port, code=code))
+        _wait_ready(started[-1], url)
+        return started[-1]
 
-    proc = _boot_process(tmp_path, port)
-    _wait_ready(proc, url)
-    assert _prepared_state(url) is None  # nothing to write after a fast resume
-    proc.send_signal(signal.SIGTERM)
-    assert proc.wait(timeout=30) == 0
-    third = proc.stdout.read()
-    assert "PROVISION_STAGE=fast_resume" in third and "PROVISION_STAGE=cold" not in third, third
+    try:
+        proc = boot(SLOW_PREPARE)
+        home = next((tmp_path / "cache" / "models").iterdir())
+        prepared, partial = home / "prepared", partial_dir(home / "prepared")
+        deadline = time.monotonic() + 60
+        while not (partial.is_dir() and sum(p.stat().st_blocks for p in partial.iterdir()) > 0):
+            state = _prepared_state(url)
+            assert time.monotonic() < deadline and state == "writing", state
+            time.sleep(0.02)
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=30)
+        first = proc.stdout.read()
+        assert "PROVISION_STAGE=ready" in first and "state=written" not in first, first
+        assert check_prepared(prepared, FORMAT_VERSION, engine_version()) != []
+
+        proc = boot()
+        deadline = time.monotonic() + 60
+        while (state := _prepared_state(url)) != "written":
+            assert time.monotonic() < deadline and state == "writing", state
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=30) == 0
+        second = proc.stdout.read()
+        assert "PROVISION_STAGE=cold" in second and "plan.json: missing" in second, second
+        assert "event=prepared_snapshot state=written" in second and not partial.exists()
+        assert check_prepared(prepared, FORMAT_VERSION, engine_version()) == []
+
+        proc = boot()
+        assert _prepared_state(url) is None  # nothing to write after a fast resume
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=30) == 0
+        third = proc.stdout.read()
+        assert "PROVISION_STAGE=fast_resume" in third and "PROVISION_STAGE=cold" not in third, third
+    finally:
+        for proc in started:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()

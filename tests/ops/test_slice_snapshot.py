@@ -1,0 +1,35 @@
+"""ops/slice_snapshot.py sizes its full-width slices from the bytes each release format really stores."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.checkpoint.layout import text_specs
+from engine.config import ModelConfig
+from engine.tiny.factory import encode, init_value
+from ops.slice_snapshot import FULL_EXPERTS, MIN_EXPERTS, plan_slice, slice_config, stored_bytes
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "fp8", "nvfp4-ct", "nvfp4-modelopt"])
+def test_stored_bytes_match_the_encoded_entries(fmt):
+    cfg = ModelConfig.from_dict(slice_config(fmt, 4, MIN_EXPERTS))
+    assert (cfg.hidden_size, cfg.vocab_size, cfg.moe_intermediate_size) == (4096, 154880, 2048)
+    generator = torch.Generator().manual_seed(0)
+    picked = {}
+    for spec in text_specs(cfg):  # one of each role and storage, the expert and a DSA projection among them
+        kind = (spec.role, spec.is_expert, "self_attn.q_b_proj" in spec.name)
+        if kind not in picked and spec.name != "embed_tokens.weight" and spec.name != "lm_head":
+            picked[kind] = spec
+    for spec in picked.values():
+        entries = encode(spec, init_value(spec, generator), fmt, cfg)
+        found = sum(t.numel() * t.element_size() for k, t in entries.items() if not k.endswith("input_scale"))
+        assert stored_bytes(spec, fmt, cfg) == found, spec.name
+
+
+def test_slices_grow_by_layers_then_shrink_by_experts():
+    assert plan_slice(190 * 2**30, "nvfp4-ct") == (45, FULL_EXPERTS)  # the release: 45 layers, ~181 GiB
+    layers, experts = plan_slice(20 * 2**30, "nvfp4-ct")
+    assert experts == FULL_EXPERTS and 1 < layers < 45
+    assert plan_slice(3 * 2**30, "nvfp4-ct") == (1, pytest.approx(25, abs=3))
+    assert plan_slice(1, "nvfp4-ct") == (1, MIN_EXPERTS)
