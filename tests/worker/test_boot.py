@@ -192,10 +192,10 @@ def _wait_ready(proc: subprocess.Popen, url: str, timeout: float = 90) -> None:
     while time.monotonic() < deadline:
         assert proc.poll() is None, proc.stdout.read()
         try:
-            if requests.get(f"{url}/ready", timeout=1).status_code == 200:
+            if requests.get(f"{url}/ready", timeout=5).status_code == 200:
                 return
-        except requests.ConnectionError:
-            pass
+        except (requests.ConnectionError, requests.Timeout):
+            pass  # not listening yet, or too busy loading to answer in time
         time.sleep(0.1)
     proc.kill()
     pytest.fail(f"not ready in {timeout}s: {proc.stdout.read()}")
