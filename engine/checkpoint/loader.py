@@ -278,10 +278,13 @@ class _ExpertStacks:
         self.cfg, self.pin = cfg, pin  # pin: host stacks in page-locked memory, for copies to a GPU
         self.stacks: dict[tuple[int, str], Weight] = {}
         self.lock = threading.Lock()
+        self.slot_locks: dict[tuple[int, str], threading.Lock] = {}
 
     def put(self, layer: int, expert: int, proj: str, weight: Weight) -> None:
         slot = (layer, proj)
         with self.lock:
+            slot_lock = self.slot_locks.setdefault(slot, threading.Lock())
+        with slot_lock:  # allocating one stack (pinning a GB or more) holds up only the puts into it
             if slot not in self.stacks:
                 self.stacks[slot] = _empty_stack(weight, self.cfg.n_routed_experts, self.pin)
             stack = self.stacks[slot]
