@@ -7,7 +7,8 @@ experts, as many MoE layers as fit --gib) plus a non-expert part, writes them as
   - load: `load_prepared` into final buffers, with and without hash verification.
 
 Original checkpoint (--checkpoint DIR, e.g. a slice from ops/slice_snapshot.py): the cold start's one
-pass, `load_weights` of the safetensors shards, against the raw read of those shards (before and after).
+pass, `load_weights` of the safetensors shards, against the raw read of those shards (before and after)
+and against the rate at which fresh host memory can be filled (the bound of a load into host RAM).
 
     python -m ops.bench_load --dir /workspace/bench-load --gib 8 [--device cuda] [--workers 8,16]
     python -m ops.bench_load --checkpoint /workspace/slice-20g [--device cuda] [--expert-device cpu]
@@ -18,6 +19,7 @@ from __future__ import annotations
 import argparse
 import shutil
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
@@ -59,6 +61,21 @@ def sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
+def fresh_fill_s(nbytes: int, workers: int, piece: int = 64 << 20) -> float:
+    """Seconds to fill `nbytes` of newly allocated host memory from `workers` threads: the bound of any
+    load into host RAM that is not pinned up front (a virtual machine's page faults can be slower than its disk)."""
+    source = torch.zeros(piece, dtype=torch.uint8)
+    target = torch.empty(nbytes, dtype=torch.uint8)
+
+    def fill(offset: int) -> None:
+        target[offset:offset + piece].copy_(source[:min(piece, nbytes - offset)])
+
+    start = time.perf_counter()
+    with ThreadPoolExecutor(workers) as pool:
+        list(pool.map(fill, range(0, nbytes, piece)))
+    return time.perf_counter() - start
+
+
 def bench_checkpoint(snapshot: Path, device: str, expert_device: str | None, dtype: torch.dtype,
                      workers: list[int]) -> None:
     shards = shard_files(snapshot)
@@ -72,6 +89,7 @@ def bench_checkpoint(snapshot: Path, device: str, expert_device: str | None, dty
         del loaded
         total, seconds = faster(before, raw_read(shards, count))
         print(f"raw_read_gb_s={total / seconds / 1e9:.3f} bytes={total} s={seconds:.2f} workers={count}", flush=True)
+        print(f"host_fill_gb_s={total / fresh_fill_s(total, count) / 1e9:.3f} workers={count}", flush=True)
         print(f"cold_pass s={wall:.2f} wall_gb_s={total / wall / 1e9:.3f} ratio_to_raw={seconds / wall:.2f} "
               f"workers={count} device={device} expert_device={expert_device}", flush=True)
 

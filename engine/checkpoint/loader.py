@@ -290,10 +290,13 @@ class _ExpertStacks:
         self.cfg, self.device, self.device_slots = cfg, device, device_slots
         self.stacks: dict[tuple[int, str], Weight | SplitStack] = {}
         self.lock = threading.Lock()
+        self.slot_locks: dict[tuple[int, str], threading.Lock] = {}
 
     def put(self, layer: int, expert: int, proj: str, weight: Weight) -> None:
         slot = (layer, proj)
         with self.lock:
+            slot_lock = self.slot_locks.setdefault(slot, threading.Lock())
+        with slot_lock:  # allocating one stack (pinning a GB or more) holds up only the puts into it
             if slot not in self.stacks:
                 self.stacks[slot] = self._empty(weight)
             stack = self.stacks[slot]
