@@ -9,6 +9,7 @@ pointed at the scratch slot and scratch page so they never touch a real request'
 from __future__ import annotations
 
 import time
+from typing import Callable
 
 import torch
 
@@ -21,8 +22,9 @@ DEFAULT_SIZES = (1, 2, 4, 8, 16)
 
 class DecodeGraphs:
     def __init__(self, model: Glm5NextModel, slots: RequestSlots, cache: PagedLatents, max_pages: int,
-                 sizes: tuple[int, ...] = DEFAULT_SIZES) -> None:
+                 sizes: tuple[int, ...] = DEFAULT_SIZES, before_replay: Callable[[int], None] | None = None) -> None:
         dev = model.device
+        self.before_replay = before_replay
         self.sizes = tuple(sorted(sizes))
         self.max_batch = self.sizes[-1]
         self._scratch = (slots.scratch_slot, cache.scratch_page)
@@ -70,5 +72,7 @@ class DecodeGraphs:
             self.slot_ids[n:size].fill_(scratch_slot)
             self.positions[n:size].zero_()
             self.page_table[n:size].fill_(scratch_page)
+        if self.before_replay is not None:
+            self.before_replay(n)
         self._graphs[size].replay()
         return self._logits[size][:n]

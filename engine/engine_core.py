@@ -131,11 +131,12 @@ class EngineCore:
         start = time.perf_counter()
         warm_up_kda_prefill(dev, cfg.linear_num_heads, cfg.linear_head_dim, self.model.dtype)
         log.info("event=kda_prefill_autotune seconds=%.2f", time.perf_counter() - start)
-        if options.cuda_graphs and self.offload is not None:
-            log.info("event=decode_graphs skipped=hybrid_offload")  # host experts need the CPU inside the step
+        if options.cuda_graphs and self.offload is not None and not self.offload.graph_safe:
+            # Host experts in a format the compiled CPU kernels do not take run through a synchronizing path.
+            log.info("event=decode_graphs skipped=host_experts_uncompiled")
         elif options.cuda_graphs:
             sizes = graph_sizes(options.max_num_seqs)
-            seconds = self.runner.capture_graphs(sizes)
+            seconds = self.runner.capture_graphs(sizes, None if self.offload is None else self.offload.use_rows)
             log.info("event=decode_graphs sizes=%s capture_s=%.2f", ",".join(map(str, sizes)), seconds)
 
     def _prefix_cache(self, config: ModelConfig, options: EngineOptions, device: TierSize, pages: int) -> PrefixCache:
@@ -244,5 +245,5 @@ class EngineCore:
         return EngineStats(len(self.scheduler.running), len(self.scheduler.waiting),
                            self.slots.num_slots - self.slots.free_count, self.slots.num_slots,
                            self.cache.num_pages - self.cache.free_pages, self.cache.num_pages,
-                           None if self.offload is None else dataclasses.replace(self.offload.stats),
+                           None if self.offload is None else self.offload.stats,
                            None if self.prefix is None else self.prefix.stats())

@@ -7,6 +7,8 @@ per-request spans.
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 
 from engine.cache import PagedLatents, RequestSlots
@@ -21,9 +23,10 @@ class ModelRunner:
         self.model, self.slots, self.cache, self.max_pages = model, slots, cache, max_pages
         self.graphs: DecodeGraphs | None = None
 
-    def capture_graphs(self, sizes: tuple[int, ...]) -> float:
-        """Capture decode graphs at these batch sizes; returns the seconds it took."""
-        self.graphs = DecodeGraphs(self.model, self.slots, self.cache, self.max_pages, sizes)
+    def capture_graphs(self, sizes: tuple[int, ...], before_replay: Callable[[int], None] | None = None) -> float:
+        """Capture decode graphs at these batch sizes; returns the seconds it took. `before_replay(rows)` is
+        told the rows in use before each replay (host work inside the graph skips the padding rows)."""
+        self.graphs = DecodeGraphs(self.model, self.slots, self.cache, self.max_pages, sizes, before_replay)
         return self.graphs.capture_s
 
     def run(self, scheduled: Scheduled, all_rows: bool = False,

@@ -186,7 +186,8 @@ def main() -> None:
     llm = LLM.from_weights(cfg, weights, max_num_seqs=max(batches + [1]), max_model_len=max_len,
                            max_num_batched_tokens=max(prefills + [2048]), moe_vram_budget=budget,
                            max_expert_swaps=args.max_expert_swaps, prefix_cache=False)  # repeated prompts
-    report({"engine_init_s": time.perf_counter() - start})
+    report({"engine_init_s": time.perf_counter() - start,
+            "graph_capture_s": llm.runner.graphs.capture_s if llm.runner.graphs else 0.0})
 
     def decode_figures(name: str, batch: int, context: int) -> None:
         if hybrid:

@@ -1,16 +1,19 @@
 """Routed experts split between device slots and host RAM (hybrid offload).
 
-Every MoE layer keeps a few experts in device slots (compact stacks the device executor runs) and all
-of them in a host bank (pinned when a GPU is present). A step's (token, expert) pairs that hit a slot
+Every MoE layer keeps some experts in device slots (compact stacks the device executor runs) and the
+rest in a host bank (pinned when a GPU is present). A step's (token, expert) pairs that hit a slot
 run on the device, with misses weighted zero so the launch shape never depends on routing; the
-misses run on the CPU executor over the host bank at the same time, and their sum is added back;
-a batch with many misses (prefill) fetches those experts to the device instead (offload/fetch.py).
+misses run on CPU threads over the host bank at the same time, and their sum is added back. Decode-
+sized batches queue the CPU's share in the device stream (offload/host_steps.py), so the step has no
+device synchronization and can be captured in a CUDA graph; a batch with many misses (prefill)
+fetches those experts to the device instead (offload/fetch.py).
 Routing counts decide, between steps, which host experts move into which slots (a bounded number
 per step, so no step waits on many copies).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass
 
@@ -19,7 +22,11 @@ import torch
 from engine.checkpoint.layout import EXPERT_PROJS, stacked_expert_name
 from engine.experts.cpu_experts import CpuExperts
 from engine.experts.torch_experts import TorchExperts
-from engine.offload.fetch import ExpertFetcher, Stacks, copy_expert
+from engine.kernels.experts import DECODE_MAX_PAIRS
+from engine.kernels.experts.cpu_gemv import available as cpu_kernels_built
+from engine.offload.cuda_driver import copy_async
+from engine.offload.fetch import ExpertFetcher, Stacks
+from engine.offload.host_steps import HostSteps
 from engine.offload.placement import hottest, slots_per_layer
 from engine.weights import SplitStack, map_tensors, tensor_fields
 
@@ -100,7 +107,12 @@ class HybridExperts:
         self.fetch = ExpertFetcher(first.device or first.host, min(fetch_capacity, self.num_experts), device,
                                    lambda stacks: device_executor(stacks, swiglu_limit))
         self.expert_bytes = expert_nbytes(first.device or first.host)
-        self.stats = OffloadStats()
+        self.limit, self.host_threads = swiglu_limit, self.host_run.threads
+        self.host_steps: dict[int, HostSteps] = {}  # by top-k, built at the first decode-sized batch
+        self._stats = OffloadStats()
+        self._pin = device.type == "cuda"
+        self._swap_stream = torch.cuda.Stream(device) if self._pin else None
+        self._staging: list[Stacks] = []  # one expert each, for the swaps of one rebalance
         # Set while something reads the slots and the host bank by expert id (a prepared snapshot being
         # written from them): swaps would move experts under it.
         self.swaps_held = False
@@ -134,11 +146,39 @@ class HybridExperts:
             del stacks
         return cls(placed, device, swiglu_limit, device_executor, host_threads=host_threads)
 
+    @property
+    def graph_safe(self) -> bool:
+        """Whether decode steps run without a device synchronization (the CPU's share queued in the stream),
+        so they can be captured: every layer's host bank in a format the compiled CPU kernels take."""
+        return cpu_kernels_built() and all(layer in self.host_run.compiled for layer in self.layers)
+
+    @property
+    def stats(self) -> OffloadStats:
+        """Totals of the eager path plus those of the queued host steps (which count inside CUDA graphs)."""
+        s = dataclasses.replace(self._stats)
+        for steps in self.host_steps.values():
+            t = steps.totals()
+            s.device_pairs += t.pairs_seen - t.pairs_run
+            s.host_pairs += t.pairs_run
+            s.host_seconds += t.seconds
+            s.host_bytes += t.experts_run * self.expert_bytes
+        return s
+
+    def use_rows(self, rows: int) -> None:
+        """Rows in use in the next replayed decode graph (its padding rows cost no CPU work)."""
+        for steps in self.host_steps.values():
+            steps.use_rows(rows)
+
     def __call__(self, layer: int, x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         index = self._index[layer]
-        self.counts[index] += torch.bincount(expert_ids.flatten(), minlength=self.num_experts).float()
+        flat = expert_ids.flatten()
+        self.counts[index].index_add_(0, flat, torch.ones(flat.shape, device=flat.device))
         slots = self.slot_of[index][expert_ids]
         hit = slots >= 0
+        # Too few pairs to ever fetch (and few enough for the decode kernels): the CPU takes the misses.
+        if expert_ids.numel() < self.fetch_min_pairs and expert_ids.numel() <= DECODE_MAX_PAIRS and self.graph_safe:
+            pending = self._host_steps(expert_ids.shape[1]).run(layer, x, expert_ids, weights)
+            return (self._on_device(layer, x, slots, hit, weights).float() + pending.wait()).to(x.dtype)
         # Find the misses and bring their rows to the host before the device work is queued, so the
         # CPU computes while the device runs its experts.
         missed = (~hit).flatten().nonzero().squeeze(1)
@@ -148,36 +188,52 @@ class HybridExperts:
         if missed.numel() and not fetch:
             entries = self.entry_of[index][expert_ids.flatten()[missed].cpu()]
             host_in = x[rows].cpu(), entries, weights.flatten()[missed].cpu()
-        if layer in self.device_stacks:
-            out = self.device_run(layer, x, slots.clamp(min=0), weights * hit)
-        else:
-            out = torch.zeros_like(x)
-        self.stats.device_pairs += expert_ids.numel() - missed.numel()
+        out = self._on_device(layer, x, slots, hit, weights)
+        self._stats.device_pairs += expert_ids.numel() - missed.numel()
         if fetch:
             ids = self.entry_of[index].to(x.device)[expert_ids.flatten()[missed]]
             out.index_add_(0, rows, self.fetch(self.host[layer], x, rows, ids, weights.flatten()[missed]))
-            self.stats.fetched_pairs += missed.numel()
-            self.stats.fetched_bytes += int(ids.unique().numel()) * self.expert_bytes
+            self._stats.fetched_pairs += missed.numel()
+            self._stats.fetched_bytes += int(ids.unique().numel()) * self.expert_bytes
         elif host_in is not None:
             out.index_add_(0, rows, self._host(layer, *host_in).to(x.device, non_blocking=True))
         return out
+
+    def _on_device(self, layer: int, x: torch.Tensor, slots: torch.Tensor, hit: torch.Tensor,
+                   weights: torch.Tensor) -> torch.Tensor:
+        """The pairs whose experts sit in device slots (misses weighted zero) -> [T, D] in x's dtype."""
+        if layer not in self.device_stacks:
+            return torch.zeros_like(x)
+        return self.device_run(layer, x, slots.clamp(min=0), weights * hit)
+
+    def _host_steps(self, topk: int) -> HostSteps:
+        if topk not in self.host_steps:
+            rows = {layer: self.entry_of[self._index[layer]] for layer in self.layers}
+            self.host_steps[topk] = HostSteps(self.host_run.compiled, rows, topk, self.limit, self.host_threads,
+                                              self.device, DECODE_MAX_PAIRS // topk)
+        return self.host_steps[topk]
 
     def _host(self, layer: int, rows: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """One row per missed pair: each runs its one expert (by host bank entry) on the CPU -> [P, D]."""
         start = time.perf_counter()
         y = self.host_run(layer, rows, ids.unsqueeze(1), weights.unsqueeze(1))
-        self.stats.host_seconds += time.perf_counter() - start
-        self.stats.host_pairs += ids.numel()
-        self.stats.host_bytes += int(ids.unique().numel()) * self.expert_bytes
+        self._stats.host_seconds += time.perf_counter() - start
+        self._stats.host_pairs += ids.numel()
+        self._stats.host_bytes += int(ids.unique().numel()) * self.expert_bytes
         return y
 
     def rebalance(self, max_swaps: int) -> int:
-        """Move up to `max_swaps` experts routed more often than a resident one into its slot; -> swaps made."""
+        """Move up to `max_swaps` experts routed more often than a resident one into its slot; -> swaps made.
+        On a GPU the copies are queued on a copy stream that the next step's work waits for on the device:
+        the host never blocks on a swap."""
         if self.swaps_held:
             return 0
         counts = self.counts.cpu()
         self.counts *= self.decay
         made = 0
+        main = torch.cuda.current_stream(self.device) if self.device.type == "cuda" else None
+        if main is not None:
+            self._swap_stream.wait_stream(main)  # the steps that read the slots are done with them
         for layer in self.layers:
             experts = self.resident[layer]
             if not experts or made >= max_swaps:
@@ -189,27 +245,38 @@ class HybridExperts:
             for new, old in zip(incoming, outgoing):
                 if made >= max_swaps or c[new] <= c[old]:
                     break
-                self._swap(layer, experts.index(old), new)
+                self._swap(layer, experts.index(old), new, made)
                 made += 1
-        self.stats.swaps += made
+        if main is not None:
+            main.wait_stream(self._swap_stream)
+        self._stats.swaps += made
         return made
 
-    def _swap(self, layer: int, slot: int, expert: int) -> None:
+    def _swap(self, layer: int, slot: int, expert: int, staging: int) -> None:
         """Exchange a host expert with the one in a device slot: the slot's expert goes to the host bank
-        entry the incoming one leaves (through a staging copy, as both move at once)."""
+        entry the incoming one leaves, through staging buffer `staging` (both move at once)."""
         index, entry = self._index[layer], int(self.entry_of[self._index[layer], expert])
         outgoing = self.resident[layer][slot]
-        device_stacks, host = self.device_stacks[layer], self.host[layer]
-        leaving = tuple(map_tensors(s, lambda t: t[slot].to("cpu", copy=True)) for s in device_stacks)
-        copy_expert(device_stacks, slot, host, entry)
-        if self.device.type == "cuda":
-            torch.cuda.current_stream(self.device).synchronize()  # the copy read the entry: now it may change
-        for dst, src in zip(host, leaving):
-            for name in tensor_fields(dst):
-                getattr(dst, name)[entry].copy_(getattr(src, name))
+        while len(self._staging) <= staging:
+            self._staging.append(tuple(map_tensors(s, lambda t: _to_host(torch.empty_like(t[0]), self._pin))
+                                       for s in self.host[layer]))
+        for on_device, on_host, buffer in zip(self.device_stacks[layer], self.host[layer], self._staging[staging]):
+            for name in tensor_fields(on_device):
+                d, h, b = getattr(on_device, name)[slot], getattr(on_host, name)[entry], getattr(buffer, name)
+                self._copy(b, d)
+                self._copy(d, h)
+                self._copy(h, b)
         self.slot_of[index, outgoing], self.slot_of[index, expert] = -1, slot
         self.entry_of[index, expert], self.entry_of[index, outgoing] = -1, entry
         self.resident[layer][slot], self.hosted[layer][entry] = expert, outgoing
+
+    def _copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        """In the swap stream's order on a GPU (host to host included), at once elsewhere."""
+        if self._pin:
+            copy_async(dst, src, self._swap_stream)
+        else:
+            dst.copy_(src)
+
 
 def _to_host(t: torch.Tensor, pin: bool) -> torch.Tensor:
     host = t.to("cpu")

@@ -11,7 +11,7 @@ from engine.experts.torch_experts import TorchExperts
 from engine.offload.placement import (
     AUTO, WeightBytes, auto_budget, hottest, plan_load, plan_placement, resolve_budget, slots_per_layer,
 )
-from engine.weights import DenseWeight, Fp8BlockWeight, Nvfp4Weight
+from engine.weights import DenseWeight, Fp8BlockWeight, Nvfp4Weight, tensor_fields
 
 E, D, I, LIMIT = 12, 128, 64, 7.0
 
@@ -172,3 +172,35 @@ def test_large_batches_fetch_missed_experts_to_the_device(fmt):
     x, ids, w = routed(1, 4, 13)  # a decode step stays on the CPU path
     torch.testing.assert_close(hybrid(0, x, ids, w), TorchExperts(stacks, LIMIT)(0, x, ids, w), rtol=1e-5, atol=1e-5)
     assert hybrid.stats.host_pairs > 0
+
+
+@pytest.mark.parametrize("fmt", ["fp8", "nvfp4"])
+def test_host_steps_run_only_host_experts_of_live_rows(fmt):
+    """The compiled host step (what a CUDA graph queues) against the reference: only pairs whose expert is
+    in the host bank count, rows past the live ones (a graph's padding) stay zero, totals add up."""
+    from engine.kernels.experts.cpu_gemv import ExpertStacks, available, run_host_step
+    from engine.offload.host_steps import HostSteps
+
+    if not available():
+        pytest.skip("the compiled CPU kernels are not built here")
+    stacks = layer_stacks(fmt, 21)
+    hosted = [1, 4, 5, 8, 11]
+    cpu_entry = torch.full((E,), -1, dtype=torch.int64)
+    cpu_entry[hosted] = torch.arange(len(hosted))
+    bank = tuple(type(s)(*(getattr(s, n)[torch.tensor(hosted)] for n in tensor_fields(s))) for s in stacks)
+    steps = HostSteps({3: ExpertStacks(*bank)}, {3: cpu_entry}, 4, LIMIT, 2, torch.device("cpu"), max_rows=8)
+    x, ids, w = routed(6, 4, 22)
+    only_hosted = w * torch.isin(ids, torch.tensor(hosted))
+    want = TorchExperts({3: stacks}, LIMIT)(3, x, ids, only_hosted)
+    torch.testing.assert_close(steps.run(3, x, ids, w).wait(), want, rtol=1e-5, atol=1e-5)
+    steps.use_rows(4)
+    steps.run(3, x, ids, w)  # an eager call sets its own rows: all six
+    torch.testing.assert_close(steps.out[:6], want, rtol=1e-5, atol=1e-5)
+    steps.use_rows(4)
+    run_host_step(steps._arguments(3, 6))  # what a replay with its last two rows padding runs
+    torch.testing.assert_close(steps.out[:4], want[:4], rtol=1e-5, atol=1e-5)
+    assert not steps.out[4:6].any()
+    totals = steps.totals()
+    hosted_pairs = int(torch.isin(ids, torch.tensor(hosted)).sum())
+    assert totals.steps == 3 and totals.pairs_seen == 2 * 24 + 16
+    assert totals.pairs_run == 2 * hosted_pairs + int(torch.isin(ids[:4], torch.tensor(hosted)).sum())

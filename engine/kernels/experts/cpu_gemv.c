@@ -17,11 +17,13 @@
  * Called through ctypes (no Python or torch headers): buffers are contiguous, the fp8 -> float table
  * comes from the caller so the codec lives in one place.
  */
+#define _POSIX_C_SOURCE 199309L /* clock_gettime under -std=c11 */
 #include <immintrin.h>
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 #define GROUP 16
 #define MAX_ROWS 8 /* rows of x handled per pass over the weights */
@@ -380,4 +382,73 @@ int experts_forward(const matrix *gate, const matrix *up, const matrix *down, co
         }
     }
     return 0;
+}
+
+/* ---------------------------------------------------------------- a decode step's misses */
+
+/* One MoE layer's CPU share of a decode step, shaped so a CUDA host function (cuLaunchHostFunc) can run
+ * it inside a captured graph: every pointer and size is fixed at capture, the values behind them change
+ * per step. The device copies the step's rows, top-k ids and routing weights into the pinned inputs
+ * before, and copies `out` back after. `cpu_entry` maps an expert id to its host bank entry (-1: the
+ * CPU does not run it); it is read at run time, so swaps between steps move experts under a captured
+ * graph. The totals are for metrics (read between steps). */
+typedef struct {
+    const matrix *gate, *up, *down;
+    const float *x;          /* [rows, d] */
+    const int64_t *ids;      /* [rows, topk] */
+    const float *weights;    /* [rows, topk] */
+    const int64_t *cpu_entry;   /* [num_experts] */
+    const int64_t *live_rows;   /* rows in use this step: a graph's padding rows are skipped */
+    int64_t rows, topk, num_experts;
+    float limit;
+    float *out;              /* [rows, d]: sum over the CPU's pairs of weight * expert(x); zero elsewhere */
+    float *workspace;        /* rows * topk * (1 + 3 * d + 3 * i) + 1 floats */
+    int64_t *scratch;        /* 4 * rows * topk + 1 */
+    const float *fp8_table;
+    int32_t threads, level;
+    int32_t status;          /* 0, or -1 once a step failed (bad shapes) */
+    int64_t steps, pairs_seen, pairs_run, experts_run, nanoseconds;
+} host_step_args;
+
+static int64_t now_ns(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return (int64_t)t.tv_sec * 1000000000 + t.tv_nsec;
+}
+
+void host_step(void *arg) {
+    host_step_args *a = arg;
+    const int64_t start = now_ns(), d = a->gate->k;
+    int64_t rows = *a->live_rows < a->rows ? *a->live_rows : a->rows;
+    if (rows < 0) rows = 0;
+    memset(a->out, 0, sizeof(float) * (size_t)(a->rows * d));
+    /* Pairs the CPU runs, ordered by bank entry (a counting pass: at most rows * topk of them). */
+    const int64_t cap = a->rows * a->topk;
+    int64_t *entry = a->scratch, *token = entry + cap, *experts = token + cap, *starts = experts + cap;
+    float *pair_weights = a->workspace, *xs = pair_weights + cap, *ys = xs + cap * d, *ws = ys + cap * d;
+    int64_t pairs = 0;
+    for (int64_t p = 0; p < rows * a->topk; p++) {
+        const int64_t e = a->ids[p];
+        const int64_t bank = e >= 0 && e < a->num_experts ? a->cpu_entry[e] : -1;
+        if (bank < 0) continue;
+        int64_t at = pairs++; /* insertion by entry, stable */
+        while (at > 0 && entry[at - 1] > bank) {
+            entry[at] = entry[at - 1], token[at] = token[at - 1], pair_weights[at] = pair_weights[at - 1];
+            at--;
+        }
+        entry[at] = bank, token[at] = p / a->topk, pair_weights[at] = a->weights[p];
+    }
+    int64_t groups = 0;
+    for (int64_t p = 0; p < pairs; p++) {
+        if (p == 0 || entry[p] != entry[p - 1]) experts[groups] = entry[p], starts[groups++] = p;
+        memcpy(xs + p * d, a->x + token[p] * d, sizeof(float) * (size_t)d);
+    }
+    starts[groups] = pairs;
+    if (pairs && experts_forward(a->gate, a->up, a->down, xs, pairs, groups, experts, starts, pair_weights,
+                                 a->limit, ys, ws, a->fp8_table, a->threads, a->level))
+        a->status = -1;
+    for (int64_t p = 0; p < pairs; p++)
+        for (int64_t j = 0; j < d; j++) a->out[token[p] * d + j] += ys[p * d + j];
+    a->steps++, a->pairs_seen += rows * a->topk, a->pairs_run += pairs, a->experts_run += groups;
+    a->nanoseconds += now_ns() - start;
 }

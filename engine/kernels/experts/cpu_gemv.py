@@ -51,6 +51,18 @@ def matrix(weight: QuantWeight) -> tuple[Matrix, tuple[torch.Tensor, ...]]:
     return m, keep
 
 
+class HostStepArgs(ctypes.Structure):
+    """cpu_gemv.c's `host_step_args`: one MoE layer's CPU share of a decode step, by pointer (the caller
+    owns every buffer and keeps it alive and in place as long as the struct is used)."""
+
+    _fields_ = [("gate", ctypes.POINTER(Matrix)), ("up", ctypes.POINTER(Matrix)), ("down", ctypes.POINTER(Matrix)),
+                ("x", _P), ("ids", _P), ("weights", _P), ("cpu_entry", _P), ("live_rows", _P),
+                ("rows", _I), ("topk", _I), ("num_experts", _I), ("limit", ctypes.c_float),
+                ("out", _P), ("workspace", _P), ("scratch", _P), ("fp8_table", _P),
+                ("threads", ctypes.c_int32), ("level", ctypes.c_int32), ("status", ctypes.c_int32),
+                ("steps", _I), ("pairs_seen", _I), ("pairs_run", _I), ("experts_run", _I), ("nanoseconds", _I)]
+
+
 @functools.lru_cache(maxsize=None)
 def _library() -> ctypes.CDLL | None:
     spec = importlib.util.find_spec(_MODULE)
@@ -62,6 +74,8 @@ def _library() -> ctypes.CDLL | None:
     lib.experts_forward.argtypes = ([ctypes.POINTER(Matrix)] * 3 + [_P, _I, _I, _P, _P, _P, ctypes.c_float, _P, _P, _P,
                                                                     ctypes.c_int, ctypes.c_int])
     lib.experts_forward.restype = ctypes.c_int
+    lib.host_step.argtypes = [_P]
+    lib.host_step.restype = None
     return lib
 
 
@@ -74,7 +88,22 @@ def available() -> bool:
     return _mode() != "torch" and _library() is not None
 
 
-def _level() -> int:
+def host_step_function() -> int:
+    """Address of cpu_gemv.c's `host_step(void *args)`: a CUDA host function, or called directly."""
+    lib = _library()
+    assert lib is not None, "the CPU kernels are not built: check available() first"
+    return ctypes.cast(lib.host_step, _P).value
+
+
+def run_host_step(args: HostStepArgs) -> None:
+    """Runs one host step now, on this thread."""
+    lib = _library()
+    assert lib is not None, "the CPU kernels are not built: check available() first"
+    lib.host_step(ctypes.addressof(args))
+
+
+def simd_level() -> int:
+    """The widest code path GLMFLASH_CPU_KERNELS allows (the kernel takes the widest the CPU has under it)."""
     return _LEVELS.get(_mode(), 2)
 
 
@@ -95,7 +124,8 @@ def gemv(x: torch.Tensor, weight: QuantWeight, threads: int) -> torch.Tensor:
     if xf.dim() != 2 or xf.shape[1] != m.k:
         raise ValueError(f"gemv: x {tuple(x.shape)} against weight {weight.shape}")
     y = torch.empty(xf.shape[0], m.n, dtype=torch.float32)
-    if lib.gemv(ctypes.byref(m), xf.data_ptr(), xf.shape[0], y.data_ptr(), fp8_table().data_ptr(), threads, _level()):
+    if lib.gemv(ctypes.byref(m), xf.data_ptr(), xf.shape[0], y.data_ptr(), fp8_table().data_ptr(), threads,
+                simd_level()):
         raise ValueError(f"gemv: weight {weight.shape} {type(weight).__name__} has a shape the kernel cannot take "
                          "(NVFP4 needs K a multiple of 16; FP8 needs positive blocks)")
     return y
@@ -124,7 +154,7 @@ class ExpertStacks:
         gate, up, down = (ctypes.byref(m) for m in self.matrices)
         status = lib.experts_forward(gate, up, down, xf.data_ptr(), pairs, experts.numel(), experts.data_ptr(),
                                      starts.data_ptr(), w.data_ptr(), limit, out.data_ptr(), workspace.data_ptr(),
-                                     fp8_table().data_ptr(), threads, _level())
+                                     fp8_table().data_ptr(), threads, simd_level())
         if status:
             raise ValueError(f"experts_forward: stacks of shapes {[(m.n, m.k) for m in self.matrices]} do not "
                              "form an expert MLP the kernel can take")
