@@ -37,7 +37,10 @@ class ExpertFill:
         loop = self.finished.get_loop()
 
         def done(error: BaseException | None) -> None:
-            loop.call_soon_threadsafe(lambda: self.finished.done() or self.finished.set_result(error))
+            try:
+                loop.call_soon_threadsafe(lambda: self.finished.done() or self.finished.set_result(error))
+            except RuntimeError:  # the server stopped first: its loop is closed, nobody waits
+                pass
 
         self._stop = self.experts.start(self.workers, self.gb_per_s, done)
 

@@ -28,7 +28,8 @@ import torch
 from engine.checkpoint.layout import is_expert_stack
 from engine.checkpoint.availability import ExpertAvailability
 from engine.checkpoint.loader import LoadedWeights, checkpoint_sizes, load_weights, open_weights
-from engine.checkpoint.prepared import FORMAT_VERSION, engine_version, load_prepared, prepared_sizes, save_prepared
+from engine.checkpoint.prepared import (FORMAT_VERSION, engine_version, load_prepared, open_prepared, prepared_sizes,
+                                        save_prepared)
 from engine.checkpoint.prepared_store import (PreparedPlan, PreparedSnapshotError, check_prepared, discard_prepared,
                                               read_plan)
 from engine.config import ModelConfig
@@ -165,9 +166,14 @@ def provision_and_load(settings: Settings, clock: StageClock) -> LoadedModel:
         try:
             config = ModelConfig.from_dir(files)
             budget, slots = _placement(settings, config, device, prepared_sizes(read_plan(prepared).meta))
-            weights, stats = load_prepared(prepared, device, settings.download_workers, expert_slots=slots)
+            experts = None
+            if settings.ready_at == "partial":
+                weights, stats, experts = open_prepared(prepared, device, settings.download_workers, expert_slots=slots)
+                clock.progress(experts="deferred")
+            else:
+                weights, stats = load_prepared(prepared, device, settings.download_workers, expert_slots=slots)
             clock.progress(read_gb_s=round(stats.gb_per_s, 3), bytes=stats.bytes)
-            return LoadedModel(config, weights, files, name, budget)
+            return LoadedModel(config, weights, files, name, budget, experts=experts)
         except PreparedSnapshotError as exc:
             clock.stage("repair", reason=_quote(str(exc)))
             problems = [str(exc)]

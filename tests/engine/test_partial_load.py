@@ -10,6 +10,7 @@ import torch
 
 from engine.checkpoint.availability import ExpertAvailability, ExpertUnit
 from engine.checkpoint.loader import load_weights, open_weights
+from engine.checkpoint.prepared import load_prepared, open_prepared, save_prepared
 from engine.config import ModelConfig
 from engine.engine_core import EngineCore, EngineOptions
 from engine.experts.pending import PendingExperts
@@ -56,6 +57,22 @@ def test_partial_engine_serves_before_the_fill_with_the_same_tokens(tiny_dir, fm
     assert partial.pending is None  # dropped between steps once complete
     assert all(layer.mlp.experts is (partial.offload or layer.mlp.experts) for layer in partial.model.layers
                if hasattr(layer.mlp, "experts"))
+
+
+@pytest.mark.parametrize("slots", [None, 3])
+def test_partial_engine_from_a_prepared_snapshot(tiny_dir, tmp_path, slots):
+    """The fast_resume path: non-expert regions read first, expert pieces on demand or by the fill."""
+    snapshot = tiny_dir("nvfp4-ct", **EXPERTS)
+    cfg = ModelConfig.from_dir(snapshot)
+    save_prepared(load_weights(snapshot, cfg, "cpu", torch.float32), tmp_path / "prepared", workers=2)
+    budget = None if slots is None else 0
+    full = EngineCore(cfg, load_prepared(tmp_path / "prepared", expert_slots=slots)[0], options(budget))
+    weights, stats, experts = open_prepared(tmp_path / "prepared", workers=2, expert_slots=slots)
+    assert 0 < stats.bytes < sum(p.stat().st_size for p in (tmp_path / "prepared").glob("*.bin"))
+    partial = EngineCore(cfg, weights, options(budget), experts=experts)
+    assert greedy(partial) == greedy(full) and experts.on_demand_units > 0
+    experts.fill(workers=2)
+    assert experts.complete and greedy(partial) == greedy(full) and partial.pending is None
 
 
 def test_a_unit_loading_in_the_fill_is_waited_for_not_read_twice():

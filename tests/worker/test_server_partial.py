@@ -1,6 +1,6 @@
 """GLMFLASH_READY_AT=partial: the server is ready before the routed experts are all in, answers with the
 fully loaded server's greedy tokens meanwhile, shows the share in /ready, and writes the prepared
-snapshot only once the fill is done."""
+snapshot only once the fill is done; cold and fast_resume alike."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import json
 import pytest
 
 from engine.tiny.factory import write_tiny_model
-from server_helpers import MODEL_NAME, make_settings, start_server, stop_server, wait_until
+from server_helpers import MODEL_NAME, free_port, make_settings, start_server, stop_server, wait_until
 
 # 7 MoE layers x 64 experts x 3 projections of 96 x 192 bf16: 15.5 MB of experts, about 10 s at this rate,
 # while the warm-up and the requests below route to at most 2 x 12 experts per layer.
@@ -49,6 +49,14 @@ def test_partial_serves_before_the_experts_are_in_with_the_loaded_tokens(many_ex
         wait_until(lambda: ready(partial).get("prepared_snapshot") == "written", timeout=60,
                    what="the prepared snapshot, written after the fill")
         assert greedy(partial, "Hello there") == greedy(loaded, "Hello there")
+        stop_server(partial)
+        # The next start reads the prepared snapshot back (fast_resume), the experts again piece by piece (here
+        # one 64 MiB piece holds a layer's whole projection, so the warm-up already brought every layer in).
+        partial = start_server(partial.settings.model_copy(update={"port": free_port()}))
+        resumed = ready(partial)
+        assert [s["stage"] for s in resumed["stages"]][:2] == ["fast_resume", "load"]
+        assert "experts_loaded" in resumed
+        assert greedy(partial, "Hi") == greedy(loaded, "Hi")
     finally:
         stop_server(partial)
         stop_server(loaded)
