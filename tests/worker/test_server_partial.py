@@ -10,6 +10,7 @@ import pytest
 
 from engine.tiny.factory import write_tiny_model
 from server_helpers import MODEL_NAME, free_port, make_settings, start_server, stop_server, wait_until
+from worker.partial_ready import MIN_SHARE, reduced_max_perf
 
 # 7 MoE layers x 64 experts x 3 projections of 96 x 192 bf16: 15.5 MB of experts, about 10 s at this rate,
 # while the warm-up and the requests below route to at most 2 x 12 experts per layer.
@@ -60,3 +61,8 @@ def test_partial_serves_before_the_experts_are_in_with_the_loaded_tokens(many_ex
     finally:
         stop_server(partial)
         stop_server(loaded)
+
+
+def test_vast_hears_the_full_figure_scaled_by_the_share_in_place():
+    assert reduced_max_perf(100.0, 0.5) == 50.0
+    assert reduced_max_perf(100.0, 0.0) == 100.0 * MIN_SHARE  # each request still loads what it needs
