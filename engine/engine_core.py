@@ -22,7 +22,9 @@ from engine.checkpoint.loader import LoadedWeights, checkpoint_sizes, load_weigh
 from engine.kernels.dispatch import fast_kernels_enabled
 from engine.kernels.kda.fla_prefill import warm_up_kda_prefill
 from engine.config import ModelConfig
-from engine.experts import executor_class
+from engine.checkpoint.availability import ExpertAvailability
+from engine.experts import default_executor, executor_class
+from engine.experts.pending import PendingExperts
 from engine.experts.hybrid import HybridExperts, OffloadStats
 from engine.offload.placement import AUTO, auto_budget, plan_load
 from engine.model.glm5_next import Glm5NextModel
@@ -103,9 +105,10 @@ def _caches(config: ModelConfig, options: EngineOptions, device: torch.device, d
 
 class EngineCore:
     def __init__(self, config: ModelConfig, weights: LoadedWeights, options: EngineOptions = EngineOptions(),
-                 tokenizer: Tokenizer | None = None) -> None:
+                 tokenizer: Tokenizer | None = None, experts: ExpertAvailability | None = None) -> None:
         """`tokenizer` (the snapshot's) is what grammars are compiled against; without it requests cannot
-        ask for structured output."""
+        ask for structured output. `experts`: the routed experts are still being filled in (early
+        readiness); steps load the ones they need first, until the fill is complete."""
         self.config, self.options = config, options
         embed = weights["embed_tokens.weight"]
         dev, dtype = embed.device, embed.dtype
@@ -114,7 +117,9 @@ class EngineCore:
         self.slots, self.cache = _caches(config, options, dev, dtype)  # the prefix cache's device pages join
         self.prefix = self._prefix_cache(config, options, tier, pages) if options.prefix_cache else None
         self.offload = self._hybrid_experts(config, weights, options)
-        self.model = Glm5NextModel(config, weights, self.offload)
+        executor = self.offload or default_executor(weights, config.moe_layers, config.swiglu_limit, dev)
+        self.pending = PendingExperts(executor, experts) if experts is not None and not experts.complete else None
+        self.model = Glm5NextModel(config, weights, self.pending or executor)
         limits = SchedulerLimits(options.max_model_len, max(options.max_num_batched_tokens, options.max_num_seqs),
                                  options.max_waiting)
         self.scheduler = Scheduler(self.slots, self.cache, limits, self.prefix)
@@ -131,13 +136,32 @@ class EngineCore:
         start = time.perf_counter()
         warm_up_kda_prefill(dev, cfg.linear_num_heads, cfg.linear_head_dim, self.model.dtype)
         log.info("event=kda_prefill_autotune seconds=%.2f", time.perf_counter() - start)
-        if options.cuda_graphs and self.offload is not None and not self.offload.graph_safe:
-            # Host experts in a format the compiled CPU kernels do not take run through a synchronizing path.
+        if options.cuda_graphs and self.pending is not None:
+            log.info("event=decode_graphs deferred=experts_loading")  # missing experts are loaded inside steps
+        elif options.cuda_graphs and self._graphs_allowed():
+            self._capture_graphs()
+
+    def _graphs_allowed(self) -> bool:
+        """Host experts in a format the compiled CPU kernels do not take run through a synchronizing path."""
+        if self.offload is not None and not self.offload.graph_safe:
             log.info("event=decode_graphs skipped=host_experts_uncompiled")
-        elif options.cuda_graphs:
-            sizes = graph_sizes(options.max_num_seqs)
-            seconds = self.runner.capture_graphs(sizes, None if self.offload is None else self.offload.use_rows)
-            log.info("event=decode_graphs sizes=%s capture_s=%.2f", ",".join(map(str, sizes)), seconds)
+            return False
+        return True
+
+    def _capture_graphs(self) -> None:
+        sizes = graph_sizes(self.options.max_num_seqs)
+        seconds = self.runner.capture_graphs(sizes, None if self.offload is None else self.offload.use_rows)
+        log.info("event=decode_graphs sizes=%s capture_s=%.2f", ",".join(map(str, sizes)), seconds)
+
+    def _experts_complete(self) -> None:
+        """Between steps, once the fill is done: the plain executor from now on, and the decode graphs that
+        were deferred (CUDA)."""
+        self.model.use_experts(self.pending.inner)
+        log.info("event=experts_resident executor=%s", type(self.pending.inner).__name__)
+        self.pending = None
+        if (self.model.device.type == "cuda" and fast_kernels_enabled() and self.options.cuda_graphs
+                and self._graphs_allowed()):
+            self._capture_graphs()
 
     def _prefix_cache(self, config: ModelConfig, options: EngineOptions, device: TierSize, pages: int) -> PrefixCache:
         host = TierSize.of(options.prefix_cache_host_bytes, config, options.page_size, self.cache.latents.dtype, pages)
@@ -219,6 +243,8 @@ class EngineCore:
         return self.scheduler.has_work
 
     def step(self) -> list[StepOutput]:
+        if self.pending is not None and self.pending.availability.complete:
+            self._experts_complete()
         scheduled = self.scheduler.schedule()
         if not scheduled:
             return []
@@ -226,7 +252,7 @@ class EngineCore:
         masks = self.masks.start(done)  # filled on the CPU while the forward runs
         logits = self.runner.run(scheduled)
         self.scheduler.commit(scheduled)
-        if self.offload is not None:
+        if self.offload is not None and self.pending is None:  # swaps would move experts the fill has yet to write
             self.offload.rebalance(self.options.max_expert_swaps)
         if masks is not None:
             self.masks.apply(logits, masks)

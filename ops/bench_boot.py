@@ -13,11 +13,18 @@ next run), or, with neither, the embedded tiny model. Each round:
 
 Each start is compared with the faster of its two raw reads (see ops/page_cache.py).
 
+With `--ready-at partial` both starts serve before the routed experts are all in (GLMFLASH_READY_AT): the
+bench also reports the tok/s of back-to-back completions while the experts fill in (`loading_tok_s`), when
+the fill ended (`experts_loaded_s`, from process start, to the end of the completion that saw it) and the
+tok/s after (`loaded_tok_s`). GLMFLASH_EXPERT_FILL_GBPS in the environment slows the fill (the tiny
+model's is otherwise over before the first request).
+
 Targets (issue "Start inside the window"): cold ready <= 1.25 x raw read of the snapshot + 15 s;
-fast_resume ready <= 1.1 x raw read of the prepared snapshot + 10 s.
+fast_resume ready <= 1.1 x raw read of the prepared snapshot + 10 s; with partial, first token within
+PARTIAL_FIRST_TOKEN_S of process start (at real size).
 
     python -m ops.bench_boot --cache-dir /workspace/boot-bench --slice-gib 20 --slice-dir /workspace/slice-20g \
-        [--rounds 1] [-- --device cuda ...more glmflash boot flags]
+        [--rounds 1] [--ready-at partial] [-- --device cuda ...more glmflash boot flags]
 """
 
 from __future__ import annotations
@@ -41,6 +48,8 @@ from provision.settings import Settings
 from worker.provisioning import model_spec
 
 TARGETS = {"cold": (1.25, 15.0), "fast_resume": (1.1, 10.0)}  # ready within factor x raw read + seconds
+PARTIAL_FIRST_TOKEN_S = 30.0
+LOADING_MAX_TOKENS = 16
 
 
 def free_port() -> int:
@@ -61,6 +70,28 @@ def first_token_s(url: str) -> float:
     raise RuntimeError("stream ended without a chunk")
 
 
+def timed_completion(url: str, max_tokens: int = LOADING_MAX_TOKENS) -> tuple[int, float]:
+    """(tokens generated, seconds) of one greedy completion run to `max_tokens`."""
+    body = json.dumps({"prompt": "Hello", "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True}).encode()
+    request = urllib.request.Request(f"{url}/v1/completions", body, {"Content-Type": "application/json"})
+    start = time.perf_counter()
+    with urllib.request.urlopen(request, timeout=600) as response:
+        tokens = json.load(response)["usage"]["completion_tokens"]
+    return tokens, time.perf_counter() - start
+
+
+def while_loading(url: str, process_start: float) -> dict:
+    """Tok/s of back-to-back completions while the experts fill in, when the fill ended, and tok/s after."""
+    tokens = seconds = 0.0
+    while (ready_body(url) or {}).get("experts_loaded", 1.0) < 1.0:
+        n, s = timed_completion(url)
+        tokens, seconds = tokens + n, seconds + s
+    loaded_s = time.perf_counter() - process_start
+    n, s = timed_completion(url)
+    return {"loading_tok_s": round(tokens / seconds, 2) if seconds else None, "experts_loaded_s": round(loaded_s, 3),
+            "loaded_tok_s": round(n / s, 2)}
+
+
 def ready_body(url: str) -> dict | None:
     try:
         with urllib.request.urlopen(f"{url}/ready", timeout=2) as response:
@@ -69,7 +100,7 @@ def ready_body(url: str) -> dict | None:
         return None
 
 
-def one_start(cache_dir: Path, flags: list[str], wait_prepared: bool) -> dict:
+def one_start(cache_dir: Path, flags: list[str], wait_prepared: bool, partial: bool = False) -> dict:
     """One `glmflash boot`, timed from process start; stopped (SIGTERM) once measured."""
     port = free_port()
     url = f"http://127.0.0.1:{port}"
@@ -85,7 +116,10 @@ def one_start(cache_dir: Path, flags: list[str], wait_prepared: bool) -> dict:
             time.sleep(0.05)
         result["ready_s"] = round(time.perf_counter() - start, 3)
         result["first_token_s"] = round(result["ready_s"] + first_token_s(url), 3)
-        while wait_prepared and (ready := ready_body(url) or {}).get("prepared_snapshot") == "writing":
+        result["experts_at_ready"] = ready.get("experts_loaded")
+        if partial:
+            result.update(while_loading(url, start))
+        while wait_prepared and (ready := ready_body(url) or {}).get("prepared_snapshot") in ("writing", "after_experts"):
             time.sleep(0.2)
         result["prepared_snapshot"] = ready.get("prepared_snapshot")
         result["prepared_write_s"] = ready.get("prepared_s")
@@ -109,6 +143,9 @@ def report(path: str, raw: tuple[int, float], start: dict) -> None:
             "target_s": round(target, 2), "within_target": start["ready_s"] <= target,
             "loader_gb_s": start["loader_gb_s"], "prepared_write_s": start["prepared_write_s"],
             "exit_code": start["exit_code"]}
+    if "experts_loaded_s" in start:
+        line.update({k: start[k] for k in ("experts_at_ready", "loading_tok_s", "experts_loaded_s", "loaded_tok_s")},
+                    first_token_within_target=start["first_token_s"] <= PARTIAL_FIRST_TOKEN_S)
     print(" ".join(f"{k}={v}" for k, v in line.items()), flush=True)
     print("  stages: " + " ".join(f"{k}={v}" for k, v in start["stages"].items()), flush=True)
 
@@ -122,6 +159,8 @@ def main() -> None:
     parser.add_argument("--slice-format", default="nvfp4-ct")
     parser.add_argument("--rounds", type=int, default=1, help="cold + fast_resume pairs")
     parser.add_argument("--workers", type=int, default=8, help="parallel reads of the raw-read figure")
+    parser.add_argument("--ready-at", choices=("loaded", "partial"), default="loaded",
+                        help="partial: serve before the routed experts are in, and measure tok/s while they load")
     parser.add_argument("flags", nargs="*", help="flags passed to glmflash boot (after --)")
     args = parser.parse_args()
     model = args.model
@@ -134,19 +173,20 @@ def main() -> None:
             _, size = write_slice_snapshot(args.slice_dir, args.slice_gib, args.slice_format)
             print(f"built slice={args.slice_dir} bytes={size}", flush=True)
         model = args.slice_dir
-    flags = [*args.flags, *(["--model", str(model)] if model else [])]
+    partial = args.ready_at == "partial"
+    flags = [*args.flags, *(["--model", str(model)] if model else []), "--ready-at", args.ready_at]
     source = Path(model_spec(Settings(model=str(model) if model else None, cache_dir=args.cache_dir))[0])
     shards = shard_files(source)
     for _ in range(args.rounds):
         shutil.rmtree(args.cache_dir / "models", ignore_errors=True)
         before = raw_read(shards, args.workers)
-        cold = one_start(args.cache_dir, flags, wait_prepared=True)
+        cold = one_start(args.cache_dir, flags, wait_prepared=True, partial=partial)
         report("cold", faster(before, raw_read(shards, args.workers)), cold)
         prepared = next((args.cache_dir / "models").iterdir()) / "prepared"
         files = [prepared / name for name in read_plan(prepared).files]
         before = raw_read(files, args.workers)
         evict(shards)
-        fast = one_start(args.cache_dir, flags, wait_prepared=False)
+        fast = one_start(args.cache_dir, flags, wait_prepared=False, partial=partial)
         report("fast_resume", faster(before, raw_read(files, args.workers)), fast)
 
 

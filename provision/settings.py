@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import Literal
 
 from pydantic import AliasChoices, Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -79,6 +80,13 @@ class Settings(BaseSettings):
                                         description="Endpoint of an S3-compatible store (MinIO, R2, ...)")
     download_workers: int = Field(8, ge=1, validation_alias=_env("DOWNLOAD_WORKERS"),
                                   description="Parallel downloads / ranged GETs")
+    ready_at: Literal["loaded", "partial"] = Field(
+        "loaded", validation_alias=_env("READY_AT"),
+        description="When /ready turns 200: loaded (every weight in place) or partial (the non-expert weights in "
+                    "place; routed experts fill in the background and a step reads the ones it needs first)")
+    expert_fill_gbps: float | None = Field(None, gt=0, validation_alias=_env("EXPERT_FILL_GBPS"),
+                                           description="With ready_at=partial, a cap on the background expert "
+                                                       "fill's read rate in GB/s (unset: as fast as the disk)")
     start_window_s: float = Field(300.0, gt=0, validation_alias=_env("START_WINDOW_S"),
                                   description="Budget from container start to ready; stage lines report what is left")
 

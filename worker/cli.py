@@ -25,6 +25,8 @@ def main(argv: list[str] | None = None) -> None:
         cmd.add_argument("--max-num-seqs", type=int)
         cmd.add_argument("--moe-vram-budget-gib", type=float, help="GPU memory for routed experts; the rest run from host RAM")
         cmd.add_argument("--served-model-name")
+        cmd.add_argument("--ready-at", choices=("loaded", "partial"),
+                         help="ready once every weight is loaded, or once all but the routed experts are")
     args = parser.parse_args(argv)
     overrides = {k: v for k, v in vars(args).items() if v is not None and k != "command"}
     if overrides.get("model", "").startswith("s3://"):

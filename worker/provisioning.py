@@ -26,8 +26,10 @@ from typing import Callable
 import torch
 
 from engine.checkpoint.layout import is_expert_stack
-from engine.checkpoint.loader import LoadedWeights, checkpoint_sizes, load_weights
-from engine.checkpoint.prepared import FORMAT_VERSION, engine_version, load_prepared, prepared_sizes, save_prepared
+from engine.checkpoint.availability import ExpertAvailability
+from engine.checkpoint.loader import LoadedWeights, checkpoint_sizes, load_weights, open_weights
+from engine.checkpoint.prepared import (FORMAT_VERSION, engine_version, load_prepared, open_prepared, prepared_sizes,
+                                        save_prepared)
 from engine.checkpoint.prepared_store import (PreparedPlan, PreparedSnapshotError, check_prepared, discard_prepared,
                                               read_plan)
 from engine.config import ModelConfig
@@ -84,6 +86,8 @@ class LoadedModel:
     name: str
     moe_vram_budget: int | str | None = None  # as resolved for this device and model (engine_core.EngineOptions)
     prepare: PreparedWrite | None = None  # a cold start's prepared snapshot, written after ready
+    # ready_at=partial: the routed experts still to fill in (worker.serve starts the fill)
+    experts: ExpertAvailability | None = None
 
 
 class BackgroundPrepare:
@@ -162,9 +166,14 @@ def provision_and_load(settings: Settings, clock: StageClock) -> LoadedModel:
         try:
             config = ModelConfig.from_dir(files)
             budget, slots = _placement(settings, config, device, prepared_sizes(read_plan(prepared).meta))
-            weights, stats = load_prepared(prepared, device, settings.download_workers, expert_slots=slots)
+            experts = None
+            if settings.ready_at == "partial":
+                weights, stats, experts = open_prepared(prepared, device, settings.download_workers, expert_slots=slots)
+                clock.progress(experts="deferred")
+            else:
+                weights, stats = load_prepared(prepared, device, settings.download_workers, expert_slots=slots)
             clock.progress(read_gb_s=round(stats.gb_per_s, 3), bytes=stats.bytes)
-            return LoadedModel(config, weights, files, name, budget)
+            return LoadedModel(config, weights, files, name, budget, experts=experts)
         except PreparedSnapshotError as exc:
             clock.stage("repair", reason=_quote(str(exc)))
             problems = [str(exc)]
@@ -180,11 +189,16 @@ def provision_and_load(settings: Settings, clock: StageClock) -> LoadedModel:
         read[0] = done
         clock.progress(done_bytes=done, total_bytes=total)
 
-    weights = load_weights(files, config, device, DTYPES[dtype], slots, settings.download_workers, report)
+    experts = None
+    if settings.ready_at == "partial":
+        weights, experts = open_weights(files, config, device, DTYPES[dtype], slots, settings.download_workers, report)
+    else:
+        weights = load_weights(files, config, device, DTYPES[dtype], slots, settings.download_workers, report)
     seconds = time.perf_counter() - start
-    clock.stage("load", path="in-memory (converted)", bytes=read[0], read_gb_s=round(read[0] / seconds / 1e9, 3))
+    clock.stage("load", path="in-memory (converted)", bytes=read[0], read_gb_s=round(read[0] / seconds / 1e9, 3),
+                **({"experts": "deferred"} if experts is not None else {}))
     job = PreparedWrite(prepared, {"source": {**wanted, "files": identity.to_dict()}}, weights)
-    return LoadedModel(config, weights, files, name, budget, job)
+    return LoadedModel(config, weights, files, name, budget, job, experts)
 
 
 def _fetch(source: Source, files: Path, settings: Settings, clock: StageClock) -> SourceInfo:

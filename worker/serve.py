@@ -3,7 +3,8 @@
 Listen at once (so /health answers and /ready reports the stage), provision and load by the
 cheapest valid path, warm up, report ready, serve until SIGTERM or the idle timeout, drain, exit 0.
 After a cold start the prepared snapshot is written in the background while serving (parking
-waits for it; SIGTERM abandons it after the drain).
+waits for it; SIGTERM abandons it after the drain). With ready_at=partial the server is ready before the
+routed experts are all in (worker.partial_ready).
 """
 
 from __future__ import annotations
@@ -23,7 +24,9 @@ from worker.lifecycle import Lifecycle
 from worker.provisioning import BackgroundPrepare, cpu_workers, provision_and_load
 from worker.served_model import ServedModel, build_served_model, warm_up
 from worker.server import ServerState, build_app
-from worker.vast import VastWorker, benchmark_key, cached_max_perf, engine_generate_fn, measure_max_perf_within
+from worker.partial_ready import ExpertFill, reduced_max_perf
+from worker.vast import (VastWorker, benchmark_key, cached_max_perf, engine_generate_fn, measure_max_perf_within,
+                         read_cached_max_perf)
 from engine.checkpoint.prepared import engine_version
 
 log = logging.getLogger("glmflash.worker")
@@ -46,32 +49,44 @@ async def serve(settings: Settings, stop: asyncio.Event | None = None,
     if state.vast:
         await state.vast.start()
     prepare: BackgroundPrepare | None = None
+    fill: ExpertFill | None = None
+    after_fill: asyncio.Task | None = None
     try:
         loaded = await asyncio.to_thread(provision_and_load, settings, state.clock)
         model = build_served_model(loaded, settings)
         model.logits_processors = tuple(logits_processors)
         state.model = model
         model.engine.start()
+        if loaded.experts is not None:  # ready_at=partial: the routed experts fill in while serving
+            fill = ExpertFill(loaded.experts, settings.download_workers, settings.expert_fill_gbps)
+            fill.start()
         state.clock.stage("warmup")
         await warm_up(model)
+        max_perf = None
         if state.vast:
             state.clock.stage("benchmark")
-            max_perf = await _vast_max_perf(settings, model)
+            max_perf = await (_vast_max_perf(settings, model) if fill is None else _partial_max_perf(settings, model))
         if loaded.prepare is not None:  # a cold start: the next one reads this back (fast_resume)
             prepare = BackgroundPrepare(loaded.prepare, cpu_workers(settings), state.clock,
                                         on_done=lambda: _release_swaps(model))
         state.clock.stage("ready", url=f"{url}/v1", model=model.name,
-                          **({"prepared_snapshot": "writing"} if prepare is not None else {}))
+                          **({"prepared_snapshot": "writing" if fill is None else "after_experts"}
+                             if prepare is not None else {}),
+                          **({"experts_loaded": round(model.experts.share, 4)} if fill is not None else {}))
         print(f"ready url={url}/v1 model={model.name}", flush=True)
-        if state.vast:
+        if state.vast and max_perf is not None:
             await state.vast.mark_loaded(max_perf)
-        if prepare is not None:
+        if fill is not None:
+            after_fill = asyncio.create_task(_after_fill(fill, state, settings, prepare, max_perf is not None))
+        elif prepare is not None:
             prepare.start()
         watcher = asyncio.create_task(lifecycle.watch(stop, lambda: state.stage))
         await stop.wait()
         reason = lifecycle.stop_reason or getattr(stop, "reason", "stopped")
         state.clock.stage("parking" if reason == "idle" else "draining")
         aborted = await lifecycle.drain(settings.drain_grace_s, model.engine.abort_all)
+        if after_fill is not None and reason == "idle":  # parking keeps the volume: the fill, then the write
+            await asyncio.shield(after_fill)
         if prepare is not None:  # parking keeps the volume: finish, so the next start is fast
             await asyncio.to_thread(prepare.stop, reason == "idle")
         state.clock.stage("stopped", reason=reason, aborted=aborted)
@@ -82,6 +97,10 @@ async def serve(settings: Settings, stop: asyncio.Event | None = None,
             await state.vast.report_fatal(f"{type(exc).__name__}: {exc}")
         raise
     finally:
+        if after_fill is not None:
+            after_fill.cancel()
+        if fill is not None:
+            fill.stop()
         if prepare is not None:
             await asyncio.to_thread(prepare.stop, False)
         if state.model is not None:
@@ -91,6 +110,26 @@ async def serve(settings: Settings, stop: asyncio.Event | None = None,
         await runner.cleanup()
 
 
+async def _after_fill(fill: ExpertFill, state: ServerState, settings: Settings, prepare: BackgroundPrepare | None,
+                      vast_loaded: bool) -> None:
+    """Once every expert is in: the prepared snapshot write, and Vast's full max_perf."""
+    error = await fill.finished
+    if error is not None:
+        state.clock.progress(experts_loaded="failed")
+        if state.vast:
+            state.vast.mark_errored(f"expert fill failed: {type(error).__name__}: {error}")
+        return
+    if prepare is not None:
+        state.clock.progress(prepared_snapshot="writing")
+        prepare.start()
+    if state.vast:
+        full = await _vast_max_perf(settings, state.model)
+        if vast_loaded:
+            state.vast.update_max_perf(full)
+        else:
+            await state.vast.mark_loaded(full)
+
+
 def _release_swaps(model: ServedModel) -> None:
     """Experts may move between device slots and the host bank again (the prepared snapshot is done)."""
     offload = model.engine.core.offload
@@ -98,16 +137,26 @@ def _release_swaps(model: ServedModel) -> None:
         offload.swaps_held = False
 
 
-async def _vast_max_perf(settings: Settings, model) -> float:
+def _benchmark_key(settings: Settings, model: ServedModel) -> dict:
+    return benchmark_key(model=model.name, revision=settings.model_revision, engine_version=engine_version(),
+                         device=settings.resolved_device(), dtype=settings.resolved_dtype(),
+                         max_num_seqs=settings.max_num_seqs, max_num_batched_tokens=settings.max_num_batched_tokens,
+                         budget_s=settings.vast_benchmark_s)
+
+
+async def _vast_max_perf(settings: Settings, model: ServedModel) -> float:
     """Workload units/s from real requests through the engine, cached per model, engine and settings."""
-    key = benchmark_key(model=model.name, revision=settings.model_revision, engine_version=engine_version(),
-                        device=settings.resolved_device(), dtype=settings.resolved_dtype(),
-                        max_num_seqs=settings.max_num_seqs, max_num_batched_tokens=settings.max_num_batched_tokens,
-                        budget_s=settings.vast_benchmark_s)
     max_perf, _ = await cached_max_perf(
-        settings.cache_dir / "vast_benchmark.json", key,
+        settings.cache_dir / "vast_benchmark.json", _benchmark_key(settings, model),
         lambda: measure_max_perf_within(engine_generate_fn(model), settings.vast_benchmark_s, 3, settings.max_num_seqs))
     return max_perf
+
+
+async def _partial_max_perf(settings: Settings, model: ServedModel) -> float | None:
+    """While experts are missing: the cached full figure, reduced (partial_ready); None when nothing is cached
+    (a benchmark now would measure the fill, not the engine)."""
+    full = read_cached_max_perf(settings.cache_dir / "vast_benchmark.json", _benchmark_key(settings, model))
+    return None if full is None else reduced_max_perf(full, model.experts.share)
 
 
 def _stop_on_signals(state: ServerState) -> asyncio.Event:

@@ -8,6 +8,7 @@ from pathlib import Path
 from tokenizers import Tokenizer
 
 from engine.async_engine import AsyncEngine
+from engine.checkpoint.availability import ExpertAvailability
 from engine.engine_core import EngineCore
 from engine.sampler import LogitsProcessor
 from engine.sampling_params import SamplingParams
@@ -26,6 +27,7 @@ class ServedModel:
     max_model_len: int
     vocab_size: int
     logits_processors: tuple[LogitsProcessor, ...] = ()
+    experts: ExpertAvailability | None = None  # ready_at=partial: the expert fill, whose share /ready shows
 
     def encode(self, text: str) -> list[int]:
         return self.tokenizer.encode(text, add_special_tokens=False).ids
@@ -38,12 +40,13 @@ def build_served_model(loaded: LoadedModel, settings: Settings) -> ServedModel:
     """An engine over loaded weights, with the tokenizer and chat template from the snapshot's files."""
     files = loaded.files
     tokenizer = Tokenizer.from_file(str(files / "tokenizer.json"))
-    core = EngineCore(loaded.config, loaded.weights, engine_options(settings, loaded.moe_vram_budget), tokenizer)
+    core = EngineCore(loaded.config, loaded.weights, engine_options(settings, loaded.moe_vram_budget), tokenizer,
+                      loaded.experts)
     if loaded.prepare is not None and core.offload is not None:
         core.offload.swaps_held = True  # the prepared snapshot is written from the slots and the host bank
     template = ChatTemplate.from_dir(files) if _has_template(files) else None
     return ServedModel(loaded.name, AsyncEngine(core, tokenizer), tokenizer, template, settings.max_model_len,
-                       loaded.config.vocab_size)
+                       loaded.config.vocab_size, experts=loaded.experts)
 
 
 def _has_template(snapshot: Path) -> bool:

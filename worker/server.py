@@ -118,12 +118,15 @@ async def health(request: web.Request) -> web.Response:
 
 
 async def ready(request: web.Request) -> web.Response:
-    """200 only when the model is loaded and warmed up; otherwise 503 with the stage and its progress."""
+    """200 only when the model is loaded (with ready_at=partial: all but the routed experts) and warmed up;
+    otherwise 503 with the stage and its progress."""
     state: ServerState = request.app[STATE]
     body = {"status": state.stage, **state.clock.status()}
     if state.model is not None:
         stats = state.model.engine.stats
         body.update(model=state.model.name, running=stats.running, waiting=stats.waiting)
+        if state.model.experts is not None:  # ready_at=partial: share of the routed experts' bytes in place
+            body["experts_loaded"] = round(state.model.experts.share, 4)
     if state.lifecycle is not None:
         body.update(state.lifecycle.snapshot())
     return web.json_response(body, status=200 if state.stage == "ready" else 503)

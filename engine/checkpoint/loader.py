@@ -11,6 +11,7 @@ staging buffers besides the weights themselves. Vision tower and MTP tensors are
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import re
@@ -23,7 +24,9 @@ from typing import Callable, Iterable
 import torch
 
 from engine.checkpoint.layout import EXPERT_KEY, TEXT_PREFIX, TensorSpec, stacked_expert_name, text_specs
-from engine.checkpoint.shards import CheckpointError, Chunk, StoredTensor, plan_chunks, read_chunks, read_header
+from engine.checkpoint.availability import ExpertAvailability, ExpertUnit
+from engine.checkpoint.shards import (CheckpointError, Chunk, StoredTensor, plan_chunks, read_chunk, read_chunks,
+                                      read_header, staging_buffer)
 from engine.config import ModelConfig
 from engine.offload.placement import WeightBytes
 from engine.weights import DenseWeight, Fp8BlockWeight, Nvfp4Weight, SplitStack, Weight, map_tensors, tensor_fields
@@ -111,33 +114,88 @@ def load_weights(snapshot: Path | str, cfg: ModelConfig, device: torch.device | 
     each MoE layer's first `expert_slots` routed experts go to `device` and the others straight to host
     RAM (pinned when `device` is a GPU): expert stacks are `SplitStack`s. `workers` threads read and
     convert; `progress(done_bytes, total_bytes)` follows the reads."""
-    stored = [t for path in shard_files(Path(snapshot)) for t in read_header(path)]
-    part_of = _plan(stored, cfg)
-    assembler = _Assembler(cfg, device, dtype, expert_slots)
-    wanted = [t for t in stored if t.key in part_of]
-    chunks = plan_chunks(wanted, lambda key: part_of[key][0].spec.name)
-    lock = threading.Lock()
-    streams: dict[int, torch.cuda.Stream] = {}
+    reader = _Reader(Path(snapshot), cfg, device, dtype, expert_slots)
+    chunks = plan_chunks(reader.wanted, lambda key: reader.part_of[key][0].spec.name)
+    read_chunks(chunks, reader.consume, workers, pin_memory=reader.pin, progress=progress)
+    return reader.assembler.finish()
 
-    def consume(chunk: Chunk, views: list[torch.Tensor], staging: torch.Tensor | None) -> None:
+
+def open_weights(snapshot: Path | str, cfg: ModelConfig, device: torch.device | str = "cpu",
+                 dtype: torch.dtype = torch.bfloat16, expert_slots: int | None = None, workers: int = 8,
+                 progress: Callable[[int, int], None] | None = None) -> tuple[LoadedWeights, ExpertAvailability]:
+    """`load_weights` for early readiness: every non-expert weight is loaded, the routed expert stacks are
+    allocated in their final places and left to fill, one expert's tensors a unit
+    (`ExpertAvailability.fill` or `ensure`). `progress` follows the non-expert reads."""
+    reader = _Reader(Path(snapshot), cfg, device, dtype, expert_slots)
+    expert_of = {key: EXPERT_KEY.match(group.spec.name) for key, (group, _) in reader.part_of.items()}
+    others = [t for t in reader.wanted if not expert_of[t.key]]
+    read_chunks(plan_chunks(others, lambda key: reader.part_of[key][0].spec.name), reader.consume, workers,
+                pin_memory=reader.pin, progress=progress)
+    reader.reserve_expert_stacks()
+    local = threading.local()
+
+    def load(chunk: Chunk) -> None:
+        if getattr(local, "staging", None) is None:
+            local.staging = staging_buffer(reader.pin)
+        read_chunk(chunk, reader.consume, local.staging)
+
+    def pair(key: str) -> tuple[int, int]:
+        return int(expert_of[key].group(1)), int(expert_of[key].group(2))
+
+    experts = [t for t in reader.wanted if expert_of[t.key]]
+    units = [ExpertUnit(functools.partial(load, chunk), tuple(dict.fromkeys(pair(t.key) for t in chunk.tensors)),
+                        chunk.nbytes)
+             for chunk in plan_chunks(experts, pair, chunk_bytes=0)]
+    return reader.assembler.finish(), ExpertAvailability(units, cfg.moe_layers, cfg.n_routed_experts)
+
+
+class _Reader:
+    """One snapshot's load plan and the consumer that converts and places what the reads hand over (from
+    any thread); shared by the one-pass load and the early-readiness one."""
+
+    def __init__(self, snapshot: Path, cfg: ModelConfig, device: torch.device | str, dtype: torch.dtype,
+                 expert_slots: int | None) -> None:
+        self.cfg, self.dtype = cfg, dtype
+        stored = [t for path in shard_files(snapshot) for t in read_header(path)]
+        self.part_of = _plan(stored, cfg)
+        self.assembler = _Assembler(cfg, device, dtype, expert_slots)
+        self.wanted = [t for t in stored if t.key in self.part_of]
+        self.pin = self.assembler.device.type == "cuda"
+        self.lock = threading.Lock()
+        self.streams: dict[int, torch.cuda.Stream] = {}
+
+    def consume(self, chunk: Chunk, views: list[torch.Tensor], staging: torch.Tensor | None) -> None:
         inside = {t.key for t in chunk.tensors}
         stream = None
-        if assembler.device.type == "cuda":
-            stream = streams.setdefault(threading.get_ident(), torch.cuda.Stream(assembler.device))
+        if self.assembler.device.type == "cuda":
+            with self.lock:
+                stream = self.streams.setdefault(threading.get_ident(), torch.cuda.Stream(self.assembler.device))
         with torch.cuda.stream(stream) if stream is not None else nullcontext():
             for stored_tensor, view in zip(chunk.tensors, views):
-                group, suffix = part_of[stored_tensor.key]
+                group, suffix = self.part_of[stored_tensor.key]
                 if staging is not None and not inside.issuperset(group.keys.values()):
                     view = view.clone()  # the rest of this weight comes with another chunk: outlive the staging
-                with lock:
+                with self.lock:
                     parts = group.add(suffix, view)
                 if parts is not None:
-                    assembler.add(group.spec, parts, staging)
+                    self.assembler.add(group.spec, parts, staging)
         if stream is not None:
             stream.synchronize()  # the staging buffer is reused as soon as this returns
 
-    read_chunks(chunks, consume, workers, pin_memory=assembler.device.type == "cuda", progress=progress)
-    return assembler.finish()
+    def reserve_expert_stacks(self) -> None:
+        """Allocate every routed expert stack before any expert arrives, from the stored dtypes and shapes
+        alone: each stack's first expert is converted on the meta device to learn the final layout."""
+        meta = _Builder(self.cfg, torch.device("meta"), self.dtype)
+        stored = {t.key: t for t in self.wanted}
+        firsts: dict[tuple[int, str], _Group] = {}
+        for group, _ in self.part_of.values():
+            expert = EXPERT_KEY.match(group.spec.name)
+            if expert:
+                firsts.setdefault((int(expert.group(1)), expert.group(3)), group)
+        for (layer, proj), group in firsts.items():
+            parts = {suffix: torch.empty(stored[key].shape, dtype=stored[key].dtype, device="meta")
+                     for suffix, key in group.keys.items()}
+            self.assembler.stacks.reserve(layer, proj, meta.build(group.spec, parts))
 
 
 def assemble(cfg: ModelConfig, groups: Iterable[tuple[TensorSpec, dict[str, torch.Tensor]]],
@@ -293,13 +351,7 @@ class _ExpertStacks:
         self.slot_locks: dict[tuple[int, str], threading.Lock] = {}
 
     def put(self, layer: int, expert: int, proj: str, weight: Weight) -> None:
-        slot = (layer, proj)
-        with self.lock:
-            slot_lock = self.slot_locks.setdefault(slot, threading.Lock())
-        with slot_lock:  # allocating one stack (pinning a GB or more) holds up only the puts into it
-            if slot not in self.stacks:
-                self.stacks[slot] = self._empty(weight)
-            stack = self.stacks[slot]
+        stack = self.reserve(layer, proj, weight)
         kind = type(stack.host if isinstance(stack, SplitStack) else stack)
         if kind is not type(weight):
             raise CheckpointError(f"layers.{layer}.mlp.experts.{expert}.{proj}: stored as {type(weight).__name__}, "
@@ -311,20 +363,33 @@ class _ExpertStacks:
         else:
             _copy_into(stack.host, expert - stack.slots, weight)
 
+    def reserve(self, layer: int, proj: str, like: Weight) -> Weight | SplitStack:
+        """The stack of `layer`'s `proj`, allocated for weights like `like` if it is not yet. A split stack's
+        device part is zeroed: hybrid offload runs slot 0 with weight zero for its misses, which may come
+        before that expert's bytes do (early readiness)."""
+        slot = (layer, proj)
+        with self.lock:
+            slot_lock = self.slot_locks.setdefault(slot, threading.Lock())
+        with slot_lock:  # allocating one stack (pinning a GB or more) holds up only the puts into it
+            if slot not in self.stacks:
+                self.stacks[slot] = self._empty(like)
+            return self.stacks[slot]
+
     def _empty(self, weight: Weight) -> Weight | SplitStack:
         count = self.cfg.n_routed_experts
         if self.device_slots is None:
             return _empty_stack(weight, count, self.device, pin=False)
         slots = min(self.device_slots, count)
-        return SplitStack(_empty_stack(weight, slots, self.device, pin=False),
+        return SplitStack(_empty_stack(weight, slots, self.device, pin=False, zero=True),
                           _empty_stack(weight, count - slots, torch.device("cpu"), pin=self.device.type == "cuda"))
 
     def finish(self) -> dict[str, Weight | SplitStack]:
         return {stacked_expert_name(layer, proj): stack for (layer, proj), stack in self.stacks.items()}
 
 
-def _empty_stack(weight: Weight, count: int, device: torch.device, pin: bool) -> Weight:
-    return map_tensors(weight, lambda t: torch.empty((count, *t.shape), dtype=t.dtype, device=device, pin_memory=pin))
+def _empty_stack(weight: Weight, count: int, device: torch.device, pin: bool, zero: bool = False) -> Weight:
+    make = torch.zeros if zero else torch.empty
+    return map_tensors(weight, lambda t: make((count, *t.shape), dtype=t.dtype, device=device, pin_memory=pin))
 
 
 def _copy_into(stack: Weight, index: int, weight: Weight) -> None:

@@ -8,6 +8,7 @@ grouped first so they can be resident before any expert.
 
 from __future__ import annotations
 
+import functools
 import math
 import threading
 from contextlib import nullcontext
@@ -20,7 +21,9 @@ from engine.checkpoint.layout import is_expert_stack
 from engine.checkpoint.loader import LoadedWeights
 from engine.offload.placement import WeightBytes
 from engine.weights import DenseWeight, Fp8BlockWeight, Nvfp4Weight, SplitStack
-from engine.checkpoint.prepared_store import PIECE_BYTES, PreparedPlan, ReadStats, read_plan, read_regions, write_prepared
+from engine.checkpoint.availability import ExpertAvailability, ExpertUnit
+from engine.checkpoint.prepared_store import (PIECE_BYTES, PreparedPlan, ReadStats, Region, piece_regions, read_plan,
+                                              read_regions, write_prepared)
 
 FORMAT_VERSION = 2  # 2: pieces checksummed with CRC-32 instead of BLAKE2b
 FIELDS = {"tensor": ("data",), "dense": ("data",), "fp8_block": ("data", "scale_inv"),
@@ -119,13 +122,14 @@ def _build(kind: str, made: dict[str, torch.Tensor], record: dict):
     return Nvfp4Weight(made["packed"], made["scale"], made["global_scale"])
 
 
-def allocate(meta: dict, device: torch.device | str = "cpu", expert_slots: int | None = None
-             ) -> tuple[LoadedWeights, dict[str, list[torch.Tensor]]]:
+def allocate(meta: dict, device: torch.device | str = "cpu", expert_slots: int | None = None,
+             zero_device_experts: bool = False) -> tuple[LoadedWeights, dict[str, list[torch.Tensor]]]:
     """Empty weights of the recorded layout on `device`, and by key the buffers its bytes fill, in order.
 
     With `expert_slots`, each routed expert stack is a `SplitStack`: its first `expert_slots` experts on
     `device`, the others in host RAM (pinned, with a GPU). A split key fills two buffers (the device part,
-    then the host part), but on the CPU the parts are views of one buffer."""
+    then the host part), but on the CPU the parts are views of one buffer. `zero_device_experts`: the device
+    parts start zeroed, for executors that may run a slot with weight zero before it is filled."""
     device = torch.device(device)
     weights: LoadedWeights = {}
     buffers: dict[str, list[torch.Tensor]] = {}
@@ -143,6 +147,9 @@ def allocate(meta: dict, device: torch.device | str = "cpu", expert_slots: int |
         slots = min(expert_slots, next(iter(specs.values()))["shape"][0])
         if device.type != "cpu":
             on_device = {f: empty(b, [slots, *b["shape"][1:]], device) for f, b in specs.items()}
+            if zero_device_experts:
+                for t in on_device.values():
+                    t.zero_()
             on_host = {f: empty(b, [b["shape"][0] - slots, *b["shape"][1:]], torch.device("cpu"),
                                 pin=device.type == "cuda")
                        for f, b in specs.items()}
@@ -150,6 +157,9 @@ def allocate(meta: dict, device: torch.device | str = "cpu", expert_slots: int |
         else:
             whole = {f: empty(b, b["shape"], device) for f, b in specs.items()}
             on_device, on_host = {f: t[:slots] for f, t in whole.items()}, {f: t[slots:] for f, t in whole.items()}
+            if zero_device_experts:
+                for t in on_device.values():
+                    t.zero_()
             buffers.update({f"{name}#{f}": [t] for f, t in whole.items()})
         weights[name] = SplitStack(_build(kind, on_device, record), _build(kind, on_host, record))
     return weights, buffers
@@ -207,30 +217,96 @@ def load_prepared(directory: Path, device: torch.device | str = "cpu", workers: 
     pinned 64 MiB staging buffer per reader thread (the host never holds more than those). With
     `expert_slots` each routed expert goes straight to its place, a device slot or the host bank (see
     `allocate`)."""
+    plan = _plan(directory)
+    weights, buffers = allocate(plan.meta, device, expert_slots)
+    reader = _RegionReader(directory, plan, torch.device(device), buffers, verify)
+    return weights, reader.read(plan.regions, workers, reader.staging(workers))
+
+
+def open_prepared(directory: Path, device: torch.device | str = "cpu", workers: int = 8, verify: bool = True,
+                  expert_slots: int | None = None) -> tuple[LoadedWeights, ReadStats, ExpertAvailability]:
+    """`load_prepared` for early readiness: the non-expert weights are read now; the routed expert stacks are
+    allocated in their places and left to fill, one checksummed piece a unit (`ExpertAvailability`)."""
+    plan = _plan(directory)
+    weights, buffers = allocate(plan.meta, device, expert_slots, zero_device_experts=True)
+    reader = _RegionReader(directory, plan, torch.device(device), buffers, verify)
+    is_expert = {r.key: is_expert_stack(r.key.partition("#")[0]) for r in plan.regions}
+    stats = reader.read([r for r in plan.regions if not is_expert[r.key]], workers, reader.staging(workers))
+    local = threading.local()
+
+    def load(piece: Region) -> None:
+        if getattr(local, "staging", None) is None:
+            local.staging = reader.staging(1)
+        reader.read([piece], 1, local.staging)
+
+    units = []
+    for region in (r for r in plan.regions if is_expert[r.key]):
+        name, _, field = region.key.partition("#")
+        layer, count = int(name.split(".")[1]), plan.meta["weights"][name]["buffers"][field]["shape"][0]
+        per_expert = region.size // count
+        for piece in piece_regions(region):
+            start = int(piece.key.rpartition("@")[2])
+            experts = tuple((layer, e) for e in range(start // per_expert, -(-(start + piece.size) // per_expert)))
+            units.append(ExpertUnit(functools.partial(load, piece), experts, piece.size))
+    layers = sorted({pair[0] for unit in units for pair in unit.experts})
+    count = max((e for unit in units for _, e in unit.experts), default=-1) + 1
+    return weights, stats, ExpertAvailability(units, layers, count)
+
+
+def _plan(directory: Path) -> PreparedPlan:
     plan = read_plan(directory)
     if plan is None:
         raise FileNotFoundError(f"{directory}: no prepared snapshot")
-    device = torch.device(device)
-    weights, buffers = allocate(plan.meta, device, expert_slots)
-    if device.type != "cuda":
-        return weights, read_regions(directory, plan, {k: as_bytes(t[0]) for k, t in buffers.items()}, workers, verify)
-    flat = {key: [t.view(torch.uint8).reshape(-1) for t in parts] for key, parts in buffers.items()}
-    staging = [torch.empty(PIECE_BYTES, dtype=torch.uint8, pin_memory=True) for _ in range(workers)]
-    streams: dict[int, torch.cuda.Stream] = {}
+    return plan
 
-    def to_buffer(key: str, offset: int, piece: memoryview) -> None:
-        """Into the key's buffers (a split expert stack has a device part, then a host part) through the
-        stream: GPU buffers by an asynchronous copy, host ones by a plain copy."""
-        stream = streams.setdefault(threading.get_ident(), torch.cuda.Stream(device))
+
+class _RegionReader:
+    """Reads regions of a prepared snapshot (whole, or the pieces `piece_regions` cuts) into the buffers
+    `allocate` made: host buffers directly, GPU ones through pinned staging buffers and a stream per thread."""
+
+    def __init__(self, directory: Path, plan: PreparedPlan, device: torch.device,
+                 buffers: dict[str, list[torch.Tensor]], verify: bool) -> None:
+        self.directory, self.plan, self.device, self.verify = directory, plan, device, verify
+        self.flat = {key: [t.view(torch.uint8).reshape(-1) for t in parts] for key, parts in buffers.items()}
+        self.streams: dict[int, torch.cuda.Stream] = {}
+        self.lock = threading.Lock()
+
+    def staging(self, workers: int) -> list[memoryview]:
+        """Staging buffers for `read` (none on the CPU, where pieces land in place)."""
+        if self.device.type != "cuda":
+            return []
+        return [as_bytes(torch.empty(PIECE_BYTES, dtype=torch.uint8, pin_memory=True)) for _ in range(workers)]
+
+    def read(self, regions: list[Region], workers: int, staging: list[memoryview]) -> ReadStats:
+        files = {r.file: self.plan.files[r.file] for r in regions}
+        sub = PreparedPlan(self.plan.format_version, self.plan.engine_version, self.plan.meta, files, regions, True)
+        if self.device.type != "cuda":
+            # On the CPU a key has one buffer (split stacks are views of it): pieces land in place.
+            places = {r.key: self._place(r.key) for r in regions}
+            views = {r.key: as_bytes(self.flat[key][0])[start:start + r.size] for r, (key, start) in
+                     ((r, places[r.key]) for r in regions)}
+            return read_regions(self.directory, sub, views, workers, self.verify)
+        return read_regions(self.directory, sub, None, workers, self.verify, sink=self._to_buffer, staging=staging)
+
+    @staticmethod
+    def _place(key: str) -> tuple[str, int]:
+        """(buffer key, first byte) of a region key: a piece's (`key@start`) or a whole region's."""
+        base, _, start = key.partition("@")
+        return base, int(start or 0)
+
+    def _to_buffer(self, key: str, offset: int, piece: memoryview) -> None:
+        """Into the key's buffers (a split expert stack has a device part, then a host part) through this
+        thread's stream: GPU buffers by an asynchronous copy, host ones by a plain copy."""
+        key, at = self._place(key)
+        offset += at
+        with self.lock:
+            stream = self.streams.setdefault(threading.get_ident(), torch.cuda.Stream(self.device))
         source = torch.frombuffer(piece, dtype=torch.uint8)
         start = 0  # the first byte of the current buffer within the key
         with torch.cuda.stream(stream):
-            for part in flat[key]:
+            for part in self.flat[key]:
                 lo, hi = max(offset, start), min(offset + len(piece), start + part.numel())
                 if lo < hi:
                     part[lo - start:hi - start].copy_(source[lo - offset:hi - offset], non_blocking=True)
                 start += part.numel()
         stream.synchronize()  # the staging buffer is reused as soon as this returns
-
-    stats = read_regions(directory, plan, None, workers, verify, sink=to_buffer, staging=[as_bytes(t) for t in staging])
-    return weights, stats

@@ -76,6 +76,13 @@ def _pieces(size: int) -> list[tuple[int, int]]:
     return [(start, min(PIECE_BYTES, size - start)) for start in range(0, size, PIECE_BYTES)] or [(0, 0)]
 
 
+def piece_regions(region: Region) -> list[Region]:
+    """The region cut into its checksummed pieces, each a region of its own keyed `key@start`, so that part
+    of it can be read (and verified) alone."""
+    return [Region(f"{region.key}@{start}", region.file, region.offset + start, size, [digest])
+            for (start, size), digest in zip(_pieces(region.size), region.hashes)]
+
+
 PieceSource = Callable[[str, int, int, Any], memoryview]
 """(region key, offset inside the region, size, a free staging buffer or None) -> the piece's bytes: a
 view of the region's own memory, or of the staging buffer filled with them (GPU memory goes this way)."""

@@ -110,10 +110,11 @@ class Chunk:
         return self.nbytes > STAGING_BYTES
 
 
-def plan_chunks(tensors: Iterable[StoredTensor], group_of: Callable[[str], Hashable]) -> list[Chunk]:
-    """Chunks in file order. A chunk past CHUNK_BYTES ends where `group_of` changes (so a weight's
-    parts usually arrive in one chunk), and always before it would pass STAGING_BYTES or skip more
-    than GAP_BYTES of unread tensors."""
+def plan_chunks(tensors: Iterable[StoredTensor], group_of: Callable[[str], Hashable],
+                chunk_bytes: int = CHUNK_BYTES) -> list[Chunk]:
+    """Chunks in file order. A chunk past `chunk_bytes` ends where `group_of` changes (so a weight's
+    parts usually arrive in one chunk; 0: every group in chunks of its own), and always before it would
+    pass STAGING_BYTES or skip more than GAP_BYTES of unread tensors."""
     chunks: list[Chunk] = []
     current: Chunk | None = None
     for t in tensors:
@@ -121,7 +122,7 @@ def plan_chunks(tensors: Iterable[StoredTensor], group_of: Callable[[str], Hasha
             last = current.tensors[-1]
             fits = (t.path == last.path and 0 <= t.offset - current.end <= GAP_BYTES
                     and t.offset + t.nbytes - current.start <= STAGING_BYTES)
-            at_boundary = current.nbytes >= CHUNK_BYTES and group_of(t.key) != group_of(last.key)
+            at_boundary = current.nbytes >= chunk_bytes and group_of(t.key) != group_of(last.key)
             if fits and not at_boundary:
                 current.tensors.append(t)
                 current.end = t.offset + t.nbytes
@@ -169,9 +170,8 @@ def read_chunks(chunks: Sequence[Chunk], consume: Consumer, workers: int = 8, pi
             else:
                 staging = getattr(local, "staging", None)
                 if staging is None:
-                    staging = local.staging = torch.empty(STAGING_BYTES, dtype=torch.uint8, pin_memory=pin_memory)
-                _pread(fds[chunk.path], staging[:chunk.nbytes], chunk.start, chunk)
-                consume(chunk, _views(staging, chunk), staging)
+                    staging = local.staging = staging_buffer(pin_memory)
+                _read_staged(fds[chunk.path], chunk, staging, consume)
         except BaseException:
             failed.set()
             raise
@@ -188,6 +188,29 @@ def read_chunks(chunks: Sequence[Chunk], consume: Consumer, workers: int = 8, pi
     finally:
         for fd in fds.values():
             os.close(fd)
+
+
+def staging_buffer(pin_memory: bool = False) -> torch.Tensor:
+    """A buffer any chunk but those with a buffer of their own fits in."""
+    return torch.empty(STAGING_BYTES, dtype=torch.uint8, pin_memory=pin_memory)
+
+
+def read_chunk(chunk: Chunk, consume: Consumer, staging: torch.Tensor) -> int:
+    """Read one chunk on the calling thread through `staging` (see `staging_buffer`) and hand it to `consume`:
+    a single read of a planned chunk, when a loader needs that one now. Returns the bytes read."""
+    if chunk.own_buffer:
+        return read_chunks([chunk], consume, workers=1)
+    fd = os.open(chunk.path, os.O_RDONLY)
+    try:
+        _read_staged(fd, chunk, staging, consume)
+    finally:
+        os.close(fd)
+    return chunk.nbytes
+
+
+def _read_staged(fd: int, chunk: Chunk, staging: torch.Tensor, consume: Consumer) -> None:
+    _pread(fd, staging[:chunk.nbytes], chunk.start, chunk)
+    consume(chunk, _views(staging, chunk), staging)
 
 
 class _OwnBuffer:

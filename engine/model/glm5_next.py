@@ -51,6 +51,12 @@ class Glm5NextModel:
         self.layers = [DecoderLayer(cfg, weights, i, experts) for i in range(cfg.num_layers)]
         self.norm, self.lm_head = weights["norm.weight"], weights["lm_head"]
 
+    def use_experts(self, experts: ExpertExecutor) -> None:
+        """Run the routed experts with `experts` from the next step on (early readiness drops its wrapper)."""
+        for layer in self.layers:
+            if isinstance(layer.mlp, MoE):
+                layer.mlp.experts = experts
+
     @property
     def dtype(self) -> torch.dtype:
         return self.embed.dtype

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import pytest
+from pydantic import ValidationError
+
 from provision.settings import Settings
 
 
@@ -38,3 +41,12 @@ def test_worker_port_is_the_listen_port_under_vast(monkeypatch):
     assert Settings().port == 18000
     monkeypatch.setenv("GLMFLASH_PORT", "3001")  # an explicit setting of ours wins
     assert Settings().port == 3001
+
+
+def test_ready_at_is_loaded_or_partial(monkeypatch):
+    assert Settings().ready_at == "loaded"
+    monkeypatch.setenv("GLMFLASH_READY_AT", "partial")
+    assert Settings().ready_at == "partial"
+    monkeypatch.setenv("GLMFLASH_READY_AT", "soon")
+    with pytest.raises(ValidationError, match="GLMFLASH_READY_AT[\\s\\S]*'loaded' or 'partial'"):
+        Settings()

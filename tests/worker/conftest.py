@@ -16,20 +16,7 @@ from typing import Any, Callable, Sequence
 import pytest
 
 from engine.tiny.factory import write_tiny_model
-from provision.settings import Settings
-from server_helpers import MODEL_NAME, ForceScript, Server, free_port, start_server, stop_server
-
-
-def make_settings(model_dir: Path, cache_dir: Path, **overrides: Any) -> Settings:
-    fields: dict[str, Any] = dict(
-        model=str(model_dir), served_model_name=MODEL_NAME, host="127.0.0.1", port=free_port(),
-        device="cpu", dtype="float32", cache_dir=cache_dir, max_num_seqs=8, max_queue=256,
-        max_model_len=8192, api_key=None, hf_token=None, log_level="WARNING",
-        # no parking, no controller, a short drain: the environment must not change how a test server lives
-        idle_timeout_s=0.0, controller_url=None, drain_grace_s=5.0,
-    )
-    fields.update(overrides)
-    return Settings(**fields)
+from server_helpers import ForceScript, Server, make_settings, start_server, stop_server
 
 
 def _in_flight_after(server: Server, timeout: float = 10.0) -> int:

@@ -11,6 +11,7 @@ import traceback
 import urllib.error
 import urllib.request
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Callable, Sequence
 
 import pytest
@@ -151,6 +152,18 @@ class Server:
         if self.error is not None:
             pytest.fail(f"the server thread died: {self.error!r}\n{self.trace}")
         assert self.thread is not None and self.thread.is_alive(), "the server thread is not running"
+
+
+def make_settings(model_dir: Path, cache_dir: Path, **overrides: Any) -> Settings:
+    fields: dict[str, Any] = dict(
+        model=str(model_dir), served_model_name=MODEL_NAME, host="127.0.0.1", port=free_port(),
+        device="cpu", dtype="float32", cache_dir=cache_dir, max_num_seqs=8, max_queue=256,
+        max_model_len=8192, api_key=None, hf_token=None, log_level="WARNING",
+        # no parking, no controller, a short drain: the environment must not change how a test server lives
+        idle_timeout_s=0.0, controller_url=None, drain_grace_s=5.0,
+    )
+    fields.update(overrides)
+    return Settings(**fields)
 
 
 def start_server(settings: Settings, logits_processors: Sequence[Callable] = (), wait_ready: bool = True) -> Server:

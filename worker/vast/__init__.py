@@ -14,7 +14,7 @@ one unit for admission, cur_load and the benchmark) and `tls` (the instance cert
 
 from worker.vast.benchmark import (
     BenchmarkFailed, benchmark_key, benchmark_payload, cached_max_perf, engine_generate_fn, measure_max_perf,
-    measure_max_perf_within,
+    measure_max_perf_within, read_cached_max_perf,
 )
 from worker.vast.config import VastConfig
 from worker.vast.middleware import VAST_APP_KEY, openai_body, vast_middleware, vast_verified
@@ -27,6 +27,6 @@ from worker.vast.workload import workload_of
 __all__ = [
     "PUBKEY_FAILED", "VAST_APP_KEY", "BenchmarkFailed", "RequestRecord", "VastConfig", "VastReporter", "VastWorker",
     "benchmark_key", "benchmark_payload", "cached_max_perf", "engine_generate_fn", "ensure_instance_cert",
-    "load_public_key", "measure_max_perf", "measure_max_perf_within", "openai_body", "vast_middleware",
+    "load_public_key", "measure_max_perf", "measure_max_perf_within", "openai_body", "read_cached_max_perf", "vast_middleware",
     "vast_verified", "verify_signature", "workload_of",
 ]

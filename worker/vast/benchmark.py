@@ -129,22 +129,30 @@ def _key_digest(key: Mapping[str, Any]) -> str:
     return hashlib.sha256(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()
 
 
-async def cached_max_perf(path: Path, key: Mapping[str, Any], measure: Callable[[], Awaitable[float]]
-                          ) -> tuple[float, bool]:
-    """(max_perf, came from the cache). The cache file (JSON, under /workspace so it outlives a stop) is used only
-    when its key matches exactly; otherwise `measure()` runs and replaces it. A cache that cannot be read or
-    written is logged and ignored."""
-    digest = _key_digest(key)
+def read_cached_max_perf(path: Path, key: Mapping[str, Any]) -> float | None:
+    """The cached max_perf for exactly this key, or None (none, another key's, or a cache that cannot be read)."""
     try:
         cached = json.loads(path.read_text())
-        if cached.get("digest") == digest and float(cached["max_perf"]) > 0:
+        if cached.get("digest") == _key_digest(key) and float(cached["max_perf"]) > 0:
             log.info("event=vast_benchmark_cached max_perf=%.2f path=%s", float(cached["max_perf"]), path)
-            return float(cached["max_perf"]), True
+            return float(cached["max_perf"])
         log.info("event=vast_benchmark_stale path=%s", path)
     except FileNotFoundError:
         pass
     except (OSError, ValueError, KeyError, TypeError) as exc:
         log.warning("event=vast_benchmark_cache_unreadable path=%s error=%r", path, exc)
+    return None
+
+
+async def cached_max_perf(path: Path, key: Mapping[str, Any], measure: Callable[[], Awaitable[float]]
+                          ) -> tuple[float, bool]:
+    """(max_perf, came from the cache). The cache file (JSON, under /workspace so it outlives a stop) is used only
+    when its key matches exactly; otherwise `measure()` runs and replaces it. A cache that cannot be read or
+    written is logged and ignored."""
+    cached = read_cached_max_perf(path, key)
+    if cached is not None:
+        return cached, True
+    digest = _key_digest(key)
     perf = await measure()
     try:
         path.parent.mkdir(parents=True, exist_ok=True)

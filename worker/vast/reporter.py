@@ -116,6 +116,12 @@ class VastReporter:
         log.info("event=vast_loaded max_perf=%.3f loadtime_s=%.2f", self.max_perf, self.loadtime)
         self._changed(urgent=True)
 
+    def max_perf_changed(self, max_perf: float) -> None:
+        """A new figure once loaded (early readiness: the full one once every expert is in); reported at once."""
+        self.max_perf = float(max_perf)
+        log.info("event=vast_max_perf max_perf=%.3f", self.max_perf)
+        self._changed(urgent=True)
+
     def model_errored(self, message: str) -> None:
         """The worker cannot serve; reported at once (the autoscaler replaces it)."""
         self.error_msg = message

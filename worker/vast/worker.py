@@ -107,6 +107,10 @@ class VastWorker:
         self.reporter.model_loaded(max_perf)
         return True
 
+    def update_max_perf(self, max_perf: float) -> None:
+        """Report a new max_perf for a worker already loaded (early readiness: the reduced one was reported)."""
+        self.reporter.max_perf_changed(max_perf)
+
     def mark_errored(self, message: str) -> None:
         self.reporter.model_errored(message)
 

@@ -1,0 +1,126 @@
+"""Early readiness in the engine: steps run before the routed experts are all loaded, the experts they need
+are brought in first, and greedy tokens match the fully loaded engine's."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+from engine.checkpoint.availability import ExpertAvailability, ExpertUnit
+from engine.checkpoint.loader import load_weights, open_weights
+from engine.checkpoint.prepared import load_prepared, open_prepared, save_prepared
+from engine.config import ModelConfig
+from engine.engine_core import EngineCore, EngineOptions
+from engine.experts.pending import PendingExperts
+from engine.sampling_params import SamplingParams
+from engine.sequence import Sequence
+
+PROMPTS = [[258, 260, 263, 72, 105], [258, 260, 263, 79, 107, 33]]
+# More experts than the steps below can route to (2 x 19 tokens per layer at most), so some are left to the fill.
+EXPERTS = dict(n_routed_experts=64, num_experts_per_tok=2)
+
+
+def greedy(core: EngineCore, max_tokens: int = 4) -> list[list[int]]:
+    seqs = [Sequence(f"r{i}", list(p), SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True))
+            for i, p in enumerate(PROMPTS)]
+    for seq in seqs:
+        core.add(seq)
+    while core.has_work:
+        core.step()
+    return [seq.output_token_ids for seq in seqs]
+
+
+def options(budget: int | None) -> EngineOptions:
+    return EngineOptions(max_num_seqs=4, max_model_len=256, moe_vram_budget=budget, prefix_cache=False)
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "nvfp4-ct"])
+@pytest.mark.parametrize("slots", [None, 3])  # every expert resident, or hybrid (3 device slots per layer)
+def test_partial_engine_serves_before_the_fill_with_the_same_tokens(tiny_dir, fmt, slots):
+    snapshot = tiny_dir(fmt, **EXPERTS)
+    cfg = ModelConfig.from_dir(snapshot)
+    budget = None if slots is None else 0  # a budget makes the engine hybrid; the loader's split decides slots
+    full = EngineCore(cfg, load_weights(snapshot, cfg, "cpu", torch.float32, slots), options(budget))
+    weights, experts = open_weights(snapshot, cfg, "cpu", torch.float32, slots)
+    partial = EngineCore(cfg, weights, options(budget), experts=experts)
+    assert isinstance(partial.pending, PendingExperts) and experts.share == 0.0
+
+    assert greedy(partial) == greedy(full)
+    assert 0.0 < experts.share < 1.0 and not experts.complete  # only what the steps needed was read
+    assert experts.on_demand_units > 0
+
+    experts.fill(workers=2)
+    assert experts.complete and experts.share == 1.0
+    assert greedy(partial) == greedy(full)
+    assert partial.pending is None  # dropped between steps once complete
+    assert all(layer.mlp.experts is (partial.offload or layer.mlp.experts) for layer in partial.model.layers
+               if hasattr(layer.mlp, "experts"))
+
+
+@pytest.mark.parametrize("slots", [None, 3])
+def test_partial_engine_from_a_prepared_snapshot(tiny_dir, tmp_path, slots):
+    """The fast_resume path: non-expert regions read first, expert pieces on demand or by the fill."""
+    snapshot = tiny_dir("nvfp4-ct", **EXPERTS)
+    cfg = ModelConfig.from_dir(snapshot)
+    save_prepared(load_weights(snapshot, cfg, "cpu", torch.float32), tmp_path / "prepared", workers=2)
+    budget = None if slots is None else 0
+    full = EngineCore(cfg, load_prepared(tmp_path / "prepared", expert_slots=slots)[0], options(budget))
+    weights, stats, experts = open_prepared(tmp_path / "prepared", workers=2, expert_slots=slots)
+    assert 0 < stats.bytes < sum(p.stat().st_size for p in (tmp_path / "prepared").glob("*.bin"))
+    partial = EngineCore(cfg, weights, options(budget), experts=experts)
+    assert greedy(partial) == greedy(full) and experts.on_demand_units > 0
+    experts.fill(workers=2)
+    assert experts.complete and greedy(partial) == greedy(full) and partial.pending is None
+
+
+def test_a_unit_loading_in_the_fill_is_waited_for_not_read_twice():
+    """An on-demand load of an expert the fill is loading at that moment waits for it: one read, then usable."""
+    started, release = threading.Event(), threading.Event()
+    calls = []
+
+    def slow() -> None:
+        calls.append("slow")
+        started.set()
+        assert release.wait(10)
+
+    units = [ExpertUnit(slow, ((1, 0), (1, 1)), 10), ExpertUnit(lambda: calls.append("other"), ((1, 1),), 5)]
+    availability = ExpertAvailability(units, [1], 2)
+    filler = threading.Thread(target=availability.fill)
+    filler.start()
+    assert started.wait(10)
+    waiter = threading.Thread(target=availability.ensure, args=(1, [0]))
+    waiter.start()
+    waiter.join(0.2)
+    assert waiter.is_alive() and not availability.loaded[1][0]  # waiting on the fill's read, not reading itself
+    release.set()
+    waiter.join(10)
+    filler.join(10)
+    assert calls == ["slow", "other"] and availability.complete and availability.share == 1.0
+    assert availability.loaded[1].tolist() == [True, True]
+
+
+def test_a_failed_unit_is_retried_by_the_next_caller():
+    attempts = []
+
+    def flaky() -> None:
+        attempts.append(1)
+        if len(attempts) == 1:
+            raise OSError("disk went away")
+
+    availability = ExpertAvailability([ExpertUnit(flaky, ((1, 0),), 1)], [1], 1)
+    with pytest.raises(OSError):
+        availability.ensure(1, [0])
+    availability.ensure(1, [0])
+    assert availability.complete and len(attempts) == 2
+
+
+def test_the_fill_rate_cap_paces_the_reads():
+    units = [ExpertUnit(lambda: None, ((1, e),), 1000) for e in range(4)]
+    availability = ExpertAvailability(units, [1], 4)
+    import time
+
+    start = time.perf_counter()
+    availability.fill(workers=2, gb_per_s=1e-5)  # 10 kB/s: the 4th unit is due after 0.3 s
+    assert time.perf_counter() - start >= 0.29 and availability.complete

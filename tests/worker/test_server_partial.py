@@ -1,0 +1,68 @@
+"""GLMFLASH_READY_AT=partial: the server is ready before the routed experts are all in, answers with the
+fully loaded server's greedy tokens meanwhile, shows the share in /ready, and writes the prepared
+snapshot only once the fill is done; cold and fast_resume alike."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from engine.tiny.factory import write_tiny_model
+from server_helpers import MODEL_NAME, free_port, make_settings, start_server, stop_server, wait_until
+from worker.partial_ready import MIN_SHARE, reduced_max_perf
+
+# 7 MoE layers x 64 experts x 3 projections of 96 x 192 bf16: 15.5 MB of experts, about 10 s at this rate,
+# while the warm-up and the requests below route to at most 2 x 12 experts per layer.
+FILL_GBPS = 0.0015
+
+
+@pytest.fixture(scope="module")
+def many_experts(tmp_path_factory):
+    return write_tiny_model(tmp_path_factory.mktemp("partial") / "tiny", "bf16", 0, n_routed_experts=64,
+                            num_experts_per_tok=2)
+
+
+def ready(server) -> dict:
+    status, _, body = server.get("/ready")
+    assert status == 200, body
+    return json.loads(body)
+
+
+def greedy(server, prompt: str) -> list[str]:
+    status, _, body = server.post("/v1/completions", {"model": MODEL_NAME, "prompt": prompt, "max_tokens": 4,
+                                                     "temperature": 0, "ignore_eos": True, "logprobs": 0})
+    assert status == 200, body
+    return json.loads(body)["choices"][0]["logprobs"]["tokens"]
+
+
+def test_partial_serves_before_the_experts_are_in_with_the_loaded_tokens(many_experts, tmp_path):
+    loaded = start_server(make_settings(many_experts, tmp_path / "loaded"))
+    partial = start_server(make_settings(many_experts, tmp_path / "partial", ready_at="partial",
+                                         expert_fill_gbps=FILL_GBPS))
+    try:
+        assert "experts_loaded" not in ready(loaded)
+        before = ready(partial)
+        assert 0 < before["experts_loaded"] < 1 and before["prepared_snapshot"] == "after_experts"
+        assert greedy(partial, "Hi") == greedy(loaded, "Hi")
+        assert ready(partial)["experts_loaded"] < 1  # served before the load completed
+        wait_until(lambda: ready(partial)["experts_loaded"] == 1.0, timeout=120, what="the expert fill")
+        wait_until(lambda: ready(partial).get("prepared_snapshot") == "written", timeout=60,
+                   what="the prepared snapshot, written after the fill")
+        assert greedy(partial, "Hello there") == greedy(loaded, "Hello there")
+        stop_server(partial)
+        # The next start reads the prepared snapshot back (fast_resume), the experts again piece by piece (here
+        # one 64 MiB piece holds a layer's whole projection, so the warm-up already brought every layer in).
+        partial = start_server(partial.settings.model_copy(update={"port": free_port()}))
+        resumed = ready(partial)
+        assert [s["stage"] for s in resumed["stages"]][:2] == ["fast_resume", "load"]
+        assert "experts_loaded" in resumed
+        assert greedy(partial, "Hi") == greedy(loaded, "Hi")
+    finally:
+        stop_server(partial)
+        stop_server(loaded)
+
+
+def test_vast_hears_the_full_figure_scaled_by_the_share_in_place():
+    assert reduced_max_perf(100.0, 0.5) == 50.0
+    assert reduced_max_perf(100.0, 0.0) == 100.0 * MIN_SHARE  # each request still loads what it needs
