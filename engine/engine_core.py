@@ -26,6 +26,7 @@ from engine.checkpoint.availability import ExpertAvailability
 from engine.experts import default_executor, executor_class
 from engine.experts.pending import PendingExperts
 from engine.experts.hybrid import HybridExperts, OffloadStats
+from engine.offload.miss_split import measured_pcie_percent
 from engine.offload.placement import AUTO, auto_budget, plan_load
 from engine.model.glm5_next import Glm5NextModel
 from engine.model_runner import ModelRunner
@@ -77,6 +78,9 @@ class EngineOptions:
     moe_vram_budget: int | str | None = None
     max_expert_swaps: int = 4  # host experts moved into device slots between two steps, at most
     cpu_expert_threads: int | None = None  # threads of the CPU expert executor; None: torch's thread count
+    # Share (percent) of a decode step's missed experts copied over PCIe and run on the GPU, the rest on the
+    # CPU; None: from the two rates measured at load (CUDA), 0 elsewhere.
+    pcie_expert_percent: int | None = None
     prefix_cache: bool = True  # start requests from the saved state of their longest cached prefix
     prefix_cache_bytes: int = 4 << 30  # device memory for cached prefixes (snapshots and extra pages)
     prefix_cache_host_bytes: int = 0  # host RAM for prefixes evicted from the device (0: none, evictions drop)
@@ -180,6 +184,10 @@ class EngineCore:
             budget = auto_budget(*torch.cuda.mem_get_info(device)) if device.type == "cuda" else 0
         hybrid = HybridExperts.from_weights(weights, config.moe_layers, config.swiglu_limit, device, budget,
                                             executor_class(device), options.cpu_expert_threads)
+        percent = options.pcie_expert_percent
+        if percent is None:
+            percent = measured_pcie_percent(hybrid) if device.type == "cuda" else 0
+        hybrid.split_misses(percent)
         slots = len(hybrid.resident[config.moe_layers[0]])
         gib_per_slot = hybrid.expert_bytes * len(config.moe_layers) / 2 ** 30  # one expert in every MoE layer
         log.info("event=expert_placement device_slots_per_layer=%d of=%d device_gib=%.2f host_gib=%.2f",

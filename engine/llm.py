@@ -17,9 +17,11 @@ from engine.sequence import RequestOutput, Sequence
 class LLM:
     def __init__(self, model: str | Path, device: str = "cpu", dtype: str = "bfloat16", max_num_seqs: int = 8,
                  max_model_len: int = 8192, page_size: int = 64, max_num_batched_tokens: int = 2048,
-                 cuda_graphs: bool = True, moe_vram_budget: int | None = None, prefix_cache: bool = True) -> None:
+                 cuda_graphs: bool = True, moe_vram_budget: int | None = None, prefix_cache: bool = True,
+                 pcie_expert_percent: int | None = None) -> None:
         options = EngineOptions(max_num_seqs, max_model_len, max_num_batched_tokens, page_size=page_size,
-                                cuda_graphs=cuda_graphs, moe_vram_budget=moe_vram_budget, prefix_cache=prefix_cache)
+                                cuda_graphs=cuda_graphs, moe_vram_budget=moe_vram_budget, prefix_cache=prefix_cache,
+                                pcie_expert_percent=pcie_expert_percent)
         self._init(EngineCore.from_snapshot(model, device, dtype, options))
 
     @classmethod

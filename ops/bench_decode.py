@@ -139,6 +139,8 @@ def main() -> None:
                         "('auto': as many as fit), the rest in pinned host RAM (default: every expert on the device)")
     parser.add_argument("--max-expert-swaps", type=int, default=4, help="hybrid: experts moved into device slots "
                         "per step, at most")
+    parser.add_argument("--pcie-percent", type=int, help="hybrid: share of decode misses run on the GPU after a "
+                        "PCIe copy (default: from the rates measured at load)")
     parser.add_argument("--expert-variety", type=int, help="distinct expert values per layer (a faster build at "
                         "release size: each expert still has its own memory)")
     parser.add_argument("--json", help="write the results here as JSON")
@@ -185,7 +187,10 @@ def main() -> None:
     budget = slots * round(sizes[1]) * len(cfg.moe_layers) if hybrid else None
     llm = LLM.from_weights(cfg, weights, max_num_seqs=max(batches + [1]), max_model_len=max_len,
                            max_num_batched_tokens=max(prefills + [2048]), moe_vram_budget=budget,
-                           max_expert_swaps=args.max_expert_swaps, prefix_cache=False)  # repeated prompts
+                           max_expert_swaps=args.max_expert_swaps, prefix_cache=False,  # repeated prompts
+                           pcie_expert_percent=args.pcie_percent)
+    if hybrid:
+        report({"pcie_percent": llm.core.offload.pcie_percent})
     report({"engine_init_s": time.perf_counter() - start,
             "graph_capture_s": llm.runner.graphs.capture_s if llm.runner.graphs else 0.0})
 
@@ -262,12 +267,14 @@ def hybrid_decode_figures(name: str, llm: LLM, batch: int, context: int, steps: 
     for seq in seqs:
         core.abort(seq.request_id)
     d = {k: getattr(after, k) - getattr(before, k)
-         for k in ("device_pairs", "host_pairs", "fetched_pairs", "host_seconds", "host_bytes", "swaps")}
+         for k in ("device_pairs", "host_pairs", "fetched_pairs", "fetched_bytes", "host_seconds", "host_bytes",
+                   "swaps")}
     pairs = d["device_pairs"] + d["host_pairs"] + d["fetched_pairs"]
-    host_ms = d["host_bytes"] / steps / (host_read * 1e9) * 1e3
+    host_ms = (d["host_bytes"] + d["fetched_bytes"]) / steps / (host_read * 1e9) * 1e3  # every miss read from RAM
     return {f"{name}_step_ms": seconds * 1e3, f"{name}_tok_s": batch / seconds,
             f"{name}_hit_rate": d["device_pairs"] / max(pairs, 1),
             f"{name}_host_pairs_per_step": d["host_pairs"] / steps,
+            f"{name}_pcie_pairs_per_step": d["fetched_pairs"] / steps,
             f"{name}_distinct_host_experts_per_step": d["host_bytes"] / steps / per_expert,
             f"{name}_swaps_per_step": d["swaps"] / steps,
             f"{name}_cpu_GBps": d["host_bytes"] / d["host_seconds"] / 1e9 if d["host_seconds"] > 0 else 0.0,

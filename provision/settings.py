@@ -56,6 +56,10 @@ class Settings(BaseSettings):
     cpu_expert_threads: int | None = Field(None, ge=1, validation_alias=_env("CPU_EXPERT_THREADS"),
                                            description="CPU threads computing the routed experts kept in host RAM "
                                                        "(default: torch's thread count)")
+    pcie_expert_percent: int | None = Field(None, ge=0, le=100, validation_alias=_env("PCIE_EXPERT_PERCENT"),
+                                            description="Share (percent) of a decode step's missed experts that "
+                                                        "are copied over PCIe and run on the GPU while the CPU runs "
+                                                        "the rest (default: from both rates measured at load)")
     prefix_cache: bool = Field(True, validation_alias=_env("PREFIX_CACHE"),
                                description="Start each request from the saved state of the longest prompt prefix "
                                            "seen before (shared system prompts, conversation turns, n > 1)")

@@ -39,7 +39,8 @@ class Metrics:
         self.expert_host_pairs = Gauge("glmflash_expert_host_pairs", "Routed pairs computed on the CPU since start",
                                        registry=r)
         self.expert_fetched_bytes = Gauge("glmflash_expert_fetched_bytes",
-                                          "Expert bytes copied from host RAM to the GPU for large batches since start",
+                                          "Expert bytes copied from host RAM to the GPU since start (prefill "
+                                          "rounds, the PCIe share of decode misses)",
                                           registry=r)
         self.expert_swaps = Gauge("glmflash_expert_swaps", "Experts moved from host RAM into device slots since start",
                                   registry=r)

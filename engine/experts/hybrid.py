@@ -2,11 +2,12 @@
 
 Every MoE layer keeps some experts in device slots (compact stacks the device executor runs) and the
 rest in a host bank (pinned when a GPU is present). A step's (token, expert) pairs that hit a slot
-run on the device, with misses weighted zero so the launch shape never depends on routing; the
-misses run on CPU threads over the host bank at the same time, and their sum is added back. Decode-
-sized batches queue the CPU's share in the device stream (offload/host_steps.py), so the step has no
-device synchronization and can be captured in a CUDA graph; a batch with many misses (prefill)
-fetches those experts to the device instead (offload/fetch.py).
+run on the device, with misses weighted zero so the launch shape never depends on routing. Of a
+decode-sized batch's misses, a share (`pcie_percent`, from the two rates measured at start) is copied
+over PCIe into staging slots by a device kernel and run there, the rest runs on CPU threads over the
+host bank (offload/host_steps.py: queued in the device stream); all three at once, with no device
+synchronization, so the step can be captured in a CUDA graph. A batch with many misses (prefill)
+fetches its missed experts to the device in rounds instead (offload/fetch.py).
 Routing counts decide, between steps, which host experts move into which slots (a bounded number
 per step, so no step waits on many copies).
 """
@@ -22,6 +23,7 @@ import torch
 from engine.checkpoint.layout import EXPERT_PROJS, stacked_expert_name
 from engine.experts.cpu_experts import CpuExperts
 from engine.experts.torch_experts import TorchExperts
+from engine.kernels import kernel
 from engine.kernels.experts import DECODE_MAX_PAIRS
 from engine.kernels.experts.cpu_gemv import available as cpu_kernels_built
 from engine.offload.cuda_driver import copy_async
@@ -81,7 +83,9 @@ class LayerExperts:
 class HybridExperts:
     def __init__(self, layers: dict[int, LayerExperts], device: torch.device, swiglu_limit: float,
                  device_executor=TorchExperts, count_decay: float = 0.99, host_threads: int | None = None,
-                 fetch_min_pairs: int = 256, fetch_capacity: int = 16) -> None:
+                 fetch_min_pairs: int = 256, fetch_capacity: int = 16, pcie_percent: int = 0) -> None:
+        """pcie_percent: the share of a decode step's misses copied to the device and run there (0-100; the
+        staging slots bound it per layer step), fixed before the first decode step."""
         self.device, self.decay = device, count_decay
         self.layers = sorted(layers)
         first = layers[self.layers[0]]
@@ -99,6 +103,8 @@ class HybridExperts:
                 self.slot_of[i, self.resident[layer]] = torch.arange(len(self.resident[layer]), device=device)
             if self.hosted[layer]:
                 self.entry_of[i, self.hosted[layer]] = torch.arange(len(self.hosted[layer]))
+        self.entry_on_device = self.entry_of.to(device)  # the same map, for the device's share of the misses
+        self.pcie_percent = 0
         self.counts = torch.zeros(len(self.layers), self.num_experts, device=device)
         self.device_run = device_executor(self.device_stacks, swiglu_limit)
         self.host_run = CpuExperts(self.host, swiglu_limit, host_threads)
@@ -110,6 +116,7 @@ class HybridExperts:
         self.limit, self.host_threads = swiglu_limit, self.host_run.threads
         self.host_steps: dict[int, HostSteps] = {}  # by top-k, built at the first decode-sized batch
         self._stats = OffloadStats()
+        self.split_misses(pcie_percent)
         self._pin = device.type == "cuda"
         self._swap_stream = torch.cuda.Stream(device) if self._pin else None
         self._staging: list[Stacks] = []  # one expert each, for the swaps of one rebalance
@@ -146,6 +153,15 @@ class HybridExperts:
             del stacks
         return cls(placed, device, swiglu_limit, device_executor, host_threads=host_threads)
 
+    def split_misses(self, pcie_percent: int) -> None:
+        """Set the share of decode misses that go over PCIe; before the first decode step (it is built into
+        the host steps and into captured graphs)."""
+        if not 0 <= pcie_percent <= 100:
+            raise ValueError(f"pcie_percent must be within 0..100, got {pcie_percent}")
+        if self.host_steps and pcie_percent != self.pcie_percent:
+            raise RuntimeError("the miss split is fixed once decode steps have run")
+        self.pcie_percent = pcie_percent
+
     @property
     def graph_safe(self) -> bool:
         """Whether decode steps run without a device synchronization (the CPU's share queued in the stream),
@@ -158,8 +174,10 @@ class HybridExperts:
         s = dataclasses.replace(self._stats)
         for steps in self.host_steps.values():
             t = steps.totals()
-            s.device_pairs += t.pairs_seen - t.pairs_run
+            s.device_pairs += t.pairs_seen - t.pairs_missed
             s.host_pairs += t.pairs_run
+            s.fetched_pairs += t.pairs_missed - t.pairs_run
+            s.fetched_bytes += (t.pairs_missed - t.pairs_run) * self.expert_bytes
             s.host_seconds += t.seconds
             s.host_bytes += t.experts_run * self.expert_bytes
         return s
@@ -178,7 +196,10 @@ class HybridExperts:
         # Too few pairs to ever fetch (and few enough for the decode kernels): the CPU takes the misses.
         if expert_ids.numel() < self.fetch_min_pairs and expert_ids.numel() <= DECODE_MAX_PAIRS and self.graph_safe:
             pending = self._host_steps(expert_ids.shape[1]).run(layer, x, expert_ids, weights)
-            return (self._on_device(layer, x, slots, hit, weights).float() + pending.wait()).to(x.dtype)
+            out = self._on_device(layer, x, slots, hit, weights).float()
+            if self.pcie_percent:
+                out += self._over_pcie(layer, x, expert_ids, weights, ~hit).float()
+            return (out + pending.wait()).to(x.dtype)
         # Find the misses and bring their rows to the host before the device work is queued, so the
         # CPU computes while the device runs its experts.
         missed = (~hit).flatten().nonzero().squeeze(1)
@@ -206,11 +227,33 @@ class HybridExperts:
             return torch.zeros_like(x)
         return self.device_run(layer, x, slots.clamp(min=0), weights * hit)
 
+    def _over_pcie(self, layer: int, x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor,
+                   miss: torch.Tensor) -> torch.Tensor:
+        """The device's share of the misses: the missed pair of rank r (row-major) if (r + 1) * percent // 100
+        > r * percent // 100, while staging slots last (the host step applies the same rule to the same
+        ids and skips these). Its experts are copied into the staging slots by a kernel reading the host
+        bank, then run by the device executor -> [T, D] in x's dtype."""
+        index, capacity, percent = self._index[layer], self.fetch.capacity, self.pcie_percent
+        missed = miss.flatten()
+        rank = missed.cumsum(0) - 1
+        picked = missed & ((rank + 1) * percent // 100 > rank * percent // 100)
+        taken = picked.cumsum(0) - 1
+        picked &= taken < capacity
+        entries = torch.full((capacity + 1,), -1, dtype=torch.long, device=x.device)  # the last: a dump
+        entries.scatter_(0, torch.where(picked, taken, capacity),
+                         torch.where(picked, self.entry_on_device[index][expert_ids.flatten()], -1))
+        for staging, bank in zip(self.fetch.staging, self.host[layer]):
+            for name in tensor_fields(staging):
+                kernel("gather_rows", x.device.type)(getattr(staging, name), getattr(bank, name), entries[:capacity])
+        slots = torch.where(picked, taken, 0).view_as(expert_ids)
+        return self.fetch.run(0, x, slots, weights * picked.view_as(weights))
+
     def _host_steps(self, topk: int) -> HostSteps:
         if topk not in self.host_steps:
             rows = {layer: self.entry_of[self._index[layer]] for layer in self.layers}
             self.host_steps[topk] = HostSteps(self.host_run.compiled, rows, topk, self.limit, self.host_threads,
-                                              self.device, DECODE_MAX_PAIRS // topk)
+                                              self.device, DECODE_MAX_PAIRS // topk,
+                                              (self.pcie_percent, self.fetch.capacity))
         return self.host_steps[topk]
 
     def _host(self, layer: int, rows: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
@@ -268,6 +311,7 @@ class HybridExperts:
                 self._copy(h, b)
         self.slot_of[index, outgoing], self.slot_of[index, expert] = -1, slot
         self.entry_of[index, expert], self.entry_of[index, outgoing] = -1, entry
+        self.entry_on_device[index, expert], self.entry_on_device[index, outgoing] = -1, entry
         self.resident[layer][slot], self.hosted[layer][entry] = expert, outgoing
 
     def _copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:

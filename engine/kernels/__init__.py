@@ -1,6 +1,7 @@
 """Hot ops behind dispatch points; importing this package registers every implementation."""
 
 from engine.kernels import dispatch
+from engine.kernels.experts import gather as _gather  # noqa: F401
 from engine.kernels.indexer import torch_ref as _indexer  # noqa: F401
 from engine.kernels.kda import fla_prefill as _kda_prefill  # noqa: F401
 from engine.kernels.kda import torch_ref as _kda  # noqa: F401

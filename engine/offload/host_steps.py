@@ -27,10 +27,12 @@ from engine.offload.cuda_driver import copy_async, launch_host_func
 
 @dataclass
 class HostStepTotals:
-    """Since start: steps, (token, expert) pairs seen and run on the CPU, experts read, seconds spent."""
+    """Since start: steps, (token, expert) pairs seen, missed (in the host bank) and run on the CPU (the rest
+    of the missed went over PCIe), experts the CPU read, seconds it spent."""
 
     steps: int = 0
     pairs_seen: int = 0
+    pairs_missed: int = 0
     pairs_run: int = 0
     experts_run: int = 0
     seconds: float = 0.0
@@ -38,11 +40,14 @@ class HostStepTotals:
 
 class HostSteps:
     def __init__(self, stacks: dict[int, ExpertStacks], cpu_entry: dict[int, torch.Tensor], topk: int,
-                 limit: float, threads: int, device: torch.device, max_rows: int) -> None:
+                 limit: float, threads: int, device: torch.device, max_rows: int,
+                 pcie: tuple[int, int] = (0, 0)) -> None:
         """stacks: each layer's host bank; cpu_entry: each layer's expert -> bank entry map ([E] int64 on the
-        CPU, -1 for experts the CPU does not run), read at every step (changed in place between steps)."""
+        CPU, -1 for experts on the device), read at every step (changed in place between steps); pcie:
+        (percent, capacity) of the misses the device takes over PCIe (cpu_gemv.c's rule), which these skip."""
         self.stacks, self.cpu_entry = stacks, cpu_entry
         self.topk, self.limit, self.threads, self.device, self.max_rows = topk, limit, threads, device, max_rows
+        self.pcie = pcie
         first = next(iter(stacks.values()))
         hidden, inter = first.hidden, first.inter
         pin = device.type == "cuda"
@@ -98,9 +103,9 @@ class HostSteps:
             self._args[key] = HostStepArgs(
                 ctypes.pointer(m[0]), ctypes.pointer(m[1]), ctypes.pointer(m[2]), self.x.data_ptr(),
                 self.ids.data_ptr(), self.weights.data_ptr(), self.cpu_entry[layer].data_ptr(),
-                ctypes.addressof(self.live_rows), rows, self.topk, self.cpu_entry[layer].numel(), self.limit,
+                ctypes.addressof(self.live_rows), rows, self.topk, self.cpu_entry[layer].numel(), *self.pcie, self.limit,
                 self.out.data_ptr(), self.workspace.data_ptr(), self.scratch.data_ptr(), fp8_table().data_ptr(),
-                self.threads, simd_level(), 0, 0, 0, 0, 0, 0)
+                self.threads, simd_level(), 0, 0, 0, 0, 0, 0, 0)
         return self._args[key]
 
     def totals(self) -> HostStepTotals:
@@ -112,6 +117,7 @@ class HostSteps:
                                    "cannot take")
             t.steps += a.steps
             t.pairs_seen += a.pairs_seen
+            t.pairs_missed += a.pairs_missed
             t.pairs_run += a.pairs_run
             t.experts_run += a.experts_run
             t.seconds += a.nanoseconds / 1e9

@@ -102,18 +102,20 @@ def test_from_weights_moves_stacks_out_of_the_dict():
     assert not w and hybrid.resident[2] == [0, 1, 2, 3, 4]
 
 
-@pytest.mark.parametrize("fmt", ["nvfp4-ct", "fp8"])
-def test_tiny_model_with_experts_on_the_host_gives_the_same_tokens(tiny_dir, prompt, fmt):
+@pytest.mark.parametrize("fmt,pcie", [("nvfp4-ct", 0), ("fp8", 0), ("nvfp4-ct", 60)])
+def test_tiny_model_with_experts_on_the_host_gives_the_same_tokens(tiny_dir, prompt, fmt, pcie):
     """A budget of two experts per layer puts most routed experts in the host bank; greedy tokens of
-    several requests decoding together equal the all-resident engine's, and experts swap meanwhile."""
+    several requests decoding together equal the all-resident engine's, and experts swap meanwhile
+    (`pcie`: that share of the decode misses runs on the device after a gather from the host bank)."""
     from engine import LLM, SamplingParams
 
     snapshot = tiny_dir(fmt)
     resident = LLM(snapshot, dtype="float32", max_model_len=256)
-    hybrid_probe = LLM(snapshot, dtype="float32", max_model_len=256, moe_vram_budget=0)
+    hybrid_probe = LLM(snapshot, dtype="float32", max_model_len=256, moe_vram_budget=0, pcie_expert_percent=pcie)
     per_expert = hybrid_probe.core.offload.expert_bytes
     layers = len(hybrid_probe.config.moe_layers)
-    hybrid = LLM(snapshot, dtype="float32", max_model_len=256, moe_vram_budget=2 * per_expert * layers)
+    hybrid = LLM(snapshot, dtype="float32", max_model_len=256, moe_vram_budget=2 * per_expert * layers,
+                 pcie_expert_percent=pcie)
     assert {len(r) for r in hybrid.core.offload.resident.values()} == {2}
     hybrid.core.offload.fetch_min_pairs = 64  # the longer prompts' prefill fetches, decode stays on the CPU
     prompts = [prompt(n, seed=n) for n in (5, 40, 17, 64)]
@@ -204,3 +206,54 @@ def test_host_steps_run_only_host_experts_of_live_rows(fmt):
     hosted_pairs = int(torch.isin(ids, torch.tensor(hosted)).sum())
     assert totals.steps == 3 and totals.pairs_seen == 2 * 24 + 16
     assert totals.pairs_run == 2 * hosted_pairs + int(torch.isin(ids[:4], torch.tensor(hosted)).sum())
+
+
+@pytest.mark.parametrize("fmt", ["fp8", "nvfp4"])
+@pytest.mark.parametrize("percent", [50, 100])
+def test_misses_split_between_pcie_and_cpu_equal_the_reference(fmt, percent):
+    """A share of each step's misses runs on the device after a gather from the host bank, the rest on the
+    CPU; each missed pair runs exactly once (equality), and the staging slots bound the device's share."""
+    from engine.kernels.experts.cpu_gemv import available
+
+    if not available():
+        pytest.skip("the compiled CPU kernels are not built here")
+    stacks = {1: layer_stacks(fmt, 31), 4: layer_stacks(fmt, 37)}
+    reference = TorchExperts(stacks, LIMIT)
+    hybrid = HybridExperts.place(stacks, {1: [0, 2], 4: [3]}, torch.device("cpu"), LIMIT, fetch_capacity=4,
+                                 pcie_percent=percent)
+    for layer in (1, 4):
+        for t, seed in [(1, 40), (6, 41), (3, 42)]:
+            x, ids, w = routed(t, 4, seed)
+            torch.testing.assert_close(hybrid(layer, x, ids, w), reference(layer, x, ids, w), rtol=1e-5, atol=1e-5)
+    stats = hybrid.stats
+    assert stats.device_pairs + stats.host_pairs + stats.fetched_pairs == 2 * 4 * (1 + 6 + 3)
+    assert stats.fetched_pairs > 0 and stats.host_pairs > 0  # 100%: past the 4 staging slots, the CPU
+    assert stats.fetched_pairs <= 2 * 3 * 4
+
+
+def test_gather_rows_kernel_equals_the_reference():
+    from engine.kernels.experts.gather import gather_rows_torch, gather_rows_triton
+
+    g = torch.Generator().manual_seed(5)
+    for src in (torch.randint(0, 255, (7, 3, 40), dtype=torch.uint8, generator=g),
+                torch.randn(7, 5, 3, generator=g),  # 60-byte rows: words
+                torch.randint(0, 255, (7, 3), dtype=torch.uint8, generator=g)):  # 3-byte rows: bytes
+        entries = torch.tensor([4, -1, 0, 6])
+        want, got = torch.zeros((4, *src.shape[1:]), dtype=src.dtype), torch.zeros((4, *src.shape[1:]),
+                                                                                   dtype=src.dtype)
+        gather_rows_torch(want, src, entries)
+        gather_rows_triton(got, src, entries)
+        assert torch.equal(got, want) and torch.equal(want[0], src[4]) and not want[1].any()
+    with pytest.raises(ValueError, match="gather_rows"):
+        gather_rows_torch(torch.zeros(2, 3), torch.zeros(4, 5), torch.tensor([0, 1]))
+
+
+def test_miss_split_follows_the_measured_rates():
+    from engine.offload.miss_split import miss_rates, pcie_percent
+
+    assert pcie_percent(30e9, 50e9) == 62 and pcie_percent(1.0, 0.0) == 0 and pcie_percent(0.0, 0.0) == 0
+    hybrid = HybridExperts.place({0: layer_stacks("nvfp4", 3)}, {0: [0]}, torch.device("cpu"), LIMIT)
+    cpu, pcie = miss_rates(hybrid, experts=4)
+    assert cpu > 0 and pcie > 0
+    with pytest.raises(ValueError, match="pcie_percent"):
+        hybrid.split_misses(101)

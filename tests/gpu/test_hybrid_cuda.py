@@ -36,12 +36,15 @@ def test_tiny_model_hybrid_on_cuda_gives_the_same_tokens(tmp_path, fmt):
     assert stats.host_pairs > 0 and stats.device_pairs > 0 and stats.swaps > 0
 
 
-@pytest.mark.parametrize("tokens", [1, 8])
-def test_release_shape_hybrid_matches_the_reference(tokens):
-    """288 NVFP4 experts of the release's shape, 16 in device slots on the Triton kernels, the rest on the CPU."""
+@pytest.mark.parametrize("tokens,pcie", [(1, 0), (8, 0), (1, 60), (8, 60)])
+def test_release_shape_hybrid_matches_the_reference(tokens, pcie):
+    """288 NVFP4 experts of the release's shape, 16 in device slots on the Triton kernels, the rest on the CPU
+    (`pcie`: that share of the misses gathered over PCIe from the pinned bank and run on the GPU), eager and
+    replayed from a CUDA graph."""
     gen = torch.Generator().manual_seed(tokens)
     host = (nvfp4_stack(288, 2048, D, gen), nvfp4_stack(288, 2048, D, gen), nvfp4_stack(288, D, 2048, gen))
-    hybrid = HybridExperts.place({0: host}, {0: list(range(0, 288, 18))}, torch.device("cuda"), 7.0, TritonExperts)
+    hybrid = HybridExperts.place({0: host}, {0: list(range(0, 288, 18))}, torch.device("cuda"), 7.0, TritonExperts,
+                                 pcie_percent=pcie)
     x = torch.randn(tokens, D, generator=gen).to(torch.bfloat16).cuda()
     ids = torch.stack([torch.randperm(288, generator=gen)[:8] for _ in range(tokens)]).cuda()
     ids[:, 0] = 18 * torch.arange(1, tokens + 1)  # a device hit in every token
@@ -52,6 +55,13 @@ def test_release_shape_hybrid_matches_the_reference(tokens):
     err = ((got.double() - want.double()).norm() / want.double().norm()).item()
     assert err < 1e-2, err  # bf16 activations against fp32
     assert hybrid.stats.host_pairs > 0 and hybrid.stats.device_pairs >= tokens
+    assert (hybrid.stats.fetched_pairs > 0) == (pcie > 0)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        replayed = hybrid(0, x, ids, w)
+    graph.replay()
+    torch.cuda.synchronize()
+    torch.testing.assert_close(replayed, got, rtol=0, atol=0)  # the same pairs on the same paths
 
 
 def test_auto_budget_takes_the_memory_the_caches_leave(tmp_path):

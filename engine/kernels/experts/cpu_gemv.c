@@ -391,7 +391,11 @@ int experts_forward(const matrix *gate, const matrix *up, const matrix *down, co
  * per step. The device copies the step's rows, top-k ids and routing weights into the pinned inputs
  * before, and copies `out` back after. `cpu_entry` maps an expert id to its host bank entry (-1: the
  * CPU does not run it); it is read at run time, so swaps between steps move experts under a captured
- * graph. The totals are for metrics (read between steps). */
+ * graph. Of the missed pairs (those with an entry), in row-major order, the device takes a share over
+ * PCIe: the pair of miss rank r if (r + 1) * pcie_percent / 100 > r * pcie_percent / 100 (integer
+ * division) and fewer than pcie_capacity went before it; the device applies the same rule to the same
+ * ids, so the two sides split the misses without talking. The totals are for metrics (read between
+ * steps). */
 typedef struct {
     const matrix *gate, *up, *down;
     const float *x;          /* [rows, d] */
@@ -400,6 +404,7 @@ typedef struct {
     const int64_t *cpu_entry;   /* [num_experts] */
     const int64_t *live_rows;   /* rows in use this step: a graph's padding rows are skipped */
     int64_t rows, topk, num_experts;
+    int64_t pcie_percent, pcie_capacity;
     float limit;
     float *out;              /* [rows, d]: sum over the CPU's pairs of weight * expert(x); zero elsewhere */
     float *workspace;        /* rows * topk * (1 + 3 * d + 3 * i) + 1 floats */
@@ -407,8 +412,13 @@ typedef struct {
     const float *fp8_table;
     int32_t threads, level;
     int32_t status;          /* 0, or -1 once a step failed (bad shapes) */
-    int64_t steps, pairs_seen, pairs_run, experts_run, nanoseconds;
+    int64_t steps, pairs_seen, pairs_missed, pairs_run, experts_run, nanoseconds;
 } host_step_args;
+
+/* Whether the missed pair of rank `rank` goes over PCIe (see host_step_args), given `taken` before it. */
+static int to_pcie(int64_t rank, int64_t taken, int64_t percent, int64_t capacity) {
+    return taken < capacity && (rank + 1) * percent / 100 > rank * percent / 100;
+}
 
 static int64_t now_ns(void) {
     struct timespec t;
@@ -426,11 +436,15 @@ void host_step(void *arg) {
     const int64_t cap = a->rows * a->topk;
     int64_t *entry = a->scratch, *token = entry + cap, *experts = token + cap, *starts = experts + cap;
     float *pair_weights = a->workspace, *xs = pair_weights + cap, *ys = xs + cap * d, *ws = ys + cap * d;
-    int64_t pairs = 0;
+    int64_t pairs = 0, missed = 0, pcie = 0;
     for (int64_t p = 0; p < rows * a->topk; p++) {
         const int64_t e = a->ids[p];
         const int64_t bank = e >= 0 && e < a->num_experts ? a->cpu_entry[e] : -1;
         if (bank < 0) continue;
+        if (to_pcie(missed++, pcie, a->pcie_percent, a->pcie_capacity)) {
+            pcie++;
+            continue;
+        }
         int64_t at = pairs++; /* insertion by entry, stable */
         while (at > 0 && entry[at - 1] > bank) {
             entry[at] = entry[at - 1], token[at] = token[at - 1], pair_weights[at] = pair_weights[at - 1];
@@ -449,6 +463,7 @@ void host_step(void *arg) {
         a->status = -1;
     for (int64_t p = 0; p < pairs; p++)
         for (int64_t j = 0; j < d; j++) a->out[token[p] * d + j] += ys[p * d + j];
-    a->steps++, a->pairs_seen += rows * a->topk, a->pairs_run += pairs, a->experts_run += groups;
+    a->steps++, a->pairs_seen += rows * a->topk, a->pairs_missed += missed, a->pairs_run += pairs;
+    a->experts_run += groups;
     a->nanoseconds += now_ns() - start;
 }

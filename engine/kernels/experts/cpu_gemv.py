@@ -57,10 +57,12 @@ class HostStepArgs(ctypes.Structure):
 
     _fields_ = [("gate", ctypes.POINTER(Matrix)), ("up", ctypes.POINTER(Matrix)), ("down", ctypes.POINTER(Matrix)),
                 ("x", _P), ("ids", _P), ("weights", _P), ("cpu_entry", _P), ("live_rows", _P),
-                ("rows", _I), ("topk", _I), ("num_experts", _I), ("limit", ctypes.c_float),
+                ("rows", _I), ("topk", _I), ("num_experts", _I), ("pcie_percent", _I), ("pcie_capacity", _I),
+                ("limit", ctypes.c_float),
                 ("out", _P), ("workspace", _P), ("scratch", _P), ("fp8_table", _P),
                 ("threads", ctypes.c_int32), ("level", ctypes.c_int32), ("status", ctypes.c_int32),
-                ("steps", _I), ("pairs_seen", _I), ("pairs_run", _I), ("experts_run", _I), ("nanoseconds", _I)]
+                ("steps", _I), ("pairs_seen", _I), ("pairs_missed", _I), ("pairs_run", _I), ("experts_run", _I),
+                ("nanoseconds", _I)]
 
 
 @functools.lru_cache(maxsize=None)

@@ -1,0 +1,71 @@
+"""How a decode step's missed experts are split between the CPU and the PCIe link, from rates measured at load.
+
+The CPU runs a missed expert at the rate its compiled pass reads host memory; the device runs one after
+a kernel copies it over PCIe (reading the pinned host bank directly). Both proceed at once, so the
+split that ends them together gives the link the share pcie / (cpu + pcie) of the misses. Measured on
+the engine's own buffers and threads, a few experts of the first MoE layer each way (tens of
+milliseconds), before the decode graphs are captured (the share is built into them).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Callable
+
+import torch
+
+from engine.kernels import kernel
+from engine.weights import tensor_fields
+
+log = logging.getLogger("glmflash.engine")
+
+
+def _best_of(runs: int, fn: Callable[[], None]) -> float:
+    """Shortest of `runs` timed calls after one warm call (compiles, page faults), in seconds."""
+    fn()
+    times = []
+    for _ in range(runs):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return min(times)
+
+
+def miss_rates(hybrid, experts: int = 8) -> tuple[float, float]:
+    """(CPU, PCIe) bytes per second on `experts` missed experts of the first MoE layer (batch-1 shaped)."""
+    layer = hybrid.layers[0]
+    bank = hybrid.host[layer]
+    n = min(experts, len(hybrid.hosted[layer]), hybrid.fetch.capacity)
+    if n == 0:
+        return 0.0, 0.0
+    nbytes = n * hybrid.expert_bytes
+    x = torch.randn(1, bank[0].shape[-1]).expand(n, -1).contiguous()
+    ids, weights = torch.arange(n).unsqueeze(1), torch.ones(n, 1)
+    cpu = _best_of(3, lambda: hybrid.host_run(layer, x, ids, weights))
+    device = hybrid.device
+    entries = torch.full((hybrid.fetch.capacity,), -1, dtype=torch.long, device=device)
+    entries[:n] = torch.arange(n, device=device)
+
+    def copy() -> None:
+        for staging, host in zip(hybrid.fetch.staging, bank):
+            for name in tensor_fields(staging):
+                kernel("gather_rows", device.type)(getattr(staging, name), getattr(host, name), entries)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
+    pcie = _best_of(3, copy)
+    return nbytes / cpu, nbytes / pcie
+
+
+def pcie_percent(cpu_rate: float, pcie_rate: float) -> int:
+    """The link's share of the misses (0-100) that makes both sides finish together."""
+    total = cpu_rate + pcie_rate
+    return round(100 * pcie_rate / total) if total > 0 else 0
+
+
+def measured_pcie_percent(hybrid) -> int:
+    cpu, pcie = miss_rates(hybrid)
+    percent = pcie_percent(cpu, pcie)
+    log.info("event=miss_split cpu_GBps=%.1f pcie_GBps=%.1f pcie_percent=%d", cpu / 1e9, pcie / 1e9, percent)
+    return percent
