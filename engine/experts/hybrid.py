@@ -105,6 +105,7 @@ class HybridExperts:
                 self.entry_of[i, self.hosted[layer]] = torch.arange(len(self.hosted[layer]))
         self.entry_on_device = self.entry_of.to(device)  # the same map, for the device's share of the misses
         self.pcie_percent = 0
+        self._live_rows = torch.zeros((), dtype=torch.long, device=device)  # a replayed graph's rows in use
         self.counts = torch.zeros(len(self.layers), self.num_experts, device=device)
         self.device_run = device_executor(self.device_stacks, swiglu_limit)
         self.host_run = CpuExperts(self.host, swiglu_limit, host_threads)
@@ -183,7 +184,8 @@ class HybridExperts:
         return s
 
     def use_rows(self, rows: int) -> None:
-        """Rows in use in the next replayed decode graph (its padding rows cost no CPU work)."""
+        """Rows in use in the next replayed decode graph (its padding rows cost no CPU work and no copies)."""
+        self._live_rows.fill_(rows)
         for steps in self.host_steps.values():
             steps.use_rows(rows)
 
@@ -235,6 +237,9 @@ class HybridExperts:
         bank, then run by the device executor -> [T, D] in x's dtype."""
         index, capacity, percent = self._index[layer], self.fetch.capacity, self.pcie_percent
         missed = miss.flatten()
+        if x.is_cuda and torch.cuda.is_current_stream_capturing():  # replays run padding rows: copy nothing for them
+            rows = torch.arange(missed.numel(), device=x.device) // expert_ids.shape[1]
+            missed = missed & (rows < self._live_rows)
         rank = missed.cumsum(0) - 1
         picked = missed & ((rank + 1) * percent // 100 > rank * percent // 100)
         taken = picked.cumsum(0) - 1

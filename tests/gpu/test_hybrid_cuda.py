@@ -59,6 +59,7 @@ def test_release_shape_hybrid_matches_the_reference(tokens, pcie):
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         replayed = hybrid(0, x, ids, w)
+    hybrid.use_rows(tokens)  # what DecodeGraphs tells it before each replay
     graph.replay()
     torch.cuda.synchronize()
     torch.testing.assert_close(replayed, got, rtol=0, atol=0)  # the same pairs on the same paths
