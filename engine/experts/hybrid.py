@@ -83,7 +83,7 @@ class LayerExperts:
 class HybridExperts:
     def __init__(self, layers: dict[int, LayerExperts], device: torch.device, swiglu_limit: float,
                  device_executor=TorchExperts, count_decay: float = 0.99, host_threads: int | None = None,
-                 fetch_min_pairs: int = 256, fetch_capacity: int = 16, pcie_percent: int = 0) -> None:
+                 fetch_min_pairs: int = 256, fetch_capacity: int = 8, pcie_percent: int = 0) -> None:
         """pcie_percent: the share of a decode step's misses copied to the device and run there (0-100; the
         staging slots bound it per layer step), fixed before the first decode step."""
         self.device, self.decay = device, count_decay

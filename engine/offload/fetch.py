@@ -2,9 +2,11 @@
 
 A prefill chunk routes thousands of (token, expert) pairs to experts that live in host RAM: the CPU
 would spend seconds on that math where the GPU spends milliseconds, so the experts come to the GPU
-instead, in rounds of `capacity` experts through one staging stack. The copies (from pinned memory)
-and the math are queued on the same stream, so a round never reads a half-copied expert; overlapping
-the next round's copy with this round's math (a second buffer on a copy stream) is the next step.
+instead, in rounds of `capacity` experts. Two staging stacks take turns: while the device runs one
+round's experts from one stack, a copy stream fills the other with the next round's (from pinned host
+memory), so the link and the math overlap; events order each stack's reuse. The first stack is also
+where a decode step's PCIe share of the misses lands (experts/hybrid.py), between fetches on the same
+stream.
 """
 
 from __future__ import annotations
@@ -29,9 +31,20 @@ class ExpertFetcher:
     def __init__(self, template: Stacks, capacity: int, device: torch.device, make_executor: Callable) -> None:
         """template: stacks of one layer (every MoE layer has the same formats and expert shapes)."""
         self.capacity = capacity
-        self.staging = tuple(map_tensors(s, lambda t: torch.empty((capacity, *t.shape[1:]), dtype=t.dtype,
-                                                                     device=device)) for s in template)
-        self.run = make_executor({0: self.staging})
+        self.buffers = [tuple(map_tensors(s, lambda t: torch.empty((capacity, *t.shape[1:]), dtype=t.dtype,
+                                                                      device=device)) for s in template)
+                        for _ in range(2)]
+        self.runs = [make_executor({0: stacks}) for stacks in self.buffers]
+        self.copy_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+
+    @property
+    def staging(self) -> Stacks:
+        """The first staging stack (the decode step's PCIe share uses it)."""
+        return self.buffers[0]
+
+    @property
+    def run(self) -> Callable:
+        return self.runs[0]
 
     def __call__(self, host: Stacks, x: torch.Tensor, rows: torch.Tensor, ids: torch.Tensor,
                  weights: torch.Tensor) -> torch.Tensor:
@@ -39,13 +52,41 @@ class ExpertFetcher:
         -> [len(rows), D]."""
         out = torch.empty(rows.shape[0], x.shape[1], dtype=x.dtype, device=x.device)
         experts = ids.unique().tolist()
-        for start in range(0, len(experts), self.capacity):
-            chosen = experts[start:start + self.capacity]
-            for slot, expert in enumerate(chosen):
-                copy_expert(self.staging, slot, host, expert)
+        rounds = [experts[start:start + self.capacity] for start in range(0, len(experts), self.capacity)]
+        compute = torch.cuda.current_stream(x.device) if self.copy_stream is not None else None
+        if compute is not None:
+            self.copy_stream.wait_stream(compute)  # the stacks' earlier readers come first
+        freed: list[torch.cuda.Event | None] = [None, None]  # the compute that last read each stack
+        ready = self._load(host, rounds, 0, freed)
+        for index, chosen in enumerate(rounds):
+            following = self._load(host, rounds, index + 1, freed)  # queued before this round's math
+            if ready is not None:
+                compute.wait_event(ready)
             slot_of = torch.full((host[0].shape[0],), -1, dtype=torch.long, device=ids.device)
             slot_of[torch.tensor(chosen, device=ids.device)] = torch.arange(len(chosen), device=ids.device)
             slots = slot_of[ids]
             picked = (slots >= 0).nonzero().squeeze(1)
-            out[picked] = self.run(0, x[rows[picked]], slots[picked].unsqueeze(1), weights[picked].unsqueeze(1))
+            out[picked] = self.runs[index % 2](0, x[rows[picked]], slots[picked].unsqueeze(1),
+                                               weights[picked].unsqueeze(1))
+            if compute is not None:
+                freed[index % 2] = compute.record_event()
+            ready = following
         return out
+
+    def _load(self, host: Stacks, rounds: list[list[int]], index: int,
+              freed: list[torch.cuda.Event | None]) -> torch.cuda.Event | None:
+        """Queue round `index`'s experts into its stack (on the copy stream, after the stack's last reader)
+        -> the event the round's math waits for (None: copied already, or no such round)."""
+        if index >= len(rounds):
+            return None
+        stacks = self.buffers[index % 2]
+        if self.copy_stream is None:
+            for slot, expert in enumerate(rounds[index]):
+                copy_expert(stacks, slot, host, expert)
+            return None
+        if freed[index % 2] is not None:
+            self.copy_stream.wait_event(freed[index % 2])
+        with torch.cuda.stream(self.copy_stream):
+            for slot, expert in enumerate(rounds[index]):
+                copy_expert(stacks, slot, host, expert)
+            return self.copy_stream.record_event()

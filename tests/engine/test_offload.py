@@ -164,7 +164,7 @@ def test_budget_resolution():
 @pytest.mark.parametrize("fmt", ["dense", "fp8", "nvfp4"])
 def test_large_batches_fetch_missed_experts_to_the_device(fmt):
     """Past fetch_min_pairs the misses run on the device executor after a copy of their experts, in
-    rounds of two through the staging stack: five rounds here for ten missed experts."""
+    rounds of two through the two staging stacks in turn: five rounds here for ten missed experts."""
     stacks = {0: layer_stacks(fmt, 11)}
     hybrid = HybridExperts.place(stacks, {0: [0, 1]}, torch.device("cpu"), LIMIT, fetch_min_pairs=8, fetch_capacity=2)
     x, ids, w = routed(16, 4, 12)

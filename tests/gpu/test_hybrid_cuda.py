@@ -75,7 +75,7 @@ def test_auto_budget_takes_the_memory_the_caches_leave(tmp_path):
 
 
 def test_prefill_sized_batches_fetch_their_experts():
-    """A 256-token batch at the release's shape: its misses are copied to the GPU in rounds of 16."""
+    """A 256-token batch at the release's shape: its misses are copied to the GPU in rounds of 8, two staging stacks taking turns."""
     gen = torch.Generator().manual_seed(5)
     host = (nvfp4_stack(288, 2048, D, gen), nvfp4_stack(288, 2048, D, gen), nvfp4_stack(288, D, 2048, gen))
     hybrid = HybridExperts.place({0: host}, {0: list(range(16))}, torch.device("cuda"), 7.0, TritonExperts)
