@@ -141,6 +141,9 @@ def main() -> None:
                         "per step, at most")
     parser.add_argument("--pcie-percent", type=int, help="hybrid: share of decode misses run on the GPU after a "
                         "PCIe copy (default: from the rates measured at load)")
+    parser.add_argument("--routing-skew", type=float, default=0.0, help="hybrid: skew the routing toward a few "
+                        "experts per layer (Zipf-like: selection bias -S*log(rank)); 0 keeps the synthetic router's "
+                        "near-uniform routing")
     parser.add_argument("--expert-variety", type=int, help="distinct expert values per layer (a faster build at "
                         "release size: each expert still has its own memory)")
     parser.add_argument("--json", help="write the results here as JSON")
@@ -174,6 +177,8 @@ def main() -> None:
         slots = auto_slots(cfg, args.format, device) if args.expert_slots == "auto" else int(args.expert_slots)
         report({"expert_slots_per_layer": slots, "host_read_GBps": read_bandwidth(4 << 30)})
     weights = synthetic_weights(cfg, args.format, device, dtype, expert_slots=slots, expert_variety=args.expert_variety)
+    if args.routing_skew:
+        skew_routing(cfg, weights, args.routing_skew)
     sync(device)
     sizes = weight_bytes(cfg, weights)
     head_bytes = nbytes(weights["lm_head"]) + nbytes(weights["norm.weight"])
@@ -273,6 +278,8 @@ def hybrid_decode_figures(name: str, llm: LLM, batch: int, context: int, steps: 
     host_ms = (d["host_bytes"] + d["fetched_bytes"]) / steps / (host_read * 1e9) * 1e3  # every miss read from RAM
     return {f"{name}_step_ms": seconds * 1e3, f"{name}_tok_s": batch / seconds,
             f"{name}_hit_rate": d["device_pairs"] / max(pairs, 1),
+            f"{name}_ideal_hit_rate": ideal_hit_rate(core.offload.counts.cpu(), len(core.offload.resident[
+                core.offload.layers[0]])),
             f"{name}_host_pairs_per_step": d["host_pairs"] / steps,
             f"{name}_pcie_pairs_per_step": d["fetched_pairs"] / steps,
             f"{name}_distinct_host_experts_per_step": d["host_bytes"] / steps / per_expert,
@@ -280,6 +287,24 @@ def hybrid_decode_figures(name: str, llm: LLM, batch: int, context: int, steps: 
             f"{name}_cpu_GBps": d["host_bytes"] / d["host_seconds"] / 1e9 if d["host_seconds"] > 0 else 0.0,
             f"{name}_cpu_ms_per_step": d["host_seconds"] / steps * 1e3,
             f"{name}_host_roofline_ms": host_ms, f"{name}_ratio_to_host_roofline": seconds * 1e3 / max(host_ms, 1e-9)}
+
+
+def skew_routing(cfg: ModelConfig, weights: dict, skew: float, seed: int = 7) -> None:
+    """A Zipf-like routing trace: each MoE layer's selection bias favours experts by a random rank order,
+    -skew * log(1 + rank), so a few experts take most pairs (as trained routers do) in a different order
+    per layer (the loader placed experts by id, so the hot ones start mostly on the host)."""
+    gen = torch.Generator().manual_seed(seed)
+    for layer in cfg.moe_layers:
+        bias = weights[f"layers.{layer}.mlp.gate.e_score_correction_bias"]
+        rank = torch.randperm(cfg.n_routed_experts, generator=gen).float()
+        bias.copy_(-skew * torch.log1p(rank))
+
+
+def ideal_hit_rate(counts: torch.Tensor, slots: int) -> float:
+    """The hit rate if each layer's `slots` most-routed experts (by the engine's decayed counts) sat in its
+    slots: what a perfect placement would reach on this routing."""
+    top = counts.float().sort(dim=1, descending=True).values[:, :slots].sum(1)
+    return float((top / counts.float().sum(1).clamp(min=1e-9)).mean())
 
 
 def auto_slots(cfg: ModelConfig, fmt: str, device: torch.device) -> int:
