@@ -26,7 +26,7 @@ from engine.checkpoint.availability import ExpertAvailability
 from engine.experts import default_executor, executor_class
 from engine.experts.pending import PendingExperts
 from engine.experts.hybrid import HybridExperts, OffloadStats
-from engine.offload.miss_split import choose_pcie_percent
+from engine.offload.miss_split import choose_split
 from engine.offload.placement import AUTO, auto_budget, plan_load
 from engine.model.glm5_next import Glm5NextModel
 from engine.model_runner import ModelRunner
@@ -184,7 +184,7 @@ class EngineCore:
             budget = auto_budget(*torch.cuda.mem_get_info(device)) if device.type == "cuda" else 0
         hybrid = HybridExperts.from_weights(weights, config.moe_layers, config.swiglu_limit, device, budget,
                                             executor_class(device), options.cpu_expert_threads)
-        hybrid.split_misses(choose_pcie_percent(hybrid, config.num_experts_per_tok, options.pcie_expert_percent))
+        hybrid.split_misses(*choose_split(hybrid, config.num_experts_per_tok, options.pcie_expert_percent))
         slots = len(hybrid.resident[config.moe_layers[0]])
         gib_per_slot = hybrid.expert_bytes * len(config.moe_layers) / 2 ** 30  # one expert in every MoE layer
         log.info("event=expert_placement device_slots_per_layer=%d of=%d device_gib=%.2f host_gib=%.2f",

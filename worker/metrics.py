@@ -46,6 +46,15 @@ class Metrics:
                                   registry=r)
         self.expert_host_gbps = Gauge("glmflash_expert_host_gbps", "Expert bytes the CPU executor read per second",
                                       registry=r)
+        self.expert_cpu_share = Gauge("glmflash_expert_cpu_share", "Routed pairs computed on the CPU, of all pairs",
+                                      registry=r)
+        self.expert_fetched_pairs = Gauge("glmflash_expert_fetched_pairs",
+                                          "Routed pairs run on the GPU after a copy of their expert from host RAM",
+                                          registry=r)
+        self.expert_pcie_percent = Gauge("glmflash_expert_pcie_percent",
+                                         "Share of decode misses sent over PCIe (the rest run on the CPU)", registry=r)
+        self.expert_rate_at_load = Gauge("glmflash_expert_rate_at_load_gbps",
+                                         "Missed-expert rates measured at load, by path", ["path"], registry=r)
         # Prefix cache totals since start (engine counters, mirrored at every refresh).
         self.prefix_requests = Gauge("glmflash_prefix_cache_requests", "Requests looked up in the prefix cache",
                                      registry=r)
@@ -76,6 +85,12 @@ class Metrics:
             self.expert_swaps.set(offload.swaps)
             self.expert_fetched_bytes.set(offload.fetched_bytes)
             self.expert_host_gbps.set(offload.host_bytes / offload.host_seconds / 1e9 if offload.host_seconds else 0.0)
+            pairs = offload.device_pairs + offload.host_pairs + offload.fetched_pairs
+            self.expert_cpu_share.set(offload.host_pairs / pairs if pairs else 0.0)
+            self.expert_fetched_pairs.set(offload.fetched_pairs)
+            self.expert_pcie_percent.set(offload.pcie_percent)
+            self.expert_rate_at_load.labels("cpu").set(offload.cpu_rate_at_load / 1e9)
+            self.expert_rate_at_load.labels("pcie").set(offload.pcie_rate_at_load / 1e9)
         if stats.prefix is not None:
             self.observe_prefix_cache(stats.prefix)
 

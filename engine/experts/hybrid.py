@@ -44,6 +44,9 @@ class OffloadStats:
     swaps: int = 0
     host_seconds: float = 0.0
     host_bytes: int = 0  # expert bytes the CPU executor read
+    pcie_percent: int = 0  # share of decode misses sent over PCIe (fixed at load)
+    cpu_rate_at_load: float = 0.0  # bytes/s the CPU pass and the PCIe gather reached when measured at load
+    pcie_rate_at_load: float = 0.0
 
     @property
     def hit_rate(self) -> float:
@@ -154,14 +157,16 @@ class HybridExperts:
             del stacks
         return cls(placed, device, swiglu_limit, device_executor, host_threads=host_threads)
 
-    def split_misses(self, pcie_percent: int) -> None:
-        """Set the share of decode misses that go over PCIe; before the first decode step (it is built into
-        the host steps and into captured graphs)."""
+    def split_misses(self, pcie_percent: int, measured: tuple[float, float] | None = None) -> None:
+        """Set the share of decode misses that go over PCIe (and the (CPU, PCIe) rates it came from), before
+        the first decode step: it is built into the host steps and into captured graphs."""
         if not 0 <= pcie_percent <= 100:
             raise ValueError(f"pcie_percent must be within 0..100, got {pcie_percent}")
         if self.host_steps and pcie_percent != self.pcie_percent:
             raise RuntimeError("the miss split is fixed once decode steps have run")
         self.pcie_percent = pcie_percent
+        self._stats.pcie_percent = pcie_percent
+        self._stats.cpu_rate_at_load, self._stats.pcie_rate_at_load = measured or (0.0, 0.0)
 
     @property
     def graph_safe(self) -> bool:

@@ -64,19 +64,20 @@ def pcie_percent(cpu_rate: float, pcie_rate: float) -> int:
     return round(100 * pcie_rate / total) if total > 0 else 0
 
 
-def choose_pcie_percent(hybrid, topk: int, requested: int | None) -> int:
-    """The split to use: `requested`, else measured (CUDA; 0 elsewhere). Logs the rates and what they bound:
-    the missed experts a token reads under uniform routing and the tok/s the host side allows at most."""
+def choose_split(hybrid, topk: int, requested: int | None) -> tuple[int, tuple[float, float] | None]:
+    """The split to use: `requested`, else measured (CUDA; 0 elsewhere), with the (CPU, PCIe) rates when
+    measured. Logs the rates and what they bound: the missed experts a token reads under uniform routing
+    and the tok/s the host side allows at most."""
     layers = len(hybrid.layers)
     hosted = sum(len(hybrid.hosted[layer]) for layer in hybrid.layers) / max(layers, 1)
     miss_bytes = hosted / hybrid.num_experts * topk * layers * hybrid.expert_bytes
     if requested is not None or hybrid.device.type != "cuda":
         percent = 0 if requested is None else requested
         log.info("event=miss_split pcie_percent=%d missed_gb_per_token=%.2f", percent, miss_bytes / 1e9)
-        return percent
+        return percent, None
     cpu, pcie = miss_rates(hybrid)
     percent = pcie_percent(cpu, pcie)
     bound = (cpu + pcie) / miss_bytes if miss_bytes else float("inf")
     log.info("event=miss_split cpu_GBps=%.1f pcie_GBps=%.1f pcie_percent=%d missed_gb_per_token=%.2f "
              "host_bound_tok_s=%.1f", cpu / 1e9, pcie / 1e9, percent, miss_bytes / 1e9, bound)
-    return percent
+    return percent, (cpu, pcie)
