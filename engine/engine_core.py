@@ -243,6 +243,22 @@ class EngineCore:
         self.scheduler.finish(seq)
         return True
 
+    def count_routing(self, prompts: list[list[int]]) -> int:
+        """Prefill each prompt once (a calibration set) so hybrid placement starts from its routing: the
+        experts it routes to most move into device slots now, or over the first steps while swaps are
+        held. -> swaps made now."""
+        if self.offload is None or not prompts:
+            return 0
+        if self.has_work:
+            raise RuntimeError("routing calibration needs an idle engine")
+        keep = self.options.max_model_len - 1
+        for index, ids in enumerate(p for p in prompts if p):
+            self.add(Sequence(f"routing-calibration-{index}", ids[:keep], SamplingParams(max_tokens=1)))
+        while self.has_work:
+            self.step()
+        self.offload.settle_all = True
+        return self.offload.rebalance(0)
+
     @property
     def has_work(self) -> bool:
         return self.scheduler.has_work

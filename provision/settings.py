@@ -10,7 +10,7 @@ import os
 from pathlib import Path
 from typing import Literal
 
-from pydantic import AliasChoices, Field
+from pydantic import AliasChoices, Field, FilePath
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 
@@ -56,6 +56,10 @@ class Settings(BaseSettings):
     cpu_expert_threads: int | None = Field(None, ge=1, validation_alias=_env("CPU_EXPERT_THREADS"),
                                            description="CPU threads computing the routed experts kept in host RAM "
                                                        "(default: torch's thread count)")
+    expert_calibration: FilePath | None = Field(None, validation_alias=_env("EXPERT_CALIBRATION"),
+                                                description="A text file of prompts, one per line, prefilled once at "
+                                                            "start: hybrid placement puts the experts they route to "
+                                                            "most in GPU slots first")
     pcie_expert_percent: int | None = Field(None, ge=0, le=100, validation_alias=_env("PCIE_EXPERT_PERCENT"),
                                             description="Share (percent) of a decode step's missed experts that "
                                                         "are copied over PCIe and run on the GPU while the CPU runs "

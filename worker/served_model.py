@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import logging
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -16,6 +18,8 @@ from provision.settings import Settings
 from worker.chat_template import ChatTemplate
 from worker.engine_options import engine_options
 from worker.provisioning import LoadedModel
+
+log = logging.getLogger("glmflash.worker")
 
 
 @dataclass
@@ -44,9 +48,21 @@ def build_served_model(loaded: LoadedModel, settings: Settings) -> ServedModel:
                       loaded.experts)
     if loaded.prepare is not None and core.offload is not None:
         core.offload.swaps_held = True  # the prepared snapshot is written from the slots and the host bank
+    if settings.expert_calibration is not None and core.offload is not None:
+        _calibrate_routing(core, tokenizer, settings.expert_calibration)
     template = ChatTemplate.from_dir(files) if _has_template(files) else None
     return ServedModel(loaded.name, AsyncEngine(core, tokenizer), tokenizer, template, settings.max_model_len,
                        loaded.config.vocab_size, experts=loaded.experts)
+
+
+def _calibrate_routing(core: EngineCore, tokenizer: Tokenizer, path: Path) -> None:
+    """GLMFLASH_EXPERT_CALIBRATION: one prompt per non-empty line, prefilled before ready."""
+    start = time.perf_counter()
+    prompts = [tokenizer.encode(line, add_special_tokens=False).ids
+               for line in path.read_text().splitlines() if line.strip()]
+    swaps = core.count_routing(prompts)
+    log.info("event=expert_calibration file=%s prompts=%d tokens=%d swaps=%d seconds=%.2f", path, len(prompts),
+             sum(map(len, prompts)), swaps, time.perf_counter() - start)
 
 
 def _has_template(snapshot: Path) -> bool:

@@ -127,6 +127,7 @@ class HybridExperts:
         # Set while something reads the slots and the host bank by expert id (a prepared snapshot being
         # written from them): swaps would move experts under it.
         self.swaps_held = False
+        self.settle_all = False  # the next rebalance moves every expert the counts ask for, not a bounded few
 
     @classmethod
     def place(cls, stacks: dict[int, Stacks], placement: dict[int, list[int]], device: torch.device,
@@ -281,6 +282,8 @@ class HybridExperts:
         the host never blocks on a swap."""
         if self.swaps_held:
             return 0
+        if self.settle_all:  # a calibration ran while swaps were held: its whole placement, once
+            max_swaps, self.settle_all = self.num_experts * len(self.layers), False
         counts = self.counts.cpu()
         self.counts *= self.decay
         made = 0

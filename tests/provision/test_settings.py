@@ -50,3 +50,17 @@ def test_ready_at_is_loaded_or_partial(monkeypatch):
     monkeypatch.setenv("GLMFLASH_READY_AT", "soon")
     with pytest.raises(ValidationError, match="GLMFLASH_READY_AT[\\s\\S]*'loaded' or 'partial'"):
         Settings()
+
+
+def test_offload_settings_are_checked(monkeypatch, tmp_path):
+    monkeypatch.setenv("GLMFLASH_EXPERT_CALIBRATION", str(tmp_path / "missing.txt"))
+    with pytest.raises(ValidationError, match="(?i)GLMFLASH_EXPERT_CALIBRATION[\\s\\S]*file"):
+        Settings()
+    (tmp_path / "prompts.txt").write_text("one prompt\n")
+    monkeypatch.setenv("GLMFLASH_EXPERT_CALIBRATION", str(tmp_path / "prompts.txt"))
+    monkeypatch.setenv("GLMFLASH_PCIE_EXPERT_PERCENT", "101")
+    with pytest.raises(ValidationError, match="GLMFLASH_PCIE_EXPERT_PERCENT"):
+        Settings()
+    monkeypatch.setenv("GLMFLASH_PCIE_EXPERT_PERCENT", "40")
+    settings = Settings()
+    assert settings.pcie_expert_percent == 40 and settings.expert_calibration == tmp_path / "prompts.txt"

@@ -40,3 +40,31 @@ def test_split_misses_answer_the_same_and_show_the_split(tmp_path_factory):
     finally:
         for server in servers:
             stop_server(server)
+
+
+def test_calibration_prompts_put_their_hottest_experts_in_slots(tmp_path):
+    """GLMFLASH_EXPERT_CALIBRATION: the prompts are prefilled before ready and each layer's device slots end
+    up holding experts routed to at least as often as any left on the host."""
+    from engine.tiny.factory import NUM_LAYERS, TEXT_CONFIG
+    from provision.settings import Settings
+    from provision.stages import StageClock
+    from worker.provisioning import provision_and_load
+    from worker.served_model import build_served_model
+
+    calibration = tmp_path / "calibration.txt"
+    calibration.write_text("\n".join(f"calibration prompt {i} about routing and experts " * 4 for i in range(6)))
+    expert_bytes = 3 * TEXT_CONFIG["hidden_size"] * TEXT_CONFIG["moe_intermediate_size"] * 2  # bf16
+    budget_gib = 2.5 * expert_bytes * (NUM_LAYERS - 1) / 2 ** 30  # two slots per MoE layer
+    settings = Settings(model=None, device="cpu", dtype="bfloat16", max_model_len=1024, cache_dir=tmp_path / "cache",
+                        moe_vram_budget_gib=budget_gib, expert_calibration=calibration, container_id=None,
+                        report_addr=None)
+    offload = build_served_model(provision_and_load(settings, StageClock(300.0)), settings).engine.core.offload
+    assert offload.swaps_held and offload.stats.swaps == 0  # a cold start: the prepared snapshot is written first
+    offload.swaps_held = False  # what the end of that write does; the engine's next step rebalances:
+    assert offload.rebalance(4) > 4 and offload.stats.swaps > 4  # the calibration's whole placement at once
+    counts = offload.counts
+    for layer in offload.layers:
+        resident, hosted = offload.resident[layer], offload.hosted[layer]
+        assert len(resident) == 2
+        row = counts[offload.layers.index(layer)]
+        assert row[resident].min() >= row[hosted].max()
