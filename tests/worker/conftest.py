@@ -80,6 +80,14 @@ def tokenizer(tiny_model_dir):
     return AutoTokenizer.from_pretrained(str(tiny_model_dir))
 
 
+@pytest.fixture(scope="module")
+def router_key():
+    """The Vast router's signing key (vast_helpers signs with it; the stand-in controller serves its public half)."""
+    from cryptography.hazmat.primitives.asymmetric import rsa
+
+    return rsa.generate_private_key(public_exponent=65537, key_size=2048)
+
+
 @pytest.fixture()
 def client(server):
     import openai
