@@ -6,21 +6,12 @@ from __future__ import annotations
 
 import json
 
-import pytest
-
-from engine.tiny.factory import write_tiny_model
 from server_helpers import MODEL_NAME, free_port, make_settings, start_server, stop_server, wait_until
 from worker.partial_ready import MIN_SHARE, reduced_max_perf
 
-# 7 MoE layers x 64 experts x 3 projections of 96 x 192 bf16: 15.5 MB of experts, about 10 s at this rate,
-# while the warm-up and the requests below route to at most 2 x 12 experts per layer.
+# The 15.5 MB of experts (conftest.many_experts) in about 10 s, while the warm-up and the requests below route to
+# at most 2 x 12 experts per layer.
 FILL_GBPS = 0.0015
-
-
-@pytest.fixture(scope="module")
-def many_experts(tmp_path_factory):
-    return write_tiny_model(tmp_path_factory.mktemp("partial") / "tiny", "bf16", 0, n_routed_experts=64,
-                            num_experts_per_tok=2)
 
 
 def ready(server) -> dict:
