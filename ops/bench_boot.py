@@ -83,13 +83,20 @@ def timed_completion(url: str, max_tokens: int = LOADING_MAX_TOKENS) -> tuple[in
 def while_loading(url: str, process_start: float) -> dict:
     """Tok/s of back-to-back completions while the experts fill in, when the fill ended, and tok/s after."""
     tokens = seconds = 0.0
-    while (ready_body(url) or {}).get("experts_loaded", 1.0) < 1.0:
+    while _experts_loading(url):
         n, s = timed_completion(url)
         tokens, seconds = tokens + n, seconds + s
     loaded_s = time.perf_counter() - process_start
     n, s = timed_completion(url)
     return {"loading_tok_s": round(tokens / seconds, 2) if seconds else None, "experts_loaded_s": round(loaded_s, 3),
             "loaded_tok_s": round(n / s, 2)}
+
+
+def _experts_loading(url: str) -> bool:
+    share = (ready_body(url) or {}).get("experts_loaded", 1.0)
+    if share == "failed":  # nothing more will come in: the server's log says why
+        raise SystemExit("the expert fill failed")
+    return share < 1.0
 
 
 def ready_body(url: str) -> dict | None:

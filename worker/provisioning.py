@@ -8,12 +8,14 @@ only the prepared snapshot. A hub or S3 snapshot is downloaded (resumable, verif
 and read in place from there. The prepared snapshot of a cold start is written from the weights in
 memory once the worker serves (`PreparedWrite`, `BackgroundPrepare`), so ready does not wait for
 it and the next start is a fast_resume. A damaged prepared snapshot found while loading is
-reported, removed and rebuilt ("repair").
+reported, removed and rebuilt ("repair"); one found after a partial load (ready_at=partial reads the
+experts while serving) is invalidated, so the next start is cold.
 Blocking; runs in a worker thread while the server answers /health and /ready.
 """
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import logging
 import os
@@ -31,7 +33,7 @@ from engine.checkpoint.loader import LoadedWeights, checkpoint_sizes, load_weigh
 from engine.checkpoint.prepared import (FORMAT_VERSION, engine_version, load_prepared, open_prepared, prepared_sizes,
                                         save_prepared)
 from engine.checkpoint.prepared_store import (PreparedPlan, PreparedSnapshotError, check_prepared, discard_prepared,
-                                              read_plan)
+                                              invalidate_prepared, read_plan)
 from engine.config import ModelConfig
 from engine.engine_core import DTYPES, EngineCore
 from engine.offload.placement import WeightBytes, plan_load
@@ -168,7 +170,8 @@ def provision_and_load(settings: Settings, clock: StageClock) -> LoadedModel:
             budget, slots = _placement(settings, config, device, prepared_sizes(read_plan(prepared).meta))
             experts = None
             if settings.ready_at == "partial":
-                weights, stats, experts = open_prepared(prepared, device, settings.download_workers, expert_slots=slots)
+                weights, stats, experts = open_prepared(prepared, device, settings.download_workers, expert_slots=slots,
+                                                        on_damaged=functools.partial(_invalidate_prepared, prepared))
                 clock.progress(experts="deferred")
             else:
                 weights, stats = load_prepared(prepared, device, settings.download_workers, expert_slots=slots)
@@ -199,6 +202,14 @@ def provision_and_load(settings: Settings, clock: StageClock) -> LoadedModel:
                 **({"experts": "deferred"} if experts is not None else {}))
     job = PreparedWrite(prepared, {"source": {**wanted, "files": identity.to_dict()}}, weights)
     return LoadedModel(config, weights, files, name, budget, job, experts)
+
+
+def _invalidate_prepared(prepared: Path, error: PreparedSnapshotError) -> None:
+    """An expert piece found damaged after a partial fast_resume (the fill or a step read it): this start cannot
+    fall back any more (those experts fail, the fill too), but the next one must not trust the snapshot."""
+    if invalidate_prepared(prepared):
+        log.error("event=prepared_snapshot state=invalidated path=%s file=%s piece=%s next_start=cold error=%s",
+                  prepared, error.file, error.piece, _quote(str(error)))
 
 
 def _fetch(source: Source, files: Path, settings: Settings, clock: StageClock) -> SourceInfo:

@@ -114,8 +114,7 @@ async def _after_fill(fill: ExpertFill, state: ServerState, settings: Settings, 
                       vast_loaded: bool) -> None:
     """Once every expert is in: the prepared snapshot write, and Vast's full max_perf."""
     error = await fill.finished
-    if error is not None:
-        state.clock.progress(experts_loaded="failed")
+    if error is not None:  # /ready shows experts_loaded=failed
         if state.vast:
             state.vast.mark_errored(f"expert fill failed: {type(error).__name__}: {error}")
         return

@@ -125,8 +125,9 @@ async def ready(request: web.Request) -> web.Response:
     if state.model is not None:
         stats = state.model.engine.stats
         body.update(model=state.model.name, running=stats.running, waiting=stats.waiting)
-        if state.model.experts is not None:  # ready_at=partial: share of the routed experts' bytes in place
-            body["experts_loaded"] = round(state.model.experts.share, 4)
+        experts = state.model.experts
+        if experts is not None:  # ready_at=partial: share of the routed experts' bytes in place, or "failed"
+            body["experts_loaded"] = "failed" if experts.fill_error is not None else round(experts.share, 4)
     if state.lifecycle is not None:
         body.update(state.lifecycle.snapshot())
     return web.json_response(body, status=200 if state.stage == "ready" else 503)

@@ -53,6 +53,7 @@ class ExpertAvailability:
         self.loaded_bytes = 0
         self.on_demand_units = 0
         self.done = threading.Event()
+        self.fill_error: BaseException | None = None  # what ended a `start`ed fill early (its owner shows it)
         if not units:
             self.done.set()
 
@@ -134,6 +135,7 @@ class ExpertAvailability:
             try:
                 self.fill(workers, gb_per_s, stop)
             except BaseException as exc:  # reported to the owner; steps needing those experts retry and fail
+                self.fill_error = exc
                 log.error("event=experts_loaded state=failed error=%r", exc)
                 on_done(exc)
                 return

@@ -14,6 +14,7 @@ import threading
 from contextlib import nullcontext
 from importlib import metadata
 from pathlib import Path
+from typing import Callable
 
 import torch
 
@@ -22,8 +23,8 @@ from engine.checkpoint.loader import LoadedWeights
 from engine.offload.placement import WeightBytes
 from engine.weights import DenseWeight, Fp8BlockWeight, Nvfp4Weight, SplitStack
 from engine.checkpoint.availability import ExpertAvailability, ExpertUnit
-from engine.checkpoint.prepared_store import (PIECE_BYTES, PreparedPlan, ReadStats, Region, piece_regions, read_plan,
-                                              read_regions, write_prepared)
+from engine.checkpoint.prepared_store import (PIECE_BYTES, PreparedPlan, PreparedSnapshotError, ReadStats, Region,
+                                              piece_regions, read_plan, read_regions, write_prepared)
 
 FORMAT_VERSION = 2  # 2: pieces checksummed with CRC-32 instead of BLAKE2b
 FIELDS = {"tensor": ("data",), "dense": ("data",), "fp8_block": ("data", "scale_inv"),
@@ -224,9 +225,15 @@ def load_prepared(directory: Path, device: torch.device | str = "cpu", workers: 
 
 
 def open_prepared(directory: Path, device: torch.device | str = "cpu", workers: int = 8, verify: bool = True,
-                  expert_slots: int | None = None) -> tuple[LoadedWeights, ReadStats, ExpertAvailability]:
+                  expert_slots: int | None = None,
+                  on_damaged: Callable[[PreparedSnapshotError], None] = lambda error: None,
+                  ) -> tuple[LoadedWeights, ReadStats, ExpertAvailability]:
     """`load_prepared` for early readiness: the non-expert weights are read now; the routed expert stacks are
-    allocated in their places and left to fill, one checksummed piece a unit (`ExpertAvailability`)."""
+    allocated in their places and left to fill, one checksummed piece a unit (`ExpertAvailability`).
+
+    An expert piece found damaged then (by the fill or a step) is past the point where the load could fall
+    back to the checkpoint: `on_damaged(error)` runs in the reading thread, before the error reaches the reader,
+    so the snapshot's owner can keep later starts from trusting it."""
     plan = _plan(directory)
     weights, buffers = allocate(plan.meta, device, expert_slots, zero_device_experts=True)
     reader = _RegionReader(directory, plan, torch.device(device), buffers, verify)
@@ -237,7 +244,11 @@ def open_prepared(directory: Path, device: torch.device | str = "cpu", workers: 
     def load(piece: Region) -> None:
         if getattr(local, "staging", None) is None:
             local.staging = reader.staging(1)
-        reader.read([piece], 1, local.staging)
+        try:
+            reader.read([piece], 1, local.staging)
+        except PreparedSnapshotError as error:
+            on_damaged(error)
+            raise
 
     units = []
     for region in (r for r in plan.regions if is_expert[r.key]):

@@ -30,7 +30,14 @@ from typing import Any, Callable, Mapping, Sequence
 
 
 class PreparedSnapshotError(ValueError):
-    """A prepared snapshot that cannot be read back as it was written (names the file and the region)."""
+    """A prepared snapshot that cannot be read back as it was written (names the file and the region).
+
+    A damaged piece found on reading also carries its `file` and `piece` (region key `key@start`), for the
+    owner's log line."""
+
+    def __init__(self, message: str, file: Path | None = None, piece: str | None = None) -> None:
+        super().__init__(message)
+        self.file, self.piece = file, piece
 
 
 ALIGN = 4096
@@ -76,10 +83,16 @@ def _pieces(size: int) -> list[tuple[int, int]]:
     return [(start, min(PIECE_BYTES, size - start)) for start in range(0, size, PIECE_BYTES)] or [(0, 0)]
 
 
+def _piece_key(key: str, start: int) -> str:
+    """`key@start` of the piece at `start` in the region keyed `key` (itself a piece's key or a whole region's)."""
+    base, _, at = key.partition("@")
+    return f"{base}@{int(at or 0) + start}"
+
+
 def piece_regions(region: Region) -> list[Region]:
     """The region cut into its checksummed pieces, each a region of its own keyed `key@start`, so that part
     of it can be read (and verified) alone."""
-    return [Region(f"{region.key}@{start}", region.file, region.offset + start, size, [digest])
+    return [Region(_piece_key(region.key, start), region.file, region.offset + start, size, [digest])
             for (start, size), digest in zip(_pieces(region.size), region.hashes)]
 
 
@@ -96,6 +109,18 @@ def discard_prepared(directory: Path) -> None:
     """Remove a prepared snapshot and any unfinished write of one (its space is needed for the next)."""
     shutil.rmtree(directory, ignore_errors=True)
     shutil.rmtree(partial_dir(directory), ignore_errors=True)
+
+
+def invalidate_prepared(directory: Path) -> bool:
+    """Unseal a prepared snapshot found damaged after it was loaded from: its plan goes (durably), so no later
+    start trusts it (the next one is cold and discards the rest), while the process holding the plan still
+    reads the sound pieces. True if this call removed the plan."""
+    try:
+        (directory / PLAN_NAME).unlink()
+    except FileNotFoundError:
+        return False
+    _fsync_dir(directory)
+    return True
 
 
 def write_prepared(directory: Path, files: Sequence[tuple[str, Sequence[tuple[str, int]]]], piece: PieceSource,
@@ -276,11 +301,13 @@ def read_regions(directory: Path, plan: PreparedPlan, destinations: Mapping[str,
             while done < piece_size:
                 n = os.preadv(fds[region.file], [view[done:]], offset + done)
                 if n == 0:
-                    raise PreparedSnapshotError(f"{directory / region.file}: ends early inside {region.key}")
+                    raise PreparedSnapshotError(f"{directory / region.file}: ends early inside {region.key}",
+                                                directory / region.file, _piece_key(region.key, piece_start))
                 done += n
             if verify and _digest(view) != digest:
                 raise PreparedSnapshotError(
-                    f"{directory / region.file}: checksum mismatch in {region.key} at offset {offset}")
+                    f"{directory / region.file}: checksum mismatch in {region.key} at offset {offset}",
+                    directory / region.file, _piece_key(region.key, piece_start))
             if sink is not None:
                 sink(region.key, piece_start, view)
             return done

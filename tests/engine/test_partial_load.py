@@ -11,6 +11,7 @@ import torch
 from engine.checkpoint.availability import ExpertAvailability, ExpertUnit
 from engine.checkpoint.loader import load_weights, open_weights
 from engine.checkpoint.prepared import load_prepared, open_prepared, save_prepared
+from engine.checkpoint.prepared_store import PreparedSnapshotError, read_plan
 from engine.config import ModelConfig
 from engine.engine_core import EngineCore, EngineOptions
 from engine.experts.pending import PendingExperts
@@ -73,6 +74,28 @@ def test_partial_engine_from_a_prepared_snapshot(tiny_dir, tmp_path, slots):
     assert greedy(partial) == greedy(full) and experts.on_demand_units > 0
     experts.fill(workers=2)
     assert experts.complete and greedy(partial) == greedy(full) and partial.pending is None
+
+
+def test_a_damaged_expert_piece_is_handed_to_on_damaged_by_whoever_reads_it(tiny_dir, tmp_path):
+    """Found by the fill or by a step's on-demand read alike, naming the file and the piece, before it fails them."""
+    snapshot = tiny_dir("nvfp4-ct", **EXPERTS)
+    save_prepared(load_weights(snapshot, ModelConfig.from_dir(snapshot), "cpu", torch.float32), tmp_path, workers=2)
+    region = read_plan(tmp_path).regions[-1]  # the last MoE layer's last expert buffer, one piece here
+    with open(tmp_path / region.file, "r+b") as f:
+        f.seek(region.offset + region.size // 2)
+        byte = f.read(1)
+        f.seek(-1, 1)
+        f.write(bytes([byte[0] ^ 0x10]))
+    found: list[PreparedSnapshotError] = []
+    _, _, experts = open_prepared(tmp_path, workers=2, on_damaged=found.append)
+    with pytest.raises(PreparedSnapshotError, match=f"checksum mismatch in {region.key}@0"):
+        experts.fill(workers=2)
+    assert [(e.file, e.piece) for e in found] == [(tmp_path / region.file, f"{region.key}@0")]
+    assert not experts.complete  # every sound piece is in, this one is not
+    layer = int(region.key.split(".")[1])
+    with pytest.raises(PreparedSnapshotError):
+        experts.ensure(layer, [0])
+    assert len(found) == 2 and not experts.loaded[layer][0]
 
 
 def test_a_unit_loading_in_the_fill_is_waited_for_not_read_twice():

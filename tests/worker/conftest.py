@@ -39,6 +39,14 @@ def tiny_model_dir(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def many_experts(tmp_path_factory) -> Path:
+    """For early readiness: 7 MoE layers x 64 experts x 3 projections of 96 x 192 bf16, 15.5 MB of experts, of
+    which a short request routes to a few per layer (top 2)."""
+    return write_tiny_model(tmp_path_factory.mktemp("partial") / "tiny", "bf16", 0, n_routed_experts=64,
+                            num_experts_per_tok=2)
+
+
+@pytest.fixture(scope="session")
 def launch(tmp_path_factory, tiny_model_dir):
     """launch(**settings overrides, logits_processors=..., wait_ready=True) -> Server; all stopped at the end."""
     servers: list[Server] = []
@@ -78,6 +86,14 @@ def tokenizer(tiny_model_dir):
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(str(tiny_model_dir))
+
+
+@pytest.fixture(scope="module")
+def router_key():
+    """The Vast router's signing key (vast_helpers signs with it; the stand-in controller serves its public half)."""
+    from cryptography.hazmat.primitives.asymmetric import rsa
+
+    return rsa.generate_private_key(public_exponent=65537, key_size=2048)
 
 
 @pytest.fixture()

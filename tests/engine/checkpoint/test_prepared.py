@@ -8,7 +8,8 @@ import pytest
 from engine.checkpoint.loader import load_weights
 from engine.checkpoint.prepared import FORMAT_VERSION, engine_version, load_prepared, save_prepared
 from engine.config import ModelConfig
-from engine.checkpoint.prepared_store import ALIGN, PreparedSnapshotError, check_prepared, read_plan
+from engine.checkpoint.prepared_store import (ALIGN, PLAN_NAME, PreparedSnapshotError, check_prepared, invalidate_prepared,
+                                              read_plan)
 
 
 def buffers(weight):
@@ -48,6 +49,19 @@ def test_damage_and_version_changes_are_reported(tiny_dir, tmp_path):
     assert "this is 9.9" in check_prepared(tmp_path, FORMAT_VERSION, "9.9")[0]
     path.write_bytes(bytes(data[:-100]))
     assert any(region.file in p and "bytes" in p for p in check_prepared(tmp_path, FORMAT_VERSION, engine_version()))
+
+
+def test_an_invalidated_snapshot_is_not_trusted_but_still_readable(tiny_dir, tmp_path):
+    """What a partial load does with a piece found damaged while it is still reading the others."""
+    from engine.checkpoint.prepared_store import read_regions
+
+    snapshot = tiny_dir("bf16")
+    weights = load_weights(snapshot, ModelConfig.from_dir(snapshot), "cpu", torch.bfloat16)
+    plan = save_prepared(weights, tmp_path)
+    assert invalidate_prepared(tmp_path) and not invalidate_prepared(tmp_path)
+    assert check_prepared(tmp_path, FORMAT_VERSION, engine_version()) == [f"{tmp_path / PLAN_NAME}: missing"]
+    assert read_regions(tmp_path, plan, workers=2, destinations={
+        r.key: memoryview(bytearray(r.size)) for r in plan.regions}).bytes == sum(r.size for r in plan.regions)
 
 
 def test_staged_reads_hand_every_piece_to_the_sink(tiny_dir, tmp_path, monkeypatch):
