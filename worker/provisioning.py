@@ -19,6 +19,7 @@ import functools
 import hashlib
 import logging
 import os
+import resource
 import threading
 import time
 from dataclasses import dataclass, field
@@ -162,6 +163,7 @@ def provision_and_load(settings: Settings, clock: StageClock) -> LoadedModel:
     files = source.root if isinstance(source, LocalSource) else home / "snapshot"
     wanted = {"spec": spec, "revision": settings.model_revision, "dtype": dtype}
     problems = _resume_problems(source, files, prepared, wanted)
+    rss_before = _rss_gib()
     if not problems:
         clock.stage("fast_resume")
         clock.stage("load", path=str(prepared))
@@ -175,7 +177,7 @@ def provision_and_load(settings: Settings, clock: StageClock) -> LoadedModel:
                 clock.progress(experts="deferred")
             else:
                 weights, stats = load_prepared(prepared, device, settings.download_workers, expert_slots=slots)
-            clock.progress(read_gb_s=round(stats.gb_per_s, 3), bytes=stats.bytes)
+            clock.progress(read_gb_s=round(stats.gb_per_s, 3), bytes=stats.bytes, **_host_memory(rss_before))
             return LoadedModel(config, weights, files, name, budget, experts=experts)
         except PreparedSnapshotError as exc:
             clock.stage("repair", reason=_quote(str(exc)))
@@ -199,9 +201,24 @@ def provision_and_load(settings: Settings, clock: StageClock) -> LoadedModel:
         weights = load_weights(files, config, device, DTYPES[dtype], slots, settings.download_workers, report)
     seconds = time.perf_counter() - start
     clock.stage("load", path="in-memory (converted)", bytes=read[0], read_gb_s=round(read[0] / seconds / 1e9, 3),
-                **({"experts": "deferred"} if experts is not None else {}))
+                **_host_memory(rss_before), **({"experts": "deferred"} if experts is not None else {}))
     job = PreparedWrite(prepared, {"source": {**wanted, "files": identity.to_dict()}}, weights)
     return LoadedModel(config, weights, files, name, budget, job, experts)
+
+
+def _rss_gib() -> float:
+    """This process's resident memory now (Linux /proc; 0 elsewhere)."""
+    try:
+        return int(Path("/proc/self/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2 ** 30
+    except (OSError, ValueError, IndexError):
+        return 0.0
+
+
+def _host_memory(rss_before: float) -> dict[str, float]:
+    """Host RAM of the load: resident before it, the process's peak by its end (the peak covers the whole
+    load: its buffers, staging and the host bank), for the stage line and /ready."""
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 2 ** 30  # Linux reports KiB
+    return {"rss_before_gib": round(rss_before, 2), "peak_rss_gib": round(peak, 2)}
 
 
 def _invalidate_prepared(prepared: Path, error: PreparedSnapshotError) -> None:

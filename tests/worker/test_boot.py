@@ -76,6 +76,7 @@ def test_local_source_is_read_in_place_then_fast_resume(local_settings):
     assert [name for name, _ in clock.history] == COLD and loaded.files == src.resolve()
     tensor_bytes = json.loads((src / "model.safetensors.index.json").read_text())["metadata"]["total_size"]
     assert tensor_bytes <= clock.detail["bytes"] <= sum(p.stat().st_size for p in src.glob("*.safetensors"))
+    assert 0 < clock.detail["rss_before_gib"] <= clock.detail["peak_rss_gib"]  # host RAM of the load, reported
     assert not local_settings.cache_dir.exists() or not any(p.is_file() for p in local_settings.cache_dir.rglob("*"))
     plan = loaded.prepare.write(workers=2)
     cached = [p for p in local_settings.cache_dir.rglob("*") if p.is_file()]
