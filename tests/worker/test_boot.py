@@ -297,9 +297,13 @@ def test_kill_9_during_the_background_prepare_leaves_nothing_trusted(tmp_path):
 
     try:
         proc = boot(SLOW_PREPARE)
-        home = next((tmp_path / "cache" / "models").iterdir())
-        prepared, partial = home / "prepared", partial_dir(home / "prepared")
+        models = tmp_path / "cache" / "models"  # made by the background write, which may not have begun yet
         deadline = time.monotonic() + 60
+        while not (models.is_dir() and any(models.iterdir())):
+            assert time.monotonic() < deadline and _prepared_state(url) == "writing"
+            time.sleep(0.02)
+        home = next(models.iterdir())
+        prepared, partial = home / "prepared", partial_dir(home / "prepared")
         while not (partial.is_dir() and sum(p.stat().st_blocks for p in partial.iterdir()) > 0):
             state = _prepared_state(url)
             assert time.monotonic() < deadline and state == "writing", state
