@@ -65,6 +65,36 @@ def test_release_shape_hybrid_matches_the_reference(tokens, pcie):
     torch.testing.assert_close(replayed, got, rtol=0, atol=0)  # the same pairs on the same paths
 
 
+def test_release_shape_swaps_under_a_replayed_graph_keep_outputs():
+    """Experts move between the GPU slots and the pinned bank (copy stream) between replays of one captured
+    decode step, with the PCIe share on: every replay equals the reference for its routing."""
+    gen = torch.Generator().manual_seed(11)
+    host = (nvfp4_stack(288, 2048, D, gen), nvfp4_stack(288, 2048, D, gen), nvfp4_stack(288, D, 2048, gen))
+    reference = TorchExperts({0: tuple(map_tensors(s, lambda t: t.cuda()) for s in host)}, 7.0)
+    hybrid = HybridExperts.place({0: host}, {0: list(range(16))}, torch.device("cuda"), 7.0, TritonExperts,
+                                 pcie_percent=50)
+    tokens = 4
+    x = torch.randn(tokens, D, generator=gen).to(torch.bfloat16).cuda()
+    ids = torch.zeros(tokens, 8, dtype=torch.long, device="cuda")
+    w = torch.rand(tokens, 8, generator=gen).cuda()
+    hot = torch.arange(100, 140)  # routed to again and again: the swaps bring them into the slots
+    ids.copy_(torch.stack([hot[torch.randperm(40, generator=gen)[:8]] for _ in range(tokens)]))
+    hybrid(0, x, ids, w)  # eager first: the host steps exist before the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = hybrid(0, x, ids, w)
+    swaps = 0
+    for step in range(6):
+        ids.copy_(torch.stack([hot[torch.randperm(40, generator=gen)[:8]] for _ in range(tokens)]))
+        hybrid.use_rows(tokens)
+        graph.replay()
+        want = reference(0, x.float(), ids, w)
+        err = ((out.double() - want.double()).norm() / want.double().norm()).item()
+        assert err < 1e-2, (step, err)
+        swaps += hybrid.rebalance(max_swaps=8)
+    assert swaps > 0 and len(set(hybrid.resident[0]) & set(hot.tolist())) > 0
+
+
 def test_auto_budget_takes_the_memory_the_caches_leave(tmp_path):
     """On an H200 the tiny model's experts all fit the automatic budget: every one gets a slot."""
     snapshot = write_tiny_model(tmp_path / "auto", "nvfp4-ct")
