@@ -71,6 +71,10 @@ def choose_split(hybrid, topk: int, requested: int | None) -> tuple[int, tuple[f
     layers = len(hybrid.layers)
     hosted = sum(len(hybrid.hosted[layer]) for layer in hybrid.layers) / max(layers, 1)
     miss_bytes = hosted / hybrid.num_experts * topk * layers * hybrid.expert_bytes
+    if not hybrid.graph_safe:  # the host bank's format has no compiled CPU pass: misses take the eager path
+        log.info("event=miss_split pcie_percent=0 reason=host_experts_uncompiled missed_gb_per_token=%.2f",
+                 miss_bytes / 1e9)
+        return 0, None
     if requested is not None or hybrid.device.type != "cuda":
         percent = 0 if requested is None else requested
         log.info("event=miss_split pcie_percent=%d missed_gb_per_token=%.2f", percent, miss_bytes / 1e9)
