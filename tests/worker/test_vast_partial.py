@@ -72,7 +72,8 @@ def test_vast_hears_the_reduced_max_perf_while_the_experts_fill(router_key, many
             server = await boot(ctl, second)
             share = experts_loaded(server)  # read after max_perf was computed: at least the share it saw
             reduced = (await ctl.wait_status(lambda s: s["loadtime"] > 0, timeout=5))["max_perf"]
-            assert full * MIN_SHARE <= reduced <= full * max(share, MIN_SHARE) and reduced < full
+            # /ready rounds the share to 4 places: it may show a hair less than the share max_perf was scaled by.
+            assert full * MIN_SHARE <= reduced <= full * max(share + 1e-4, MIN_SHARE) and reduced < full
 
             client, endpoint = vast_client(ctl)
             try:
