@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Hybrid offload on a CUDA machine in time-boxed parts (each fits a 10-minute call), from the repo root:
 #   bash ops/gpu_hybrid.sh OUT_DIR checks|whole|skew|slice
-# checks: the compiled CPU kernels' tests and the release-shape hybrid tests (split, graphs, swaps);
+# checks: the compiled CPU kernels' tests, the release-shape hybrid tests (split, graphs, swaps) and the
+#         cost of one GPU<->CPU handshake per layer (ops/bench_handshake.py);
 # whole: scenario (b), all 45 layers, uniform routing, the miss split measured at load;
 # skew:  the same under a Zipf-like routing trace with swaps on;
 # slice: scenario (a), a 32 GB-class budget (18 slots per MoE layer) on an 8-layer slice.
@@ -17,7 +18,8 @@ export PYTHONUNBUFFERED=1
 ls engine/kernels/experts/_cpu_gemv*.so >/dev/null 2>&1 || python3 setup.py -q build_ext --inplace > "$out/build.log" 2>&1
 decode="python3 -m ops.bench_decode --device cuda --expert-variety 8 --steps 16 --contexts 1024 --batches 4 --prefills 2048 --reference-layers 0"
 case "$part" in
-  checks) timeout 500 python3 -m pytest -q tests/engine/kernels/test_cpu_gemv.py tests/gpu/test_hybrid_cuda.py -k "gemv or release" 2>&1 | tail -15 ;;
+  checks) timeout 480 python3 -m pytest -q tests/engine/kernels/test_cpu_gemv.py tests/gpu/test_hybrid_cuda.py -k "gemv or release" 2>&1 | tail -15
+          for rows in 1 4; do timeout 40 python3 -m ops.bench_handshake --device cuda --layers 42 --rows $rows; done ;;
   whole) timeout 540 $decode --layers 45 --expert-slots auto --max-expert-swaps 0 --json "$out/whole.json" 2>&1 | tail -45 ;;
   skew) timeout 540 $decode --layers 45 --expert-slots auto --routing-skew 2 --json "$out/skew.json" 2>&1 | tail -45 ;;
   slice) timeout 540 $decode --layers 8 --expert-slots 18 --json "$out/slice.json" 2>&1 | tail -45 ;;
