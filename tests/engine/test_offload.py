@@ -180,11 +180,9 @@ def test_large_batches_fetch_missed_experts_to_the_device(fmt):
 def test_host_steps_run_only_host_experts_of_live_rows(fmt):
     """The compiled host step (what a CUDA graph queues) against the reference: only pairs whose expert is
     in the host bank count, rows past the live ones (a graph's padding) stay zero, totals add up."""
-    from engine.kernels.experts.cpu_gemv import ExpertStacks, available, run_host_step
+    from engine.kernels.experts.cpu_gemv import ExpertStacks, run_host_step  # built by `pip install -e .`
     from engine.offload.host_steps import HostSteps
 
-    if not available():
-        pytest.skip("the compiled CPU kernels are not built here")
     stacks = layer_stacks(fmt, 21)
     hosted = [1, 4, 5, 8, 11]
     cpu_entry = torch.full((E,), -1, dtype=torch.int64)
@@ -213,10 +211,6 @@ def test_host_steps_run_only_host_experts_of_live_rows(fmt):
 def test_misses_split_between_pcie_and_cpu_equal_the_reference(fmt, percent):
     """A share of each step's misses runs on the device after a gather from the host bank, the rest on the
     CPU; each missed pair runs exactly once (equality), and the staging slots bound the device's share."""
-    from engine.kernels.experts.cpu_gemv import available
-
-    if not available():
-        pytest.skip("the compiled CPU kernels are not built here")
     stacks = {1: layer_stacks(fmt, 31), 4: layer_stacks(fmt, 37)}
     reference = TorchExperts(stacks, LIMIT)
     hybrid = HybridExperts.place(stacks, {1: [0, 2], 4: [3]}, torch.device("cpu"), LIMIT, fetch_capacity=4,
