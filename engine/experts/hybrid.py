@@ -23,7 +23,6 @@ import torch
 from engine.checkpoint.layout import EXPERT_PROJS, stacked_expert_name
 from engine.experts.cpu_experts import CpuExperts
 from engine.experts.torch_experts import TorchExperts
-from engine.kernels import kernel
 from engine.kernels.experts import DECODE_MAX_PAIRS
 from engine.kernels.experts.cpu_gemv import available as cpu_kernels_built
 from engine.offload.cuda_driver import copy_async
@@ -117,7 +116,9 @@ class HybridExperts:
         self.fetch = ExpertFetcher(first.device or first.host, min(fetch_capacity, self.num_experts), device,
                                    lambda stacks: device_executor(stacks, swiglu_limit))
         self.expert_bytes = expert_nbytes(first.device or first.host)
-        self.limit, self.host_threads = swiglu_limit, self.host_run.threads
+        # Every layer's host bank in a format the compiled CPU pass takes (fixed by the weights).
+        self._host_compiled = all(layer in self.host_run.compiled for layer in self.layers)
+        self.rates_at_load: tuple[float, float] = (0.0, 0.0)  # (CPU, PCIe) bytes/s, when measured
         self.host_steps: dict[int, HostSteps] = {}  # by top-k, built at the first decode-sized batch
         self._stats = OffloadStats()
         self.split_misses(pcie_percent)
@@ -166,19 +167,19 @@ class HybridExperts:
         if self.host_steps and pcie_percent != self.pcie_percent:
             raise RuntimeError("the miss split is fixed once decode steps have run")
         self.pcie_percent = pcie_percent
-        self._stats.pcie_percent = pcie_percent
-        self._stats.cpu_rate_at_load, self._stats.pcie_rate_at_load = measured or (0.0, 0.0)
+        self.rates_at_load = measured or (0.0, 0.0)
 
     @property
     def graph_safe(self) -> bool:
         """Whether decode steps run without a device synchronization (the CPU's share queued in the stream),
         so they can be captured: every layer's host bank in a format the compiled CPU kernels take."""
-        return cpu_kernels_built() and all(layer in self.host_run.compiled for layer in self.layers)
+        return self._host_compiled and cpu_kernels_built()
 
     @property
     def stats(self) -> OffloadStats:
         """Totals of the eager path plus those of the queued host steps (which count inside CUDA graphs)."""
-        s = dataclasses.replace(self._stats)
+        s = dataclasses.replace(self._stats, pcie_percent=self.pcie_percent)
+        s.cpu_rate_at_load, s.pcie_rate_at_load = self.rates_at_load
         for steps in self.host_steps.values():
             t = steps.totals()
             s.device_pairs += t.pairs_seen - t.pairs_missed
@@ -253,17 +254,15 @@ class HybridExperts:
         entries = torch.full((capacity + 1,), -1, dtype=torch.long, device=x.device)  # the last: a dump
         entries.scatter_(0, torch.where(picked, taken, capacity),
                          torch.where(picked, self.entry_on_device[index][expert_ids.flatten()], -1))
-        for staging, bank in zip(self.fetch.staging, self.host[layer]):
-            for name in tensor_fields(staging):
-                kernel("gather_rows", x.device.type)(getattr(staging, name), getattr(bank, name), entries[:capacity])
+        self.fetch.gather(self.host[layer], entries[:capacity])
         slots = torch.where(picked, taken, 0).view_as(expert_ids)
         return self.fetch.run(0, x, slots, weights * picked.view_as(weights))
 
     def _host_steps(self, topk: int) -> HostSteps:
         if topk not in self.host_steps:
-            rows = {layer: self.entry_of[self._index[layer]] for layer in self.layers}
-            self.host_steps[topk] = HostSteps(self.host_run.compiled, rows, topk, self.limit, self.host_threads,
-                                              self.device, DECODE_MAX_PAIRS // topk,
+            cpu_entry = {layer: self.entry_of[self._index[layer]] for layer in self.layers}
+            self.host_steps[topk] = HostSteps(self.host_run.compiled, cpu_entry, topk, self.host_run.limit,
+                                              self.host_run.threads, self.device, DECODE_MAX_PAIRS // topk,
                                               (self.pcie_percent, self.fetch.capacity))
         return self.host_steps[topk]
 

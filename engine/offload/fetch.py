@@ -15,6 +15,7 @@ from typing import Callable
 
 import torch
 
+from engine.kernels import kernel
 from engine.weights import Weight, map_tensors, tensor_fields
 
 Stacks = tuple[Weight, Weight, Weight]
@@ -45,6 +46,13 @@ class ExpertFetcher:
     @property
     def run(self) -> Callable:
         return self.runs[0]
+
+    def gather(self, host: Stacks, entries: torch.Tensor) -> None:
+        """First staging stack slot s <- host expert entries[s] (where >= 0), by a kernel reading the host bank
+        over PCIe with the entries on the device: no host decision, so it can sit in a captured graph."""
+        for staging, bank in zip(self.staging, host):
+            for name in tensor_fields(staging):
+                kernel("gather_rows", entries.device.type)(getattr(staging, name), getattr(bank, name), entries)
 
     def __call__(self, host: Stacks, x: torch.Tensor, rows: torch.Tensor, ids: torch.Tensor,
                  weights: torch.Tensor) -> torch.Tensor:

@@ -15,8 +15,6 @@ from typing import Callable
 
 import torch
 
-from engine.kernels import kernel
-from engine.weights import tensor_fields
 
 log = logging.getLogger("glmflash.engine")
 
@@ -48,9 +46,7 @@ def miss_rates(hybrid, experts: int = 8) -> tuple[float, float]:
     entries[:n] = torch.arange(n, device=device)
 
     def copy() -> None:
-        for staging, host in zip(hybrid.fetch.staging, bank):
-            for name in tensor_fields(staging):
-                kernel("gather_rows", device.type)(getattr(staging, name), getattr(host, name), entries)
+        hybrid.fetch.gather(bank, entries)
         if device.type == "cuda":
             torch.cuda.synchronize(device)
 
