@@ -18,6 +18,9 @@ from engine.tiny.factory import write_tiny_model
 if TYPE_CHECKING:  # imported where used: transformers takes seconds to import, most tests never need it
     from transformers import Glm5NextForConditionalGeneration
 
+    from engine.engine_core import EngineCore
+    from engine.sequence import Sequence
+
 FORMATS = ["bf16", "fp8", "nvfp4-ct", "nvfp4-modelopt"]
 
 
@@ -137,6 +140,15 @@ def reference(tmp_path_factory):
 def random_prompt(length: int, seed: int = 0) -> list[int]:
     """Random token ids inside the tiny tokenizer's vocabulary."""
     return torch.randint(0, 283, (length,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def run_together(core: "EngineCore", seqs: list["Sequence"]) -> list["Sequence"]:
+    """Add the sequences to the engine at once and step it until all are done."""
+    for seq in seqs:
+        core.add(seq)
+    while core.has_work:
+        core.step()
+    return seqs
 
 
 @pytest.fixture(scope="session")

@@ -17,6 +17,7 @@ from engine.engine_core import EngineCore, EngineOptions
 from engine.experts.pending import PendingExperts
 from engine.sampling_params import SamplingParams
 from engine.sequence import Sequence
+from tests.engine.conftest import run_together
 
 PROMPTS = [[258, 260, 263, 72, 105], [258, 260, 263, 79, 107, 33]]
 # More experts than the steps below can route to (2 x 19 tokens per layer at most), so some are left to the fill.
@@ -26,11 +27,7 @@ EXPERTS = dict(n_routed_experts=64, num_experts_per_tok=2)
 def greedy(core: EngineCore, max_tokens: int = 4) -> list[list[int]]:
     seqs = [Sequence(f"r{i}", list(p), SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True))
             for i, p in enumerate(PROMPTS)]
-    for seq in seqs:
-        core.add(seq)
-    while core.has_work:
-        core.step()
-    return [seq.output_token_ids for seq in seqs]
+    return [seq.output_token_ids for seq in run_together(core, seqs)]
 
 
 def options(budget: int | None) -> EngineOptions:

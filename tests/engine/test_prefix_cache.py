@@ -13,6 +13,7 @@ from engine.cache.state_rows import state_bytes
 from engine.engine_core import EngineCore, EngineOptions
 from engine.sampling_params import SamplingParams
 from engine.sequence import Sequence
+from tests.engine.conftest import run_together
 
 FORMATS = ["bf16", "fp8", "nvfp4-ct", "nvfp4-modelopt"]
 PAGE = 16  # 4 pools of 4 per page: prompts of a few dozen tokens span several pages
@@ -29,12 +30,7 @@ def core(snapshot, **options) -> EngineCore:
 
 def submit(engine: EngineCore, prompts: list[list[int]], params: SamplingParams | None = None) -> list[Sequence]:
     """Submit the prompts together and step until all are done."""
-    seqs = [Sequence(str(next(_ids)), list(p), params or greedy()) for p in prompts]
-    for seq in seqs:
-        engine.add(seq)
-    while engine.has_work:
-        engine.step()
-    return seqs
+    return run_together(engine, [Sequence(str(next(_ids)), list(p), params or greedy()) for p in prompts])
 
 
 def run(engine: EngineCore, prompts: list[list[int]], params: SamplingParams | None = None) -> list[list[int]]:

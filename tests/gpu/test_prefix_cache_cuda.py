@@ -12,6 +12,7 @@ from engine.engine_core import EngineCore, EngineOptions
 from engine.sampling_params import SamplingParams
 from engine.sequence import Sequence
 from engine.tiny.factory import write_tiny_model
+from tests.engine.conftest import random_prompt, run_together
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (none on this machine)")]
@@ -25,18 +26,10 @@ def snapshot(tmp_path_factory):
     return write_tiny_model(tmp_path_factory.mktemp("prefix"), "nvfp4-ct", well_conditioned=True)
 
 
-def prompt(n: int, seed: int) -> list[int]:
-    return torch.randint(0, 283, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
-
-
 def run(engine: EngineCore, prompts: list[list[int]], tag: str) -> list[list[int]]:
     seqs = [Sequence(f"{tag}{i}", p, SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))
             for i, p in enumerate(prompts)]
-    for seq in seqs:
-        engine.add(seq)
-    while engine.has_work:
-        engine.step()
-    return [s.output_token_ids for s in seqs]
+    return [s.output_token_ids for s in run_together(engine, seqs)]
 
 
 def test_cached_outputs_equal_uncached_on_cuda(snapshot):
@@ -47,13 +40,13 @@ def test_cached_outputs_equal_uncached_on_cuda(snapshot):
     plain = EngineCore.from_snapshot(snapshot, "cuda", "float32", EngineOptions(max_num_seqs=4, page_size=PAGE,
                                                                                 prefix_cache=False))
     assert cached.runner.graphs is not None
-    system = prompt(45, seed=1)
-    first = [system + prompt(6 + i, seed=2 + i) for i in range(3)]
+    system = random_prompt(45, seed=1)
+    first = [system + random_prompt(6 + i, seed=2 + i) for i in range(3)]
     outputs = run(cached, first, "a")
     assert outputs == run(plain, first, "a")
-    second = [p + out + prompt(5, seed=10 + i) for i, (p, out) in enumerate(zip(first, outputs))]
+    second = [p + out + random_prompt(5, seed=10 + i) for i, (p, out) in enumerate(zip(first, outputs))]
     assert run(cached, second, "b") == run(plain, second, "b")
-    same = second[0] + prompt(3, seed=20)
+    same = second[0] + random_prompt(3, seed=20)
     assert run(cached, [same] * 3, "c") == run(plain, [same], "c") * 3
     stats = cached.prefix.stats()
     assert stats.hits == 2 + 3 + 3 and stats.evicted_snapshots > 0 and stats.host_snapshots > 0
