@@ -13,6 +13,7 @@ import asyncio
 import logging
 import os
 import signal
+from pathlib import Path
 from typing import Sequence
 
 from aiohttp import web
@@ -136,6 +137,11 @@ def _release_swaps(model: ServedModel) -> None:
         offload.swaps_held = False
 
 
+def _benchmark_file(settings: Settings) -> Path:
+    """Where the startup benchmark's figure is cached, per model, engine and settings (the key)."""
+    return settings.cache_dir / "vast_benchmark.json"
+
+
 def _benchmark_key(settings: Settings, model: ServedModel) -> dict:
     return benchmark_key(model=model.name, revision=settings.model_revision, engine_version=engine_version(),
                          device=settings.resolved_device(), dtype=settings.resolved_dtype(),
@@ -146,7 +152,7 @@ def _benchmark_key(settings: Settings, model: ServedModel) -> dict:
 async def _vast_max_perf(settings: Settings, model: ServedModel) -> float:
     """Workload units/s from real requests through the engine, cached per model, engine and settings."""
     max_perf, _ = await cached_max_perf(
-        settings.cache_dir / "vast_benchmark.json", _benchmark_key(settings, model),
+        _benchmark_file(settings), _benchmark_key(settings, model),
         lambda: measure_max_perf_within(engine_generate_fn(model), settings.vast_benchmark_s, 3, settings.max_num_seqs))
     return max_perf
 
@@ -154,7 +160,7 @@ async def _vast_max_perf(settings: Settings, model: ServedModel) -> float:
 async def _partial_max_perf(settings: Settings, model: ServedModel) -> float | None:
     """While experts are missing: the cached full figure, reduced (partial_ready); None when nothing is cached
     (a benchmark now would measure the fill, not the engine)."""
-    full = read_cached_max_perf(settings.cache_dir / "vast_benchmark.json", _benchmark_key(settings, model))
+    full = read_cached_max_perf(_benchmark_file(settings), _benchmark_key(settings, model))
     return None if full is None else reduced_max_perf(full, model.experts.share)
 
 
