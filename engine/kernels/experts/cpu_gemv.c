@@ -82,17 +82,32 @@ __attribute__((target("avx2,fma"))) static inline __m256 widen(__m128i v) {
     return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v)); /* the low 8 int8 lanes as 8 floats */
 }
 
+/* The SIMD row kernels below take the count of x rows as a compile-time constant (1..MAX_ROWS): each
+ * count gets its own straight-line code with every accumulator in a register (a run-time count left
+ * them in memory, one store-to-load round trip per step). ROWS_DISPATCH calls `kernel_body(ROWS, ...)`
+ * for the run-time `rows`. */
+#define ROWS_DISPATCH(rows, kernel_body, ...)                                                                  \
+    switch (rows) {                                                                                         \
+    case 1: kernel_body(1, __VA_ARGS__); break;                                                             \
+    case 2: kernel_body(2, __VA_ARGS__); break;                                                             \
+    case 3: kernel_body(3, __VA_ARGS__); break;                                                             \
+    case 4: kernel_body(4, __VA_ARGS__); break;                                                             \
+    case 5: kernel_body(5, __VA_ARGS__); break;                                                             \
+    case 6: kernel_body(6, __VA_ARGS__); break;                                                             \
+    case 7: kernel_body(7, __VA_ARGS__); break;                                                             \
+    default: kernel_body(MAX_ROWS, __VA_ARGS__); break;                                                     \
+    }
+
 /* AVX2, two groups (16 bytes, 32 codes) per step: a byte shuffle turns the low and the high nibbles
  * into int8 weights (x2), widened 8 at a time and reused by every row of x; each group's sum is
  * scaled once. */
-__attribute__((target("avx2,fma"))) static void nvfp4_row_avx2(const float *xs, int64_t x_stride, int64_t rows,
-                                                              int64_t half_k, const uint8_t *codes,
-                                                              const uint8_t *scales, const float *fp8_table,
-                                                              float global, float *out, int64_t out_stride) {
+__attribute__((target("avx2,fma"), always_inline)) static inline void
+nvfp4_rows_avx2(const int rows, const float *xs, int64_t x_stride, int64_t half_k, const uint8_t *codes,
+                const uint8_t *scales, const float *fp8_table, float global, float *out, int64_t out_stride) {
     const __m128i table = _mm_loadu_si128((const __m128i *)E2M1_X2), nibble = _mm_set1_epi8(15);
     const int64_t groups = half_k / 8;
     __m256 acc[MAX_ROWS][2];
-    for (int64_t r = 0; r < rows; r++) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+    for (int r = 0; r < rows; r++) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
     for (int64_t g = 0; g < groups; g += 2) {
         const int pair = g + 1 < groups; /* a last odd group runs alone */
         __m128i bytes = pair ? _mm_loadu_si128((const __m128i *)(codes + g * 8))
@@ -102,47 +117,74 @@ __attribute__((target("avx2,fma"))) static void nvfp4_row_avx2(const float *xs, 
         __m256 w[4] = {widen(even), widen(odd), widen(_mm_srli_si128(even, 8)), widen(_mm_srli_si128(odd, 8))};
         __m256 scale[2] = {_mm256_set1_ps(0.5f * fp8_table[scales[g]]),
                            _mm256_set1_ps(pair ? 0.5f * fp8_table[scales[g + 1]] : 0.0f)};
-        for (int64_t r = 0; r < rows; r++) {
+        for (int r = 0; r < rows; r++) {
             const float *e = xs + r * x_stride + g * 8, *o = e + half_k;
-            for (int j = 0; j <= pair; j++) {
-                __m256 part = _mm256_mul_ps(w[2 * j], _mm256_loadu_ps(e + 8 * j));
-                part = _mm256_fmadd_ps(w[2 * j + 1], _mm256_loadu_ps(o + 8 * j), part);
-                acc[r][j] = _mm256_fmadd_ps(part, scale[j], acc[r][j]);
+            __m256 part = _mm256_mul_ps(w[0], _mm256_loadu_ps(e));
+            part = _mm256_fmadd_ps(w[1], _mm256_loadu_ps(o), part);
+            acc[r][0] = _mm256_fmadd_ps(part, scale[0], acc[r][0]);
+            if (pair) {
+                part = _mm256_mul_ps(w[2], _mm256_loadu_ps(e + 8));
+                part = _mm256_fmadd_ps(w[3], _mm256_loadu_ps(o + 8), part);
+                acc[r][1] = _mm256_fmadd_ps(part, scale[1], acc[r][1]);
             }
         }
     }
-    for (int64_t r = 0; r < rows; r++) out[r * out_stride] = hsum256(_mm256_add_ps(acc[r][0], acc[r][1])) * global;
+    for (int r = 0; r < rows; r++) out[r * out_stride] = hsum256(_mm256_add_ps(acc[r][0], acc[r][1])) * global;
+}
+
+__attribute__((target("avx2,fma"))) static void nvfp4_row_avx2(const float *xs, int64_t x_stride, int64_t rows,
+                                                              int64_t half_k, const uint8_t *codes,
+                                                              const uint8_t *scales, const float *fp8_table,
+                                                              float global, float *out, int64_t out_stride) {
+    ROWS_DISPATCH(rows, nvfp4_rows_avx2, xs, x_stride, half_k, codes, scales, fp8_table, global, out, out_stride)
 }
 
 /* AVX-512, two groups per step: 16 bytes widen to 16 lanes; a float permute reads its index from the
  * low 4 bits of a lane, so the low nibbles index the E2M1 table directly and the high ones after a
- * shift. Lanes 0-7 belong to the first group, 8-15 to the second: one scale vector serves both. */
+ * shift. Lanes 0-7 belong to the first group, 8-15 to the second: one scale vector serves both.
+ * Consecutive steps add into two accumulators per row, so one row of x is not bound by the latency
+ * of a single chain of FMAs. */
+__attribute__((target("avx512f"), always_inline)) static inline void
+nvfp4_step_avx512(const int rows, const float *xs, int64_t x_stride, int64_t half_k, const uint8_t *codes,
+                  const uint8_t *scales, const float *fp8_table, int64_t g, int64_t groups, __m512 *acc) {
+    const __m512 table = _mm512_loadu_ps(E2M1);
+    const int pair = g + 1 < groups;
+    const __mmask16 lanes = pair ? 0xFFFF : 0x00FF;
+    __m128i bytes = pair ? _mm_loadu_si128((const __m128i *)(codes + g * 8))
+                         : _mm_loadl_epi64((const __m128i *)(codes + g * 8));
+    __m512i idx = _mm512_cvtepu8_epi32(bytes);
+    __m512 we = _mm512_permutexvar_ps(idx, table);
+    __m512 wo = _mm512_permutexvar_ps(_mm512_srli_epi32(idx, 4), table);
+    __m512 scale = _mm512_mask_blend_ps(0xFF00, _mm512_set1_ps(fp8_table[scales[g]]),
+                                        _mm512_set1_ps(pair ? fp8_table[scales[g + 1]] : 0.0f));
+    for (int r = 0; r < rows; r++) {
+        const float *e = xs + r * x_stride + g * 8, *o = e + half_k;
+        __m512 part = _mm512_mul_ps(we, _mm512_maskz_loadu_ps(lanes, e));
+        part = _mm512_fmadd_ps(wo, _mm512_maskz_loadu_ps(lanes, o), part);
+        acc[r] = _mm512_fmadd_ps(part, scale, acc[r]);
+    }
+}
+
+__attribute__((target("avx512f"), always_inline)) static inline void
+nvfp4_rows_avx512(const int rows, const float *xs, int64_t x_stride, int64_t half_k, const uint8_t *codes,
+                  const uint8_t *scales, const float *fp8_table, float global, float *out, int64_t out_stride) {
+    const int64_t groups = half_k / 8;
+    __m512 acc[2][MAX_ROWS];
+    for (int r = 0; r < rows; r++) acc[0][r] = acc[1][r] = _mm512_setzero_ps();
+    int64_t g = 0;
+    for (; g + 4 <= groups; g += 4) {
+        nvfp4_step_avx512(rows, xs, x_stride, half_k, codes, scales, fp8_table, g, groups, acc[0]);
+        nvfp4_step_avx512(rows, xs, x_stride, half_k, codes, scales, fp8_table, g + 2, groups, acc[1]);
+    }
+    for (; g < groups; g += 2) nvfp4_step_avx512(rows, xs, x_stride, half_k, codes, scales, fp8_table, g, groups, acc[0]);
+    for (int r = 0; r < rows; r++) out[r * out_stride] = _mm512_reduce_add_ps(_mm512_add_ps(acc[0][r], acc[1][r])) * global;
+}
+
 __attribute__((target("avx512f"))) static void nvfp4_row_avx512(const float *xs, int64_t x_stride, int64_t rows,
                                                                int64_t half_k, const uint8_t *codes,
                                                                const uint8_t *scales, const float *fp8_table,
                                                                float global, float *out, int64_t out_stride) {
-    const __m512 table = _mm512_loadu_ps(E2M1);
-    const int64_t groups = half_k / 8;
-    __m512 acc[MAX_ROWS];
-    for (int64_t r = 0; r < rows; r++) acc[r] = _mm512_setzero_ps();
-    for (int64_t g = 0; g < groups; g += 2) {
-        const int pair = g + 1 < groups;
-        const __mmask16 lanes = pair ? 0xFFFF : 0x00FF;
-        __m128i bytes = pair ? _mm_loadu_si128((const __m128i *)(codes + g * 8))
-                             : _mm_loadl_epi64((const __m128i *)(codes + g * 8));
-        __m512i idx = _mm512_cvtepu8_epi32(bytes);
-        __m512 we = _mm512_permutexvar_ps(idx, table);
-        __m512 wo = _mm512_permutexvar_ps(_mm512_srli_epi32(idx, 4), table);
-        __m512 scale = _mm512_mask_blend_ps(0xFF00, _mm512_set1_ps(fp8_table[scales[g]]),
-                                            _mm512_set1_ps(pair ? fp8_table[scales[g + 1]] : 0.0f));
-        for (int64_t r = 0; r < rows; r++) {
-            const float *e = xs + r * x_stride + g * 8, *o = e + half_k;
-            __m512 part = _mm512_mul_ps(we, _mm512_maskz_loadu_ps(lanes, e));
-            part = _mm512_fmadd_ps(wo, _mm512_maskz_loadu_ps(lanes, o), part);
-            acc[r] = _mm512_fmadd_ps(part, scale, acc[r]);
-        }
-    }
-    for (int64_t r = 0; r < rows; r++) out[r * out_stride] = _mm512_reduce_add_ps(acc[r]) * global;
+    ROWS_DISPATCH(rows, nvfp4_rows_avx512, xs, x_stride, half_k, codes, scales, fp8_table, global, out, out_stride)
 }
 
 /* ---------------------------------------------------------------- FP8 block rows */
@@ -173,57 +215,82 @@ __attribute__((target("avx2,fma,f16c"))) static inline __m256 e4m3_scaled8(const
 
 /* AVX2: 16 columns per step into two accumulators per row, each block's sum scaled once. Needs k and
  * bk multiples of 16. */
+__attribute__((target("avx2,fma,f16c"), always_inline)) static inline void
+fp8_rows_avx2(const int rows, const float *x, int64_t x_stride, int64_t k, const uint8_t *w,
+              const float *block_scales, int64_t bk, float *out, int64_t out_stride) {
+    __m256 acc[MAX_ROWS];
+    for (int r = 0; r < rows; r++) acc[r] = _mm256_setzero_ps();
+    for (int64_t k0 = 0; k0 < k; k0 += bk) {
+        __m256 part[MAX_ROWS][2];
+        for (int r = 0; r < rows; r++) part[r][0] = part[r][1] = _mm256_setzero_ps();
+        const int64_t end = k0 + bk < k ? k0 + bk : k;
+        for (int64_t j = k0; j < end; j += 16) {
+            __m256 w0 = e4m3_scaled8(w + j), w1 = e4m3_scaled8(w + j + 8);
+            for (int r = 0; r < rows; r++) {
+                part[r][0] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(x + r * x_stride + j), part[r][0]);
+                part[r][1] = _mm256_fmadd_ps(w1, _mm256_loadu_ps(x + r * x_stride + j + 8), part[r][1]);
+            }
+        }
+        __m256 scale = _mm256_set1_ps(256.0f * block_scales[k0 / bk]);
+        for (int r = 0; r < rows; r++)
+            acc[r] = _mm256_fmadd_ps(_mm256_add_ps(part[r][0], part[r][1]), scale, acc[r]);
+    }
+    for (int r = 0; r < rows; r++) out[r * out_stride] = hsum256(acc[r]);
+}
+
 __attribute__((target("avx2,fma,f16c"))) static void fp8_row_avx2(const float *x, int64_t x_stride, int64_t rows,
                                                                  int64_t k, const uint8_t *w,
                                                                  const float *block_scales, int64_t bk,
                                                                  const float *fp8_table, float *out,
                                                                  int64_t out_stride) {
     (void)fp8_table;
-    __m256 acc[MAX_ROWS];
-    for (int64_t r = 0; r < rows; r++) acc[r] = _mm256_setzero_ps();
-    for (int64_t k0 = 0; k0 < k; k0 += bk) {
-        __m256 part[MAX_ROWS][2];
-        for (int64_t r = 0; r < rows; r++) part[r][0] = part[r][1] = _mm256_setzero_ps();
-        const int64_t end = k0 + bk < k ? k0 + bk : k;
-        for (int64_t j = k0; j < end; j += 16) {
-            __m256 w0 = e4m3_scaled8(w + j), w1 = e4m3_scaled8(w + j + 8);
-            for (int64_t r = 0; r < rows; r++) {
-                part[r][0] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(x + r * x_stride + j), part[r][0]);
-                part[r][1] = _mm256_fmadd_ps(w1, _mm256_loadu_ps(x + r * x_stride + j + 8), part[r][1]);
-            }
-        }
-        __m256 scale = _mm256_set1_ps(256.0f * block_scales[k0 / bk]);
-        for (int64_t r = 0; r < rows; r++)
-            acc[r] = _mm256_fmadd_ps(_mm256_add_ps(part[r][0], part[r][1]), scale, acc[r]);
-    }
-    for (int64_t r = 0; r < rows; r++) out[r * out_stride] = hsum256(acc[r]);
+    ROWS_DISPATCH(rows, fp8_rows_avx2, x, x_stride, k, w, block_scales, bk, out, out_stride)
 }
 
-/* AVX-512: the same widening 16 bytes at a time. Needs k and bk multiples of 16. */
+/* AVX-512: 16 e4m3 bytes widened at a time (as in e4m3_scaled8), consecutive steps into two
+ * accumulators per row. Needs k and bk multiples of 16. */
+__attribute__((target("avx512f,avx512bw"), always_inline)) static inline __m512 e4m3_scaled16(const uint8_t *p) {
+    __m256i v = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)p));
+    __m256i sign = _mm256_slli_epi16(_mm256_and_si256(v, _mm256_set1_epi16(0x80)), 8);
+    __m256i rest = _mm256_slli_epi16(_mm256_and_si256(v, _mm256_set1_epi16(0x7F)), 7);
+    return _mm512_cvtph_ps(_mm256_or_si256(sign, rest));
+}
+
+__attribute__((target("avx512f,avx512bw"), always_inline)) static inline void
+fp8_rows_avx512(const int rows, const float *x, int64_t x_stride, int64_t k, const uint8_t *w,
+                const float *block_scales, int64_t bk, float *out, int64_t out_stride) {
+    __m512 acc[MAX_ROWS];
+    for (int r = 0; r < rows; r++) acc[r] = _mm512_setzero_ps();
+    for (int64_t k0 = 0; k0 < k; k0 += bk) {
+        __m512 part[2][MAX_ROWS];
+        for (int r = 0; r < rows; r++) part[0][r] = part[1][r] = _mm512_setzero_ps();
+        const int64_t end = k0 + bk < k ? k0 + bk : k;
+        int64_t j = k0;
+        for (; j + 32 <= end; j += 32) {
+            __m512 w0 = e4m3_scaled16(w + j), w1 = e4m3_scaled16(w + j + 16);
+            for (int r = 0; r < rows; r++) {
+                part[0][r] = _mm512_fmadd_ps(w0, _mm512_loadu_ps(x + r * x_stride + j), part[0][r]);
+                part[1][r] = _mm512_fmadd_ps(w1, _mm512_loadu_ps(x + r * x_stride + j + 16), part[1][r]);
+            }
+        }
+        if (j < end) {
+            __m512 w0 = e4m3_scaled16(w + j);
+            for (int r = 0; r < rows; r++)
+                part[0][r] = _mm512_fmadd_ps(w0, _mm512_loadu_ps(x + r * x_stride + j), part[0][r]);
+        }
+        __m512 scale = _mm512_set1_ps(256.0f * block_scales[k0 / bk]);
+        for (int r = 0; r < rows; r++) acc[r] = _mm512_fmadd_ps(_mm512_add_ps(part[0][r], part[1][r]), scale, acc[r]);
+    }
+    for (int r = 0; r < rows; r++) out[r * out_stride] = _mm512_reduce_add_ps(acc[r]);
+}
+
 __attribute__((target("avx512f,avx512bw"))) static void fp8_row_avx512(const float *x, int64_t x_stride,
                                                                       int64_t rows, int64_t k, const uint8_t *w,
                                                                       const float *block_scales, int64_t bk,
                                                                       const float *fp8_table, float *out,
                                                                       int64_t out_stride) {
     (void)fp8_table;
-    __m512 acc[MAX_ROWS];
-    for (int64_t r = 0; r < rows; r++) acc[r] = _mm512_setzero_ps();
-    for (int64_t k0 = 0; k0 < k; k0 += bk) {
-        __m512 part[MAX_ROWS];
-        for (int64_t r = 0; r < rows; r++) part[r] = _mm512_setzero_ps();
-        const int64_t end = k0 + bk < k ? k0 + bk : k;
-        for (int64_t j = k0; j < end; j += 16) {
-            __m256i v = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(w + j)));
-            __m256i sign = _mm256_slli_epi16(_mm256_and_si256(v, _mm256_set1_epi16(0x80)), 8);
-            __m256i rest = _mm256_slli_epi16(_mm256_and_si256(v, _mm256_set1_epi16(0x7F)), 7);
-            __m512 wv = _mm512_cvtph_ps(_mm256_or_si256(sign, rest));
-            for (int64_t r = 0; r < rows; r++)
-                part[r] = _mm512_fmadd_ps(wv, _mm512_loadu_ps(x + r * x_stride + j), part[r]);
-        }
-        __m512 scale = _mm512_set1_ps(256.0f * block_scales[k0 / bk]);
-        for (int64_t r = 0; r < rows; r++) acc[r] = _mm512_fmadd_ps(part[r], scale, acc[r]);
-    }
-    for (int64_t r = 0; r < rows; r++) out[r * out_stride] = _mm512_reduce_add_ps(acc[r]);
+    ROWS_DISPATCH(rows, fp8_rows_avx512, x, x_stride, k, w, block_scales, bk, out, out_stride)
 }
 
 /* ---------------------------------------------------------------- dispatch */

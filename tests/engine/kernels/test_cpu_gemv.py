@@ -63,6 +63,22 @@ def test_gemv_matches_float64(monkeypatch, mode, rows, n, k, per_row):
     assert ((got.double() - want).norm() / want.norm()).item() < 1e-6  # fp32 sums of exact products
 
 
+@pytest.mark.parametrize("mode", ["auto", "avx2"])
+def test_every_row_count_of_one_pass_matches_float64(monkeypatch, mode):
+    """The SIMD kernels are compiled once per count of x rows (1..8): each count, and 9 (a pass of 8 and
+    one of 1), with an odd count of NVFP4 groups (k = 112: 7) and FP8 blocks of 48 (one 16-wide tail)."""
+    monkeypatch.setenv("GLMFLASH_CPU_KERNELS", mode)
+    nvfp4 = random_nvfp4(24, 112, seed=5, per_row_global=True)
+    codes = random_fp8(24, 112, seed=6).data
+    fp8 = Fp8BlockWeight(codes, torch.rand(2, 3, generator=torch.Generator().manual_seed(7)) + 0.1, (16, 48))
+    for rows in range(1, 10):
+        x = torch.randn(rows, 112, generator=torch.Generator().manual_seed(rows))
+        for weight in (nvfp4, fp8):
+            want = x.double() @ weight.dequantize(torch.float64).t()
+            got = cpu_gemv.gemv(x, weight, threads=2)
+            assert ((got.double() - want).norm() / want.norm()).item() < 1e-6, (rows, type(weight).__name__)
+
+
 def test_gemv_names_a_shape_mismatch():
     with pytest.raises(ValueError, match="against weight"):
         cpu_gemv.gemv(torch.randn(1, 64), random_nvfp4(8, 128, 0), threads=1)
