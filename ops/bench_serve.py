@@ -20,7 +20,8 @@ definitions; every turn sends the whole history (the previous answers included) 
 of `--user-tokens` words. It reports TTFT p50/p90 over all turns and prefill tokens computed (prompt
 tokens less the cached ones, from each response's usage.prompt_tokens_details.cached_tokens). With
 `--serve MODEL` (a snapshot, or `tiny` for the embedded tiny model) it starts glmflash itself on
-`--device`, once with the prefix cache on and once off, and compares the two runs.
+`--device`, once with the prefix cache on and once off (each run's line printed as it ends), and compares
+the two runs.
 Exit status 1 when any request failed.
 
     python ops/bench_serve.py --base-url http://127.0.0.1:3000/v1 --concurrency 1,4,16 --ignore-eos
@@ -420,12 +421,13 @@ def agent_report(args: argparse.Namespace) -> dict[str, Any]:
         for on in (True, False):
             with started_server(args, on) as url:
                 runs.append(asyncio.run(run_agent(args, url, "cache_on" if on else "cache_off")))
+            print(f"# measured {run_line(runs[-1])}", flush=True)  # kept should the next run be cut short
     else:
         runs.append(asyncio.run(run_agent(args, args.base_url, "server")))
     settings = {k: v for k, v in vars(args).items() if k not in ("command", "levels")}
     report = {"command": args.command, "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
               "settings": settings, "runs": runs}
-    if len(runs) == 2 and runs[0]["prefill_tokens_computed"] is not None:
+    if len(runs) == 2 and runs[1]["prefill_tokens_computed"]:  # none when every cache-off request failed
         on, off = runs
         report["computed_drop"] = round(1 - on["prefill_tokens_computed"] / off["prefill_tokens_computed"], 4)
         if on["ttft_p50_ms"] and off["ttft_p50_ms"]:
@@ -441,12 +443,16 @@ def agent_table(runs: list[dict[str, Any]]) -> str:
     return _table(cols, runs) + "\n(times in ms; computed = prompt tokens less usage.prompt_tokens_details.cached_tokens)"
 
 
+def run_line(run: dict[str, Any]) -> str:
+    return " ".join(f"{k}={fmt(v)}" for k, v in run.items() if k != "errors")
+
+
 def agent_lines(report: dict[str, Any]) -> list[str]:
     s = report["settings"]
     head = (f"bench workload=agent conversations={s['conversations']} turns={s['turns']} "
             f"system_words={s['system_tokens']} user_words={s['user_tokens']} max_tokens={s['max_tokens']} "
             f"serve={s['serve'] or s['base_url']} device={s['device'] if s['serve'] else 'na'} date={report['date']}")
-    lines = [head] + [" ".join(f"{k}={fmt(v)}" for k, v in run.items() if k != "errors") for run in report["runs"]]
+    lines = [head] + [run_line(run) for run in report["runs"]]
     if "computed_drop" in report:
         lines.append(f"compare computed_drop={report['computed_drop']} ttft_p50_speedup={report.get('ttft_p50_speedup')}")
     for run in report["runs"]:

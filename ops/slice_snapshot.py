@@ -5,7 +5,8 @@ is stored the way the chosen release stores it; the size decides how many MoE la
 and, below one full layer, how many routed experts a layer has. Values are random; one random matrix
 per layer and projection is quantized and then stored once per expert, so writing hundreds of GB
 does not mean quantizing hundreds of GB. Config, generation config and the tiny model's tokenizer
-are written beside the shards, so `glmflash boot --model DIR` serves it.
+are written beside the shards, so `glmflash boot --model DIR` serves it; the output head keeps random
+rows only for the tokenizer's printable ASCII bytes (see `text_only_head`), so a served slice writes text.
 
     python -m ops.slice_snapshot /workspace/slice-20g --gib 20 [--format nvfp4-ct] [--shard-gib 4]
 """
@@ -28,6 +29,7 @@ from ops.bench_engine import slice_text_config
 
 FULL_EXPERTS = 288
 MIN_EXPERTS = 8  # the release's top-k
+TEXT_IDS = slice(0x20, 0x7F)  # printable ASCII: the byte-level tokenizer's id of a byte is the byte
 
 
 def stored_bytes(spec: TensorSpec, fmt: str, cfg: ModelConfig) -> int:
@@ -41,6 +43,15 @@ def stored_bytes(spec: TensorSpec, fmt: str, cfg: ModelConfig) -> int:
     if fmt == "fp8":
         return count + 4 * math.ceil(n / 128) * math.ceil(k / 128)
     return count // 2 + count // 16 + 4
+
+
+def text_only_head(value: torch.Tensor) -> torch.Tensor:
+    """lm_head with every row zeroed but the printable ASCII bytes': those logits stay random, all others are 0,
+    so greedy decoding picks text (the vocabulary has 154,880 ids, the tokenizer 283: the others decode to
+    nothing, and a serving benchmark times text). Same bytes and the same work as a fully random head."""
+    head = torch.zeros_like(value)
+    head[TEXT_IDS] = value[TEXT_IDS]
+    return head
 
 
 def slice_config(fmt: str, layers: int, experts: int) -> dict:
@@ -95,7 +106,8 @@ def write_slice_snapshot(out_dir: Path, gib: float, fmt: str = "nvfp4-ct", shard
             first, entries = shared[slot]
             entries = {key.replace(first, spec.name): t.clone() for key, t in entries.items()}
         else:
-            entries = encode(spec, init_value(spec, generator), fmt, cfg)
+            value = init_value(spec, generator)
+            entries = encode(spec, text_only_head(value) if spec.name == "lm_head" else value, fmt, cfg)
         nbytes = sum(t.numel() * t.element_size() for t in entries.values())
         if shard and size + nbytes > shard_bytes:
             names.append(_save(shard, out, len(names)))

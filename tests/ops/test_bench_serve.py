@@ -182,3 +182,21 @@ def test_agent_workload_starts_glmflash_with_the_cache_on_and_off(tmp_path: Path
     assert off["cached_tokens"] == 0 and on["cached_tokens"] > on["prompt_tokens"] * 0.4
     assert report["computed_drop"] > 0.4
     assert "compare computed_drop=" in capsys.readouterr().out
+
+
+def test_agent_report_when_every_cache_off_request_failed(tmp_path: Path, monkeypatch, capsys) -> None:
+    apps = {True: stand_in(chunks=2, cached=5)[0], False: stand_in(fail_every=1)[0]}
+
+    @contextmanager
+    def started(args, prefix_cache: bool) -> Iterator[str]:  # stand-ins for the two glmflash servers
+        with serve(apps[prefix_cache]) as base_url:
+            yield base_url
+
+    monkeypatch.setattr(bench, "started_server", started)
+    out = tmp_path / "agent.json"
+    rc = bench.main(["--workload", "agent", "--serve", "tiny", "--conversations", "2", "--turns", "1",
+                     "--system-tokens", "5", "--json", str(out)])
+    on, off = json.loads(out.read_text())["runs"]
+    assert rc == 1 and (on["ok"], off["failed"], off["prefill_tokens_computed"]) == (2, 2, 0)
+    printed = capsys.readouterr().out
+    assert printed.startswith("# measured run=cache_on") and "compare computed_drop" not in printed

@@ -8,7 +8,8 @@ import torch
 from engine.checkpoint.layout import text_specs
 from engine.config import ModelConfig
 from engine.tiny.factory import encode, init_value
-from ops.slice_snapshot import FULL_EXPERTS, MIN_EXPERTS, plan_slice, slice_config, stored_bytes
+from engine.tiny.tokenizer import build_tokenizer
+from ops.slice_snapshot import FULL_EXPERTS, MIN_EXPERTS, plan_slice, slice_config, stored_bytes, text_only_head
 
 
 @pytest.mark.parametrize("fmt", ["bf16", "fp8", "nvfp4-ct", "nvfp4-modelopt"])
@@ -33,3 +34,13 @@ def test_slices_grow_by_layers_then_shrink_by_experts():
     assert experts == FULL_EXPERTS and 1 < layers < 45
     assert plan_slice(3 * 2**30, "nvfp4-ct") == (1, pytest.approx(25, abs=3))
     assert plan_slice(1, "nvfp4-ct") == (1, MIN_EXPERTS)
+
+
+def test_greedy_tokens_of_the_head_decode_to_text():
+    generator = torch.Generator().manual_seed(0)
+    value = torch.randn(1000, 64, generator=generator)  # more ids than the tokenizer has, as in the release
+    head = text_only_head(value)
+    assert torch.equal(head[0x20:0x7F], value[0x20:0x7F]) and not head[:0x20].any() and not head[0x7F:].any()
+    hidden = torch.randn(256, 64, generator=generator)
+    text = build_tokenizer().decode((hidden @ head.T).argmax(-1).tolist())
+    assert len(text) == 256 and text.isascii() and text.isprintable()

@@ -1,0 +1,130 @@
+#!/usr/bin/env bash
+# The serving figures measured on a CUDA machine, in one run cut at BUDGET_S seconds (default 540), from the
+# repository root:  bash ops/gpu_serving.sh OUT_DIR [tests] [boot] [serve]   (default: all three, in this order)
+# tests: the prefix cache and structured output on CUDA:
+#          python3 -m pytest -q tests/gpu/test_prefix_cache_cuda.py tests/gpu/test_structured_cuda.py
+# boot:  process start to /ready and to the first token, cold and fast_resume, against raw reads of the same
+#        bytes with the page cache dropped; then the same with early readiness (tok/s while experts fill in).
+#        On a full-width NVFP4 slice on the local disk, its prepared snapshot beside it in WORK_DIR/cache:
+#          python3 -m ops.slice_snapshot WORK_DIR/slice --gib SLICE_GIB
+#          python3 -m ops.bench_boot --cache-dir WORK_DIR/cache --model WORK_DIR/slice [--ready-at partial] \
+#              -- --device cuda
+# serve: the multi-turn agent workload on that slice, prefix cache on and off (8 conversations of 8 turns over a
+#        330-word system prompt, ~2,000 tokens with the slice's byte-level tokenizer, plus tools; 16-token
+#        answers; the servers start from the prepared snapshot), then what grammar masks add to a decode step:
+#          python3 ops/bench_serve.py --workload agent --serve WORK_DIR/slice --device cuda $AGENT_ARGS
+#          python3 ops/bench_structured.py --device cuda --dtype bfloat16 --batch 1 16
+# SLICE_GIB is 12 by default (10.6 GiB: 2 MoE layers of 288 experts), what fits beside the other parts: each
+# boot run reads the slice six times and writes it once (~1.5 GB/s on an H200 machine's disk). The issue's
+# >= 20 GB (SLICE_GIB=20: 18.8 GiB, 4 layers, one of them DSA) fits a run without the tests:
+#          SLICE_GIB=20 bash ops/gpu_serving.sh OUT_DIR boot serve
+# The first cold start also compiles the full-width Triton kernels (between its warmup and ready stage lines).
+# Each step is cut at the time left less what later steps keep, and its figures are printed as measured.
+# DEVICE=cpu checks the script on a CPU machine (with SLICE_GIB=0.3: the smallest slice, 2.8 GiB; AGENT_ARGS,
+# STRUCTURED_ARGS to shrink the workloads). Wheels the machine lacks may lie in .whl/. OUT_DIR gets run.log
+# (all that is printed), env.log, tests.log, boot.log, serve.log, agent.json and structured.json.
+set -uo pipefail
+out=${1:?output directory}; shift
+parts=${*:-tests boot serve}
+for part in $parts; do [[ " tests boot serve " == *" $part "* ]] || { echo "unknown part: $part" >&2; exit 2; }; done
+mkdir -p "$out"
+budget=${BUDGET_S:-540} start=$(date +%s); deadline=$((start + budget))
+exec > >(tee -a "$out/run.log") 2>&1
+device=${DEVICE:-cuda}
+dtype=$([ "$device" = cuda ] && echo bfloat16 || echo float32)
+slice_gib=${SLICE_GIB:-12}
+agent_args=${AGENT_ARGS:---conversations 8 --turns 8 --system-tokens 330 --user-tokens 8 --max-tokens 16 --ignore-eos}
+structured_args=${STRUCTURED_ARGS:---batch 1 16}
+has() { [[ " $parts " == *" $1 "* ]]; }
+
+# step CAP RESERVE LOG COMMAND...: the command under a limit of CAP seconds or the time left less RESERVE (what
+# later steps keep), whichever is less, both sized for a budget of 540 s and scaled with BUDGET_S; its output
+# goes to LOG and is printed.
+step() {
+  local cap=$(($1 * budget / 540)) reserve=$(($2 * budget / 540)) log=$3; shift 3
+  local limit=$((deadline - $(date +%s) - reserve)); ((limit > cap)) && limit=$cap
+  if ((limit < 20)); then echo "== skipped, ${limit}s left for: $*" | tee -a "$log"; return 124; fi
+  echo "== $* (limit ${limit}s, at $(($(date +%s) - start))s)" | tee -a "$log"
+  local pidfile; pidfile=$(mktemp)
+  { timeout -k 15 "$limit" "$@" 2>&1 & echo $! > "$pidfile"; wait $!; } | tee -a "$log"
+  local rc=${PIPESTATUS[0]}
+  # A server the command started outlives it when the limit cuts it (SIGTERM only asks a server to drain, after
+  # its load): the rest of timeout's process group goes too, so the next step has the GPU to itself.
+  kill -KILL -- "-$(cat "$pidfile")" 2>/dev/null && echo "== stopped what it left running" | tee -a "$log"
+  rm -f "$pidfile"
+  echo "== rc=$rc after $(($(date +%s) - start))s" | tee -a "$log"
+  return "$rc"
+}
+
+site=
+if compgen -G ".whl/*.whl" >/dev/null; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+  site=/tmp/site:
+fi
+export PYTHONPATH=$site$PWD PYTHONUNBUFFERED=1
+{
+  [ "$device" = cuda ] && nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+  python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__)'
+  echo "cores $(nproc)"; free -g | head -2; git log -1 --format='commit %h %s' 2>/dev/null
+} 2>&1 | tee -a "$out/env.log"
+ls engine/kernels/experts/_cpu_gemv*.so >/dev/null 2>&1 \
+  || step 150 0 "$out/env.log" python3 setup.py -q build_ext --inplace
+
+# The slice and the prepared snapshot on the local disk (not tmpfs: its reads would be memory reads).
+work=${WORK_DIR:-}
+if [ -z "$work" ]; then
+  for dir in /root /tmp; do
+    [ -w "$dir" ] && [[ "$(df --output=fstype "$dir" | tail -1)" != *tmpfs* ]] && { work=$dir/glmflash-serving; break; }
+  done
+fi
+work=${work:-/tmp/glmflash-serving}
+mkdir -p "$work"
+slice=$work/slice cache=$work/cache
+
+reserve_serve=$(has serve && echo 130 || echo 0)
+reserve_boot=$(has boot && echo 200 || echo 0)
+
+if has tests; then
+  echo "### tests"
+  step 150 $((reserve_boot + reserve_serve)) "$out/tests.log" \
+    python3 -m pytest -q tests/gpu/test_prefix_cache_cuda.py tests/gpu/test_structured_cuda.py >/dev/null
+  tail -15 "$out/tests.log"
+fi
+
+if has boot; then
+  echo "### boot"
+  rm -rf "$cache/models"  # bench_boot starts each round without a prepared snapshot anyway
+  [ "$(cat "$work/slice.gib" 2>/dev/null)" = "$slice_gib" ] && [ -e "$slice/model.safetensors.index.json" ] \
+    || rm -rf "$slice" "$work/slice.gib"
+  free_gib=$(df -B1G --output=avail "$work" | tail -1 | tr -d ' ')
+  built=$([ -e "$slice/model.safetensors.index.json" ] && echo 0 || echo 1)
+  # the slice (unless kept from an earlier run) and its prepared copy (about as large), and 3 GiB to spare
+  fits=$(awk -v f="$free_gib" -v b="$built" 'BEGIN { g = (f - 3) / (1.1 + b); print (g < 0 ? 0 : int(g)) }')
+  if awk -v s="$slice_gib" -v g="$fits" 'BEGIN { exit !(s > g) }'; then
+    echo "note: $free_gib GiB free in $work: the slice shrinks from $slice_gib to $fits GiB"
+    slice_gib=$fits; rm -rf "$slice" "$work/slice.gib"
+  fi
+  df -h "$work" | tee -a "$out/env.log"
+  if [ ! -e "$slice/model.safetensors.index.json" ]; then
+    step 120 $((160 + reserve_serve)) "$out/boot.log" python3 -m ops.slice_snapshot "$slice" --gib "$slice_gib" \
+      && echo "$slice_gib" > "$work/slice.gib"
+  fi
+  step 200 $((80 + reserve_serve)) "$out/boot.log" \
+    python3 -m ops.bench_boot --cache-dir "$cache" --model "$slice" -- --device "$device"
+  step 200 "$reserve_serve" "$out/boot.log" \
+    python3 -m ops.bench_boot --cache-dir "$cache" --model "$slice" --ready-at partial -- --device "$device"
+fi
+
+if has serve; then
+  echo "### serve"
+  # GLMFLASH_CACHE_DIR: the servers start from the boot part's prepared snapshot (fast_resume), not a second copy.
+  if [ -e "$slice/model.safetensors.index.json" ]; then
+    step 240 50 "$out/serve.log" python3 ops/bench_serve.py --workload agent --serve "$slice" --device "$device" \
+      --serve-env "GLMFLASH_CACHE_DIR=$cache" $agent_args --json "$out/agent.json"
+  else
+    echo "no slice in $slice: run the boot part first" | tee -a "$out/serve.log"
+  fi
+  step 120 0 "$out/serve.log" python3 ops/bench_structured.py --device "$device" --dtype "$dtype" $structured_args \
+    --json "$out/structured.json"
+fi
+echo "### done in $(($(date +%s) - start))s"
