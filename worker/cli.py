@@ -5,7 +5,9 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
 
+from provision.compile_cache import use_compile_cache
 from provision.settings import Settings
 
 
@@ -33,6 +35,9 @@ def main(argv: list[str] | None = None) -> None:
         overrides["s3_uri"] = overrides.pop("model")
     settings = Settings(**overrides)
     logging.basicConfig(level=settings.log_level, format="%(asctime)s level=%(levelname)s logger=%(name)s %(message)s")
+    triton_dir = use_compile_cache(settings.cache_dir)  # before the engine's kernels are defined
+    logging.getLogger("glmflash.cli").info("event=compile_cache dir=%s autotuning=%s", triton_dir,
+                                           os.environ["TRITON_CACHE_AUTOTUNING"])
     from worker.serve import serve as run
 
     asyncio.run(run(settings))
