@@ -6,10 +6,11 @@ The model is a snapshot directory on the volume (`--model DIR`, e.g. a full-widt
 full-width slice built first (`--slice-gib N --slice-dir DIR`, see ops/slice_snapshot.py; kept for the
 next run), or, with neither, the embedded tiny model. Each round:
 
-  cold         the prepared snapshot is removed; the original shards are raw-read (evicted before and
-               after); `glmflash boot` starts; after the first token the bench waits for the prepared
+  cold         the prepared snapshot and the compiled kernels (`<cache>/triton`) are removed; the original
+               shards are raw-read (evicted before and after); `glmflash boot` starts; after the first token the bench waits for the prepared
                snapshot (written after ready), stops the worker and raw-reads the shards again;
-  fast_resume  the same around a second `glmflash boot`, with the prepared files.
+  fast_resume  the same around a second `glmflash boot`, with the prepared files and the kernels the cold
+               start compiled (a restarted container on the same volume).
 
 Each start is compared with the faster of its two raw reads (see ops/page_cache.py).
 
@@ -185,7 +186,8 @@ def main() -> None:
     source = Path(model_spec(Settings(model=str(model) if model else None, cache_dir=args.cache_dir))[0])
     shards = shard_files(source)
     for _ in range(args.rounds):
-        shutil.rmtree(args.cache_dir / "models", ignore_errors=True)
+        for kept in ("models", "triton"):  # cold is a fresh volume: no prepared snapshot, no compiled kernels
+            shutil.rmtree(args.cache_dir / kept, ignore_errors=True)
         before = raw_read(shards, args.workers)
         cold = one_start(args.cache_dir, flags, wait_prepared=True, partial=partial)
         report("cold", faster(before, raw_read(shards, args.workers)), cold)
