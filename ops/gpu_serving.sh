@@ -21,7 +21,10 @@
 # The first cold start also compiles the full-width Triton kernels (between its warmup and ready stage lines).
 # Each step is cut at the time left less what later steps keep, and its figures are printed as measured.
 # DEVICE=cpu checks the script on a CPU machine (with SLICE_GIB=0.3: the smallest slice, 2.8 GiB; AGENT_ARGS,
-# STRUCTURED_ARGS to shrink the workloads). Wheels the machine lacks may lie in .whl/. OUT_DIR gets run.log
+# STRUCTURED_ARGS to shrink the workloads). Wheels the machine lacks may lie in .whl/ (a
+# machine with torch and triton but without the worker's packages needs fla-core, transformers, llguidance,
+# pydantic, pydantic-core, pydantic-settings, annotated-types, typing-inspection, python-dotenv, jsonschema,
+# jsonschema-specifications, referencing, rpds-py, cryptography, cffi and pycparser). OUT_DIR gets run.log
 # (all that is printed), env.log, tests.log, boot.log, serve.log, agent.json and structured.json.
 set -uo pipefail
 out=${1:?output directory}; shift
