@@ -1,15 +1,11 @@
 #!/usr/bin/env bash
 # GPU correctness and kernel timings in one go (CUDA machine, from the repository root):
 #   bash ops/gpu_checks.sh OUT_DIR [pytest args...]
-# Wheels the machine lacks (fla-core, a transformers with glm5_next's indexer) may lie in .whl/.
+# Wheels the machine lacks: see ops/gpu_env.sh.
 set -uo pipefail
 out=${1:?output directory}; shift
 mkdir -p "$out"
-if compgen -G ".whl/*.whl" >/dev/null; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
-  export PYTHONPATH=/tmp/site
-fi
-export PYTHONUNBUFFERED=1
+source ops/gpu_env.sh
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$out/gpu.txt"
 python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__)' | tee -a "$out/gpu.txt"
 python3 -m pytest -q tests/gpu --timeout 300 "$@" 2>&1 | tee "$out/gpu_tests.log" | tail -25

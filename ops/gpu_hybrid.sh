@@ -6,15 +6,11 @@
 # whole: scenario (b), all 45 layers, uniform routing, the miss split measured at load;
 # skew:  the same under a Zipf-like routing trace with swaps on;
 # slice: scenario (a), a 32 GB-class budget (18 slots per MoE layer) on an 8-layer slice.
-# Wheels the machine lacks (fla-core, transformers, llguidance) may lie in .whl/.
+# Wheels the machine lacks: see ops/gpu_env.sh.
 set -uo pipefail
 out=${1:?output directory}; part=${2:?checks, whole, skew or slice}
 mkdir -p "$out"
-if compgen -G ".whl/*.whl" >/dev/null; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
-  export PYTHONPATH=/tmp/site:$PWD
-fi
-export PYTHONUNBUFFERED=1
+source ops/gpu_env.sh
 ls engine/kernels/experts/_cpu_gemv*.so >/dev/null 2>&1 || python3 setup.py -q build_ext --inplace > "$out/build.log" 2>&1
 decode="python3 -m ops.bench_decode --device cuda --expert-variety 8 --steps 16 --contexts 1024 --batches 4 --prefills 2048 --reference-layers 0"
 case "$part" in

@@ -22,10 +22,7 @@
 # an H200); later starts on the same cache read them back (<cache>/triton).
 # Each step is cut at the time left less what later steps keep, and its figures are printed as measured.
 # DEVICE=cpu checks the script on a CPU machine (with SLICE_GIB=0.3: the smallest slice, 2.8 GiB; AGENT_ARGS,
-# STRUCTURED_ARGS to shrink the workloads). Wheels the machine lacks may lie in .whl/ (a
-# machine with torch and triton but without the worker's packages needs fla-core, transformers, llguidance,
-# pydantic, pydantic-core, pydantic-settings, annotated-types, typing-inspection, python-dotenv, jsonschema,
-# jsonschema-specifications, referencing, rpds-py, cryptography, cffi and pycparser). OUT_DIR gets run.log
+# STRUCTURED_ARGS to shrink the workloads). Wheels the machine lacks: see ops/gpu_env.sh. OUT_DIR gets run.log
 # (all that is printed), env.log, tests.log, boot.log, serve.log, agent.json and structured.json.
 set -uo pipefail
 out=${1:?output directory}; shift
@@ -60,12 +57,7 @@ step() {
   return "$rc"
 }
 
-site=
-if compgen -G ".whl/*.whl" >/dev/null; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
-  site=/tmp/site:
-fi
-export PYTHONPATH=$site$PWD PYTHONUNBUFFERED=1
+source ops/gpu_env.sh
 {
   [ "$device" = cuda ] && nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
   python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__)'

@@ -1,0 +1,12 @@
+# Sourced by the ops/gpu_*.sh scripts (from the repository root): wheels a CUDA machine without network lacks
+# are installed from .whl/ into /tmp/site; the repository and that folder go on PYTHONPATH; Python prints as it
+# goes. A machine with torch and triton but nothing else of ours needs fla-core, transformers, llguidance,
+# pydantic, pydantic-core, pydantic-settings, annotated-types, typing-inspection, python-dotenv, jsonschema,
+# jsonschema-specifications, referencing, rpds-py, cryptography, cffi and pycparser.
+if compgen -G ".whl/*.whl" >/dev/null; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+  export PYTHONPATH=/tmp/site:$PWD
+else
+  export PYTHONPATH=$PWD
+fi
+export PYTHONUNBUFFERED=1
