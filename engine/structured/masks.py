@@ -3,9 +3,10 @@ to the logits where they are.
 
 `start()` hands the constrained rows to a helper thread before the forward is launched; llguidance
 computes the grammar rows in its own thread pool with the GIL released, so the masks are ready, or
-nearly, when the logits are. `apply()` waits for them, copies the one bitmask (pinned on CUDA) to the
-logits' device, unpacks it there and sets the disallowed logits of those rows to -inf. Rows without
-a constraint are not touched, so they keep the sampler's on-device fast path.
+nearly, when the logits are. `apply()` waits for them, copies the one bitmask and the rows' index
+(pinned on CUDA, so the copies queue behind the forward instead of waiting for it) to the logits'
+device, unpacks it there and sets the disallowed logits of those rows to -inf. Rows without a
+constraint are not touched, so they keep the sampler's on-device fast path.
 """
 
 from __future__ import annotations
@@ -29,8 +30,9 @@ class PendingMasks:
 
 class GrammarMasks:
     def __init__(self, vocab_size: int, max_rows: int, device: torch.device) -> None:
-        self.bitmask = torch.full((max_rows, mask_words(vocab_size)), -1, dtype=torch.int32,
-                                  pin_memory=device.type == "cuda")
+        pinned = device.type == "cuda"
+        self.bitmask = torch.full((max_rows, mask_words(vocab_size)), -1, dtype=torch.int32, pin_memory=pinned)
+        self.row_index = torch.zeros(max_rows, dtype=torch.int64, pin_memory=pinned)
         self._shifts = torch.arange(32, dtype=torch.int32, device=device)
         self._executor: llguidance.LLExecutor | None = None  # llguidance's thread pool, made on first use
         self._thread = ThreadPoolExecutor(1, thread_name_prefix="glmflash-masks")
@@ -61,6 +63,7 @@ class GrammarMasks:
         pending.filled.result()
         count = len(pending.rows)
         words = self.bitmask[:count].to(logits.device, non_blocking=True)
+        self.row_index[:count] = torch.tensor(pending.rows)
+        rows = self.row_index[:count].to(logits.device, non_blocking=True)
         allowed = ((words.unsqueeze(-1) >> self._shifts) & 1).view(count, -1)[:, :logits.shape[-1]].bool()
-        rows = torch.tensor(pending.rows, device=logits.device)
         logits[rows] = logits[rows].masked_fill(~allowed, float("-inf"))
