@@ -2,13 +2,16 @@
 
 Builds real-shape NVFP4 or FP8-block expert stacks (hidden 4096, expert width 2048; random codes and scales: the
 executor's speed does not depend on their values) in host RAM and times the hybrid executor's host
-path on batch-1 decode (one token, top-8 misses), the case hybrid offload lives on. In the same run,
-on the same threads, a STREAM-style read (a sum over a buffer larger than the caches) gives the
-ceiling. Prints one JSON line: executor_GBps, read_GBps, ratio.
+path on batch-1 decode (one token, top-8 misses), the case hybrid offload lives on. The bank (2 GiB by
+default) is several times the last-level cache, so the experts come from DRAM as they do in serving. In
+the same run, on the same threads, a STREAM-style read (a sum over a buffer larger than the caches)
+gives the ceiling. Prints one JSON line: executor_GBps, read_GBps, ratio.
 
     python -m ops.bench_cpu_moe --json            # every core torch sees
     python -m ops.bench_cpu_moe --threads 2 --json
     python -m ops.bench_cpu_moe --format fp8 --json
+    python -m ops.bench_cpu_moe --misses 2 --gap-us 300 --json   # a hybrid layer's share, idle between layers
+    python -m ops.bench_cpu_moe --bank torch-pinned --json        # torch's pinned memory (4 KiB pages)
 """
 
 from __future__ import annotations
@@ -19,8 +22,10 @@ import time
 
 import torch
 
-from engine.experts.hybrid import HybridExperts, expert_nbytes
-from engine.weights import Fp8BlockWeight, Nvfp4Weight
+from engine.experts.cpu_experts import CpuExperts
+from engine.experts.hybrid import expert_nbytes
+from engine.offload.host_memory import host_copy
+from engine.weights import Fp8BlockWeight, Nvfp4Weight, map_tensors
 
 D, I, TOP_K = 4096, 2048, 8
 
@@ -35,6 +40,13 @@ def fp8_stack(experts: int, n: int, k: int, gen: torch.Generator) -> Fp8BlockWei
     data = torch.randint(0, 256, (experts, n, k), dtype=torch.uint8, generator=gen)
     data[(data & 0x7F) == 0x7F] = 0  # the two NaN bytes never occur in a checkpoint
     return Fp8BlockWeight(data.view(torch.float8_e4m3fn), torch.rand(experts, n // 128, k // 128, generator=gen) / 64)
+
+
+BANKS = {
+    "host": lambda t: host_copy(t, pin=torch.cuda.is_available()),
+    "torch": lambda t: t.clone(),
+    "torch-pinned": lambda t: t.pin_memory(),
+}
 
 
 def read_bandwidth(nbytes: int, reps: int = 5) -> float:
@@ -55,31 +67,41 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--threads", type=int, default=0, help="0: torch's default")
     parser.add_argument("--format", default="nvfp4", choices=["nvfp4", "fp8"])
-    parser.add_argument("--experts", type=int, default=32, help="experts in the host bank (more than top-k, so "
-                                                                "consecutive steps read different ones)")
-    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--experts", type=int, default=160, help="experts in the host bank (2 GiB: beyond the "
+                                                                 "caches, and consecutive steps read different ones)")
+    parser.add_argument("--misses", type=int, default=TOP_K, help="experts one call runs (a decode step's misses)")
+    parser.add_argument("--gap-us", type=float, default=0.0, help="idle time between calls (the device's share of "
+                                                                  "a layer), in which the threads may fall asleep")
+    parser.add_argument("--bank", default="host", choices=list(BANKS), help="where the bank lives: host bank memory "
+                        "(huge pages, pinned with a GPU), torch's pageable or torch's pinned memory")
+    parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--json", action="store_true", help="print only the JSON line")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
     gen = torch.Generator().manual_seed(0)
     make = nvfp4_stack if args.format == "nvfp4" else fp8_stack
-    stacks = (make(args.experts, I, D, gen), make(args.experts, I, D, gen), make(args.experts, D, I, gen))
-    hybrid = HybridExperts.place({0: stacks}, {0: []}, torch.device("cpu"), swiglu_limit=7.0)
+    stacks = tuple(map_tensors(make(args.experts, n, k, gen), BANKS[args.bank])
+                   for n, k in ((I, D), (I, D), (D, I)))
+    executor = CpuExperts({0: stacks}, swiglu_limit=7.0, threads=torch.get_num_threads())
     x = torch.randn(1, D).to(torch.bfloat16)
-    weights = torch.full((1, TOP_K), 1.0 / TOP_K)
-    steps = [torch.randperm(args.experts, generator=gen)[:TOP_K].unsqueeze(0) for _ in range(args.steps + 2)]
+    weights = torch.full((1, args.misses), 1.0 / args.misses)
+    steps = [torch.randperm(args.experts, generator=gen)[:args.misses].unsqueeze(0) for _ in range(args.steps + 2)]
     for ids in steps[:2]:
-        hybrid(0, x, ids, weights)
-    seconds = sum(timed(lambda ids=ids: hybrid(0, x, ids, weights)) for ids in steps[2:]) / args.steps
-    moved = TOP_K * expert_nbytes(stacks)
+        executor(0, x, ids, weights)
+    seconds = 0.0
+    for ids in steps[2:]:
+        seconds += timed(lambda ids=ids: executor(0, x, ids, weights))
+        time.sleep(args.gap_us / 1e6)
+    seconds /= args.steps
+    moved = args.misses * expert_nbytes(stacks)
     read = read_bandwidth(2 << 30)
-    result = {"threads": torch.get_num_threads(), "format": args.format, "batch": 1, "top_k": TOP_K,
-              "step_ms": seconds * 1e3, "bytes_per_step": moved, "executor_GBps": moved / seconds / 1e9,
-              "read_GBps": read, "ratio": moved / seconds / 1e9 / read}
+    result = {"threads": torch.get_num_threads(), "format": args.format, "bank": args.bank, "batch": 1,
+              "misses": args.misses, "gap_us": args.gap_us, "step_ms": seconds * 1e3, "bytes_per_step": moved,
+              "executor_GBps": moved / seconds / 1e9, "read_GBps": read, "ratio": moved / seconds / 1e9 / read}
     if not args.json:
-        print(f"executor: {result['executor_GBps']:.2f} GB/s ({seconds * 1e3:.2f} ms per token for {TOP_K} experts, "
-              f"{moved / 2 ** 20:.1f} MiB); read: {read:.1f} GB/s on {result['threads']} threads")
+        print(f"executor: {result['executor_GBps']:.2f} GB/s ({seconds * 1e3:.2f} ms per call for {args.misses} "
+              f"experts, {moved / 2 ** 20:.1f} MiB); read: {read:.1f} GB/s on {result['threads']} threads")
     print(json.dumps(result))
 
 

@@ -28,6 +28,7 @@ from engine.checkpoint.availability import ExpertAvailability, ExpertUnit
 from engine.checkpoint.shards import (CheckpointError, Chunk, StoredTensor, plan_chunks, read_chunk, read_chunks,
                                       read_header, staging_buffer)
 from engine.config import ModelConfig
+from engine.offload.host_memory import host_empty
 from engine.offload.placement import WeightBytes
 from engine.weights import DenseWeight, Fp8BlockWeight, Nvfp4Weight, SplitStack, Weight, map_tensors, tensor_fields
 
@@ -388,8 +389,11 @@ class _ExpertStacks:
 
 
 def _empty_stack(weight: Weight, count: int, device: torch.device, pin: bool, zero: bool = False) -> Weight:
+    """A stack of `count` experts like `weight`: host ones in host bank memory (zero-filled, exact size)."""
+    if device.type == "cpu":
+        return map_tensors(weight, lambda t: host_empty((count, *t.shape), t.dtype, pin))
     make = torch.zeros if zero else torch.empty
-    return map_tensors(weight, lambda t: make((count, *t.shape), dtype=t.dtype, device=device, pin_memory=pin))
+    return map_tensors(weight, lambda t: make((count, *t.shape), dtype=t.dtype, device=device))
 
 
 def _copy_into(stack: Weight, index: int, weight: Weight) -> None:

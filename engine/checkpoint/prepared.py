@@ -20,6 +20,7 @@ import torch
 
 from engine.checkpoint.layout import is_expert_stack
 from engine.checkpoint.loader import LoadedWeights
+from engine.offload.host_memory import host_empty
 from engine.offload.placement import WeightBytes
 from engine.weights import DenseWeight, Fp8BlockWeight, Nvfp4Weight, SplitStack
 from engine.checkpoint.availability import ExpertAvailability, ExpertUnit
@@ -135,8 +136,8 @@ def allocate(meta: dict, device: torch.device | str = "cpu", expert_slots: int |
     weights: LoadedWeights = {}
     buffers: dict[str, list[torch.Tensor]] = {}
 
-    def empty(b: dict, shape: list[int], at: torch.device, pin: bool = False) -> torch.Tensor:
-        return torch.empty(shape, dtype=DTYPES[b["dtype"]], device=at, pin_memory=pin)
+    def empty(b: dict, shape: list[int], at: torch.device) -> torch.Tensor:
+        return torch.empty(shape, dtype=DTYPES[b["dtype"]], device=at)
 
     for name, record in meta["weights"].items():
         kind, specs = record["kind"], record["buffers"]
@@ -151,8 +152,8 @@ def allocate(meta: dict, device: torch.device | str = "cpu", expert_slots: int |
             if zero_device_experts:
                 for t in on_device.values():
                     t.zero_()
-            on_host = {f: empty(b, [b["shape"][0] - slots, *b["shape"][1:]], torch.device("cpu"),
-                                pin=device.type == "cuda")
+            on_host = {f: host_empty([b["shape"][0] - slots, *b["shape"][1:]], DTYPES[b["dtype"]],
+                                     pin=device.type == "cuda")
                        for f, b in specs.items()}
             buffers.update({f"{name}#{f}": [on_device[f], on_host[f]] for f in specs})
         else:

@@ -27,6 +27,7 @@ from engine.kernels.experts import DECODE_MAX_PAIRS
 from engine.kernels.experts.cpu_gemv import available as cpu_kernels_built
 from engine.offload.cuda_driver import copy_async
 from engine.offload.fetch import ExpertFetcher, Stacks
+from engine.offload.host_memory import host_copy, host_empty
 from engine.offload.host_steps import HostSteps
 from engine.offload.placement import hottest, slots_per_layer
 from engine.weights import SplitStack, map_tensors, tensor_fields
@@ -77,7 +78,7 @@ class LayerExperts:
         pin = device.type == "cuda"
         on_device = tuple(map_tensors(s, lambda t: t[torch.tensor(resident)].to(device)) for s in stacks) \
             if resident else None
-        on_host = tuple(map_tensors(s, lambda t: _to_host(t[torch.tensor(hosted, dtype=torch.long)], pin))
+        on_host = tuple(map_tensors(s, lambda t: host_copy(t[torch.tensor(hosted, dtype=torch.long)], pin))
                         for s in stacks)
         return cls(on_device, on_host, list(resident), hosted)
 
@@ -313,7 +314,7 @@ class HybridExperts:
         index, entry = self._index[layer], int(self.entry_of[self._index[layer], expert])
         outgoing = self.resident[layer][slot]
         while len(self._staging) <= staging:
-            self._staging.append(tuple(map_tensors(s, lambda t: _to_host(torch.empty_like(t[0]), self._pin))
+            self._staging.append(tuple(map_tensors(s, lambda t: host_empty(t.shape[1:], t.dtype, self._pin))
                                        for s in self.host[layer]))
         for on_device, on_host, buffer in zip(self.device_stacks[layer], self.host[layer], self._staging[staging]):
             for name in tensor_fields(on_device):
@@ -332,8 +333,3 @@ class HybridExperts:
             copy_async(dst, src, self._swap_stream)
         else:
             dst.copy_(src)
-
-
-def _to_host(t: torch.Tensor, pin: bool) -> torch.Tensor:
-    host = t.to("cpu")
-    return host.pin_memory() if pin else host

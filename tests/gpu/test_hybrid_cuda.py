@@ -10,6 +10,8 @@ from engine import LLM, SamplingParams
 from engine.experts import TritonExperts
 from engine.experts.hybrid import HybridExperts
 from engine.experts.torch_experts import TorchExperts
+from engine.kernels.experts.gather import gather_rows_triton
+from engine.offload.host_memory import host_copy
 from engine.tiny.factory import write_tiny_model
 from engine.weights import map_tensors
 from ops.bench_cpu_moe import D, nvfp4_stack
@@ -34,6 +36,16 @@ def test_tiny_model_hybrid_on_cuda_gives_the_same_tokens(tmp_path, fmt):
     assert [o.token_ids for o in hybrid.generate(prompts, params)] == want
     stats = hybrid.core.stats().offload
     assert stats.host_pairs > 0 and stats.device_pairs > 0 and stats.swaps > 0
+
+
+def test_a_pinned_host_bank_is_registered_and_read_by_the_device():
+    src = torch.randint(0, 256, (4, 3 << 20), dtype=torch.uint8)
+    bank = host_copy(src, pin=True)
+    assert bank.is_pinned()
+    assert torch.equal(bank.to("cuda", non_blocking=True).cpu(), src)
+    dst = torch.zeros(2, 3 << 20, dtype=torch.uint8, device="cuda")
+    gather_rows_triton(dst, bank, torch.tensor([3, 1], device="cuda"))  # reads host memory over PCIe
+    assert torch.equal(dst.cpu(), src[[3, 1]])
 
 
 @pytest.mark.parametrize("tokens,pcie", [(1, 0), (8, 0), (1, 60), (8, 60)])
