@@ -1,8 +1,10 @@
 """CPU expert executor speed at the release's expert shapes, next to the host's read bandwidth.
 
 Builds real-shape NVFP4 or FP8-block expert stacks (hidden 4096, expert width 2048; random codes and scales: the
-executor's speed does not depend on their values) in host RAM and times the hybrid executor's host
-path on batch-1 decode (one token, top-8 misses), the case hybrid offload lives on. The bank (2 GiB by
+executor's speed does not depend on their values) in host RAM and times the host step hybrid decode runs
+per MoE layer (offload/host_steps.py, here in place as on a machine without a GPU) on batch-1 decode (one
+token, top-8 misses), the case hybrid offload lives on. Its thread pool waits awake between calls as it
+does on a GPU host where one is present (`--spin-us` sets it). The bank (2 GiB by
 default) is several times the last-level cache, so the experts come from DRAM as they do in serving. In
 the same run, on the same threads, a STREAM-style read (a sum over a buffer larger than the caches)
 gives the ceiling. Prints one JSON line: executor_GBps, read_GBps, ratio.
@@ -22,9 +24,10 @@ import time
 
 import torch
 
-from engine.experts.cpu_experts import CpuExperts
 from engine.experts.hybrid import expert_nbytes
+from engine.kernels.experts.cpu_gemv import ExpertStacks
 from engine.offload.host_memory import host_copy
+from engine.offload.host_steps import SPIN_NS, HostSteps
 from engine.weights import Fp8BlockWeight, Nvfp4Weight, map_tensors
 
 D, I, TOP_K = 4096, 2048, 8
@@ -74,6 +77,8 @@ def main() -> None:
                                                                   "a layer), in which the threads may fall asleep")
     parser.add_argument("--bank", default="host", choices=list(BANKS), help="where the bank lives: host bank memory "
                         "(huge pages, pinned with a GPU), torch's pageable or torch's pinned memory")
+    parser.add_argument("--spin-us", type=float, help="how long the pool's threads wait awake after a call "
+                        "(default: as the engine sets it here, awake with a GPU, asleep at once without)")
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--json", action="store_true", help="print only the JSON line")
     args = parser.parse_args()
@@ -83,21 +88,23 @@ def main() -> None:
     make = nvfp4_stack if args.format == "nvfp4" else fp8_stack
     stacks = tuple(map_tensors(make(args.experts, n, k, gen), BANKS[args.bank])
                    for n, k in ((I, D), (I, D), (D, I)))
-    executor = CpuExperts({0: stacks}, swiglu_limit=7.0, threads=torch.get_num_threads())
+    host = HostSteps({0: ExpertStacks(*stacks)}, {0: torch.arange(args.experts)}, args.misses, 7.0,
+                     torch.get_num_threads(), torch.device("cpu"), max_rows=1)
+    host.spin_ns = int(args.spin_us * 1e3) if args.spin_us is not None else SPIN_NS * torch.cuda.is_available()
     x = torch.randn(1, D).to(torch.bfloat16)
     weights = torch.full((1, args.misses), 1.0 / args.misses)
     steps = [torch.randperm(args.experts, generator=gen)[:args.misses].unsqueeze(0) for _ in range(args.steps + 2)]
     for ids in steps[:2]:
-        executor(0, x, ids, weights)
+        host.run(0, x, ids, weights)
     seconds = 0.0
     for ids in steps[2:]:
-        seconds += timed(lambda ids=ids: executor(0, x, ids, weights))
+        seconds += timed(lambda ids=ids: host.run(0, x, ids, weights))
         time.sleep(args.gap_us / 1e6)
     seconds /= args.steps
     moved = args.misses * expert_nbytes(stacks)
     read = read_bandwidth(2 << 30)
     result = {"threads": torch.get_num_threads(), "format": args.format, "bank": args.bank, "batch": 1,
-              "misses": args.misses, "gap_us": args.gap_us, "step_ms": seconds * 1e3, "bytes_per_step": moved,
+              "misses": args.misses, "gap_us": args.gap_us, "spin_us": host.spin_ns / 1e3, "step_ms": seconds * 1e3, "bytes_per_step": moved,
               "executor_GBps": moved / seconds / 1e9, "read_GBps": read, "ratio": moved / seconds / 1e9 / read}
     if not args.json:
         print(f"executor: {result['executor_GBps']:.2f} GB/s ({seconds * 1e3:.2f} ms per call for {args.misses} "

@@ -24,6 +24,8 @@ from engine.kernels.experts.cpu_gemv import ExpertStacks, HostStepArgs, fp8_tabl
     simd_level
 from engine.offload.cuda_driver import copy_async, launch_host_func
 
+SPIN_NS = 2_000_000  # longer than the device's share of a layer, shorter than a pause between requests
+
 
 @dataclass
 class HostStepTotals:
@@ -65,6 +67,9 @@ class HostSteps:
             self.device_out = torch.zeros(max_rows, hidden, dtype=torch.float32, device=device) if pin else None
         self.live_rows = ctypes.c_int64(0)
         self.stream = torch.cuda.Stream(device) if pin else None
+        # With a GPU the CPU threads have nothing else to do between a step's layers: they wait awake for
+        # the next one. Without, torch runs the rest of the model on the same cores: they sleep at once.
+        self.spin_ns = SPIN_NS if pin else 0
         self._args: dict[tuple[int, int], HostStepArgs] = {}
         self._function = host_step_function()
 
@@ -105,7 +110,7 @@ class HostSteps:
                 self.ids.data_ptr(), self.weights.data_ptr(), self.cpu_entry[layer].data_ptr(),
                 ctypes.addressof(self.live_rows), rows, self.topk, self.cpu_entry[layer].numel(), *self.pcie, self.limit,
                 self.out.data_ptr(), self.workspace.data_ptr(), self.scratch.data_ptr(), fp8_table().data_ptr(),
-                self.threads, simd_level(), 0, 0, 0, 0, 0, 0, 0)
+                self.threads, simd_level(), self.spin_ns, 0, 0, 0, 0, 0, 0, 0)
         return self._args[key]
 
     def totals(self) -> HostStepTotals:

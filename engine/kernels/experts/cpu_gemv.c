@@ -11,8 +11,8 @@
  * Three code paths, picked at run time (the caller may cap the level to compare them):
  *   portable C (the reference), AVX2 (a byte shuffle looks up exact int8 weights, widened to float;
  *   F16C widens e4m3), AVX-512 (one permute looks 16 codes up as floats; e4m3 widened 16 at a time).
- * The expert pass runs in one OpenMP region sized by the caller (not torch's intra-op pool), so a
- * layer's misses cost one fork and three barriers, not one per matrix.
+ * The expert pass runs on the kernels' own thread pool (thread_pool.c), sized by the caller, whose
+ * workers stay awake between a decode step's layers.
  *
  * Called through ctypes (no Python or torch headers): buffers are contiguous, the fp8 -> float table
  * comes from the caller so the codec lives in one place.
@@ -24,6 +24,8 @@
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
+
+#include "thread_pool.h"
 
 #define GROUP 16
 #define MAX_ROWS 8 /* rows of x handled per pass over the weights */
@@ -378,76 +380,127 @@ static int check(const matrix *m) {
 
 /* ---------------------------------------------------------------- entry points */
 
-/* y [rows, n] = x [rows, k] @ matrix(expert 0)^T, output rows shared among `threads` threads.
- * level: the highest code path allowed (0 portable, 1 AVX2, 2 AVX-512). Returns 0, or -1 on bad
- * shapes. */
+/* y [rows, n] = x [rows, k] @ matrix(expert 0)^T, output rows shared among `threads` threads. */
+typedef struct {
+    const matrix *m;
+    const float *x; /* prepared */
+    int64_t rows;
+    float *y;
+    const float *fp8_table;
+    int level;
+    int64_t next_tile;
+} gemv_job;
+
+static void gemv_share(void *context, int id, int team) {
+    (void)id, (void)team;
+    gemv_job *j = context;
+    const int64_t tiles = (j->m->n + TILE - 1) / TILE;
+    for (int64_t t = pool_claim(&j->next_tile); t < tiles; t = pool_claim(&j->next_tile)) {
+        const int64_t row1 = (t + 1) * TILE < j->m->n ? (t + 1) * TILE : j->m->n;
+        project_rows(j->m, 0, t * TILE, row1, j->x, j->m->k, j->rows, j->y, j->m->n, j->fp8_table, j->level);
+    }
+}
+
+/* level: the highest code path allowed (0 portable, 1 AVX2, 2 AVX-512). Returns 0, or -1 on bad shapes. */
 int gemv(const matrix *m, const float *x, int64_t rows, float *y, const float *fp8_table, int threads, int level) {
     if (check(m) || rows < 0) return -1;
     float *prepared = malloc(sizeof(float) * (size_t)(rows * m->k + 1));
     if (!prepared) return -1;
     for (int64_t r = 0; r < rows; r++) prepare_row(m, x + r * m->k, prepared + r * m->k);
-    level = level_for(level);
-#pragma omp parallel for num_threads(threads) schedule(static)
-    for (int64_t t = 0; t < (m->n + TILE - 1) / TILE; t++) {
-        const int64_t row1 = (t + 1) * TILE < m->n ? (t + 1) * TILE : m->n;
-        project_rows(m, 0, t * TILE, row1, prepared, m->k, rows, y, m->n, fp8_table, level);
-    }
+    gemv_job job = {m, prepared, rows, y, fp8_table, level_for(level), 0};
+    pool_run(threads, gemv_share, &job, 0);
     free(prepared);
     return 0;
 }
 
 static inline float silu(float v) { return v / (1.0f + expf(-v)); }
 
+/* The routed experts' MLP over pairs grouped by expert, in four fork-joins of the pool: inputs
+ * prepared, gate and up tiles, SwiGLU (prepared for down), down tiles. */
+typedef struct {
+    const matrix *gate, *up, *down;
+    const float *x;
+    int64_t pairs, groups;
+    const int64_t *experts, *starts;
+    const float *pair_weights;
+    float limit;
+    float *out, *xin, *g_out, *u_out, *h;
+    const float *fp8_table;
+    int level;
+    int64_t next_unit;
+} experts_job;
+
+static void prepare_inputs(void *context, int id, int team) {
+    experts_job *j = context;
+    const int64_t d = j->gate->k;
+    for (int64_t p = id; p < j->pairs; p += team) prepare_row(j->gate, j->x + p * d, j->xin + p * d);
+}
+
+static void gate_up_tiles(void *context, int id, int team) {
+    (void)id, (void)team;
+    experts_job *j = context;
+    const int64_t d = j->gate->k, inter = j->gate->n, tiles = (inter + TILE - 1) / TILE;
+    for (int64_t unit = pool_claim(&j->next_unit); unit < j->groups * 2 * tiles; unit = pool_claim(&j->next_unit)) {
+        const int64_t g = unit / (2 * tiles), t = unit % tiles;
+        const int is_up = (unit / tiles) % 2;
+        const int64_t row0 = t * TILE, row1 = row0 + TILE < inter ? row0 + TILE : inter;
+        const int64_t p0 = j->starts[g], count = j->starts[g + 1] - j->starts[g];
+        project_rows(is_up ? j->up : j->gate, j->experts[g], row0, row1, j->xin + p0 * d, d, count,
+                     (is_up ? j->u_out : j->g_out) + p0 * inter, inter, j->fp8_table, j->level);
+    }
+}
+
+static void activation(void *context, int id, int team) {
+    experts_job *j = context;
+    const int64_t inter = j->gate->n;
+    for (int64_t p = id; p < j->pairs; p += team) {
+        float *act = j->g_out + p * inter; /* the activation overwrites the gate, then is prepared */
+        for (int64_t i = 0; i < inter; i++) {
+            const float gv = fminf(act[i], j->limit), uv = fminf(fmaxf(j->u_out[p * inter + i], -j->limit), j->limit);
+            act[i] = silu(gv) * uv;
+        }
+        prepare_row(j->down, act, j->h + p * inter);
+    }
+}
+
+static void down_tiles(void *context, int id, int team) {
+    (void)id, (void)team;
+    experts_job *j = context;
+    const int64_t d = j->down->n, inter = j->down->k, tiles = (d + TILE - 1) / TILE;
+    for (int64_t unit = pool_claim(&j->next_unit); unit < j->groups * tiles; unit = pool_claim(&j->next_unit)) {
+        const int64_t g = unit / tiles, t = unit % tiles;
+        const int64_t row0 = t * TILE, row1 = row0 + TILE < d ? row0 + TILE : d;
+        const int64_t p0 = j->starts[g], count = j->starts[g + 1] - j->starts[g];
+        project_rows(j->down, j->experts[g], row0, row1, j->h + p0 * inter, inter, count, j->out + p0 * d, d,
+                     j->fp8_table, j->level);
+        for (int64_t p = p0; p < p0 + count; p++)
+            for (int64_t c = row0; c < row1; c++) j->out[p * d + c] *= j->pair_weights[p];
+    }
+}
+
 /* The routed experts' MLP for P (row, expert) pairs grouped by expert:
  *   out[p] = weight[p] * down_e(silu(min(gate_e x_p, L)) * clamp(up_e x_p, -L, L))
  * x [P, d] fp32 (one row per pair, pairs of group g at [starts[g], starts[g + 1]) use expert
- * experts[g]); out [P, d] fp32. gate and up are [E, i, d], down [E, d, i]. One parallel region: the
- * inputs are prepared, gate and up tiles run, SwiGLU, then the down tiles, with a barrier between.
- * workspace: at least P * (d + 3 * i) floats. Returns 0, or -1 on bad shapes. */
+ * experts[g]); out [P, d] fp32. gate and up are [E, i, d], down [E, d, i].
+ * workspace: at least P * (d + 3 * i) floats. spin_ns: how long the pool's workers wait awake for the
+ * next pass (thread_pool.h). Returns 0, or -1 on bad shapes. */
 int experts_forward(const matrix *gate, const matrix *up, const matrix *down, const float *x, int64_t pairs,
                     int64_t groups, const int64_t *experts, const int64_t *starts, const float *pair_weights,
-                    float limit, float *out, float *workspace, const float *fp8_table, int threads, int level) {
+                    float limit, float *out, float *workspace, const float *fp8_table, int threads, int level,
+                    int64_t spin_ns) {
     if (check(gate) || check(up) || check(down)) return -1;
     const int64_t d = gate->k, inter = gate->n;
     if (up->k != d || up->n != inter || down->k != inter || down->n != d || up->format != gate->format ||
         pairs < 0 || groups < 0)
         return -1;
     float *xin = workspace, *g_out = xin + pairs * d, *u_out = g_out + pairs * inter, *h = u_out + pairs * inter;
-    const int64_t inter_tiles = (inter + TILE - 1) / TILE, d_tiles = (d + TILE - 1) / TILE;
-    level = level_for(level);
-#pragma omp parallel num_threads(threads)
-    {
-#pragma omp for schedule(static)
-        for (int64_t p = 0; p < pairs; p++) prepare_row(gate, x + p * d, xin + p * d);
-#pragma omp for schedule(dynamic, 1)
-        for (int64_t unit = 0; unit < groups * 2 * inter_tiles; unit++) {
-            const int64_t g = unit / (2 * inter_tiles), t = unit % inter_tiles;
-            const int is_up = (unit / inter_tiles) % 2;
-            const int64_t row0 = t * TILE, row1 = row0 + TILE < inter ? row0 + TILE : inter;
-            const int64_t p0 = starts[g], count = starts[g + 1] - starts[g];
-            project_rows(is_up ? up : gate, experts[g], row0, row1, xin + p0 * d, d, count,
-                         (is_up ? u_out : g_out) + p0 * inter, inter, fp8_table, level);
-        }
-#pragma omp for schedule(static)
-        for (int64_t p = 0; p < pairs; p++) {
-            float *act = g_out + p * inter; /* the activation overwrites the gate, then is prepared */
-            for (int64_t j = 0; j < inter; j++) {
-                const float gv = fminf(act[j], limit), uv = fminf(fmaxf(u_out[p * inter + j], -limit), limit);
-                act[j] = silu(gv) * uv;
-            }
-            prepare_row(down, act, h + p * inter);
-        }
-#pragma omp for schedule(dynamic, 1)
-        for (int64_t unit = 0; unit < groups * d_tiles; unit++) {
-            const int64_t g = unit / d_tiles, t = unit % d_tiles;
-            const int64_t row0 = t * TILE, row1 = row0 + TILE < d ? row0 + TILE : d;
-            const int64_t p0 = starts[g], count = starts[g + 1] - starts[g];
-            project_rows(down, experts[g], row0, row1, h + p0 * inter, inter, count, out + p0 * d, d, fp8_table,
-                         level);
-            for (int64_t p = p0; p < p0 + count; p++)
-                for (int64_t j = row0; j < row1; j++) out[p * d + j] *= pair_weights[p];
-        }
-    }
+    experts_job job = {gate, up, down, x, pairs, groups, experts, starts, pair_weights, limit, out, xin, g_out,
+                       u_out, h, fp8_table, level_for(level), 0};
+    pool_run(threads, prepare_inputs, &job, spin_ns);
+    pool_run(threads, gate_up_tiles, &job, spin_ns);
+    pool_run(threads, activation, &job, spin_ns);
+    job.next_unit = 0;
+    pool_run(threads, down_tiles, &job, spin_ns);
     return 0;
 }
 
@@ -478,6 +531,7 @@ typedef struct {
     int64_t *scratch;        /* 4 * rows * topk + 1 */
     const float *fp8_table;
     int32_t threads, level;
+    int64_t spin_ns;         /* the pool's workers wait awake this long for the next layer's step */
     int32_t status;          /* 0, or -1 once a step failed (bad shapes) */
     int64_t steps, pairs_seen, pairs_missed, pairs_run, experts_run, nanoseconds;
 } host_step_args;
@@ -487,15 +541,9 @@ static int to_pcie(int64_t rank, int64_t taken, int64_t percent, int64_t capacit
     return taken < capacity && (rank + 1) * percent / 100 > rank * percent / 100;
 }
 
-static int64_t now_ns(void) {
-    struct timespec t;
-    clock_gettime(CLOCK_MONOTONIC, &t);
-    return (int64_t)t.tv_sec * 1000000000 + t.tv_nsec;
-}
-
 void host_step(void *arg) {
     host_step_args *a = arg;
-    const int64_t start = now_ns(), d = a->gate->k;
+    const int64_t start = pool_now_ns(), d = a->gate->k;
     int64_t rows = *a->live_rows < a->rows ? *a->live_rows : a->rows;
     if (rows < 0) rows = 0;
     memset(a->out, 0, sizeof(float) * (size_t)(a->rows * d));
@@ -526,11 +574,11 @@ void host_step(void *arg) {
     }
     starts[groups] = pairs;
     if (pairs && experts_forward(a->gate, a->up, a->down, xs, pairs, groups, experts, starts, pair_weights,
-                                 a->limit, ys, ws, a->fp8_table, a->threads, a->level))
+                                 a->limit, ys, ws, a->fp8_table, a->threads, a->level, a->spin_ns))
         a->status = -1;
     for (int64_t p = 0; p < pairs; p++)
         for (int64_t j = 0; j < d; j++) a->out[token[p] * d + j] += ys[p * d + j];
     a->steps++, a->pairs_seen += rows * a->topk, a->pairs_missed += missed, a->pairs_run += pairs;
     a->experts_run += groups;
-    a->nanoseconds += now_ns() - start;
+    a->nanoseconds += pool_now_ns() - start;
 }

@@ -60,7 +60,7 @@ class HostStepArgs(ctypes.Structure):
                 ("rows", _I), ("topk", _I), ("num_experts", _I), ("pcie_percent", _I), ("pcie_capacity", _I),
                 ("limit", ctypes.c_float),
                 ("out", _P), ("workspace", _P), ("scratch", _P), ("fp8_table", _P),
-                ("threads", ctypes.c_int32), ("level", ctypes.c_int32), ("status", ctypes.c_int32),
+                ("threads", ctypes.c_int32), ("level", ctypes.c_int32), ("spin_ns", _I), ("status", ctypes.c_int32),
                 ("steps", _I), ("pairs_seen", _I), ("pairs_missed", _I), ("pairs_run", _I), ("experts_run", _I),
                 ("nanoseconds", _I)]
 
@@ -74,7 +74,7 @@ def _library() -> ctypes.CDLL | None:
     lib.gemv.argtypes = [ctypes.POINTER(Matrix), _P, _I, _P, _P, ctypes.c_int, ctypes.c_int]
     lib.gemv.restype = ctypes.c_int
     lib.experts_forward.argtypes = ([ctypes.POINTER(Matrix)] * 3 + [_P, _I, _I, _P, _P, _P, ctypes.c_float, _P, _P, _P,
-                                                                    ctypes.c_int, ctypes.c_int])
+                                                                    ctypes.c_int, ctypes.c_int, _I])
     lib.experts_forward.restype = ctypes.c_int
     lib.host_step.argtypes = [_P]
     lib.host_step.restype = None
@@ -156,7 +156,7 @@ class ExpertStacks:
         gate, up, down = (ctypes.byref(m) for m in self.matrices)
         status = lib.experts_forward(gate, up, down, xf.data_ptr(), pairs, experts.numel(), experts.data_ptr(),
                                      starts.data_ptr(), w.data_ptr(), limit, out.data_ptr(), workspace.data_ptr(),
-                                     fp8_table().data_ptr(), threads, simd_level())
+                                     fp8_table().data_ptr(), threads, simd_level(), 0)
         if status:
             raise ValueError(f"experts_forward: stacks of shapes {[(m.n, m.k) for m in self.matrices]} do not "
                              "form an expert MLP the kernel can take")

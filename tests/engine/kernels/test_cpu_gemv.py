@@ -6,6 +6,11 @@ silently testing only the torch fallback.
 
 from __future__ import annotations
 
+import os
+import signal
+import threading
+import time
+
 import pytest
 import torch
 
@@ -82,6 +87,58 @@ def test_every_row_count_of_one_pass_matches_float64(monkeypatch, mode):
 def test_gemv_names_a_shape_mismatch():
     with pytest.raises(ValueError, match="against weight"):
         cpu_gemv.gemv(torch.randn(1, 64), random_nvfp4(8, 128, 0), threads=1)
+
+
+def nvfp4_stacks(d: int, i: int, experts: int, seed: int) -> dict[int, tuple[Nvfp4Weight, ...]]:
+    g = torch.Generator().manual_seed(seed)
+
+    def stack(n: int, k: int) -> Nvfp4Weight:
+        parts = [quantize_nvfp4(torch.randn(n, k, generator=g) / k ** 0.5) for _ in range(experts)]
+        return Nvfp4Weight(*(torch.stack([p[j] for p in parts]) for j in range(3)))
+
+    return {0: (stack(i, d), stack(i, d), stack(d, i))}
+
+
+def test_the_thread_pool_serves_several_callers_and_a_forked_child():
+    """Passes from four threads at once with teams of 1 to 5 (more than this machine's cores: the pool
+    grows), each equal to the reference; then a forked child, which has none of the pool's threads."""
+    stacks = nvfp4_stacks(128, 96, 6, seed=3)
+    g = torch.Generator().manual_seed(4)
+    cases = [(torch.randn(3, 128, generator=g), torch.randint(0, 6, (3, 2), generator=g),
+              torch.rand(3, 2, generator=g)) for _ in range(4)]
+    wants = [TorchExperts(stacks, 1.5)(0, *case) for case in cases]
+    executors = [CpuExperts(stacks, 1.5, threads=t) for t in (1, 2, 3, 5)]
+    failures = []
+
+    def caller(k: int) -> None:
+        for _ in range(25):
+            got = executors[k](0, *cases[k])
+            if not torch.allclose(got, wants[k], rtol=1e-5, atol=1e-5):
+                failures.append(k)
+
+    threads = [threading.Thread(target=caller, args=(k,)) for k in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not failures
+    # The child calls the kernels directly: torch's own OpenMP pool does not survive a fork.
+    one_pass = cpu_gemv.ExpertStacks(*stacks[0])
+    x, experts, starts, weights = torch.randn(4, 128, generator=g), torch.tensor([1, 4]), torch.tensor([0, 3, 4]), \
+        torch.rand(4, generator=g)
+    alone = one_pass.forward(x, experts, starts, weights, 1.5, threads=1)
+    child = os.fork()
+    if child == 0:
+        ok = torch.equal(one_pass.forward(x, experts, starts, weights, 1.5, threads=5), alone)
+        os._exit(0 if ok else 1)
+    deadline = time.monotonic() + 30
+    while (done := os.waitpid(child, os.WNOHANG))[0] == 0 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    if done[0] == 0:
+        os.kill(child, signal.SIGKILL)
+        os.waitpid(child, 0)
+    assert done[0] == child, "the forked child's pass never returned"
+    assert os.waitstatus_to_exitcode(done[1]) == 0
 
 
 @pytest.mark.parametrize("mode", ["auto", "avx2", "portable"])

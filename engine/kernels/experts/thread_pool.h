@@ -1,0 +1,25 @@
+/* The CPU expert kernels' own worker threads (thread_pool.c). */
+#ifndef GLMFLASH_THREAD_POOL_H
+#define GLMFLASH_THREAD_POOL_H
+
+#include <stdint.h>
+#include <time.h>
+
+/* One share of a job: `id` in [0, team), the caller being 0. */
+typedef void (*pool_task)(void *context, int id, int team);
+
+/* Runs task(context, id, team) on `team` threads (the caller and team - 1 workers) and returns when all
+ * have finished; the workers then stay awake for `spin_ns` (another job soon: a decode step's next MoE
+ * layer on a GPU host) before they sleep. Jobs from several threads run one after another. */
+void pool_run(int team, pool_task task, void *context, int64_t spin_ns);
+
+/* Claims the next unit of a shared counter (dynamic scheduling): < limit while work remains. */
+int64_t pool_claim(int64_t *counter);
+
+static inline int64_t pool_now_ns(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return (int64_t)t.tv_sec * 1000000000 + t.tv_nsec;
+}
+
+#endif
