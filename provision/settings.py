@@ -55,7 +55,8 @@ class Settings(BaseSettings):
                                                           "when the model fits, else whatever memory the caches leave)")
     cpu_expert_threads: int | None = Field(None, ge=1, validation_alias=_env("CPU_EXPERT_THREADS"),
                                            description="CPU threads computing the routed experts kept in host RAM "
-                                                       "(default: torch's thread count)")
+                                                       "(default: with a GPU every core but one, without "
+                                                       "torch's thread count)")
     expert_calibration: FilePath | None = Field(None, validation_alias=_env("EXPERT_CALIBRATION"),
                                                 description="A text file of prompts, one per line, prefilled once at "
                                                             "start: hybrid placement puts the experts they route to "

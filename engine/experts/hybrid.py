@@ -15,6 +15,7 @@ per step, so no step waits on many copies).
 from __future__ import annotations
 
 import dataclasses
+import os
 import time
 from dataclasses import dataclass
 
@@ -58,6 +59,16 @@ class OffloadStats:
 def expert_nbytes(stacks: Stacks) -> int:
     """Bytes of one expert (gate, up and down) in a layer's stacks."""
     return sum(s.nbytes() for s in stacks) // stacks[0].shape[0]
+
+
+def default_host_threads(device: torch.device) -> int:
+    """With a GPU, every core but one: the thread driving the device waits on it while the CPU threads
+    spin between layers, and with 16 of them on 16 cores a step's CPU pass ran ~15x slower than with 15
+    (measured on the H200 host). Without a GPU, torch's thread count (the cores it uses for the rest)."""
+    if device.type != "cuda":
+        return torch.get_num_threads()
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return max(1, cores - 1)
 
 
 @dataclass
@@ -111,7 +122,7 @@ class HybridExperts:
         self._live_rows = torch.zeros((), dtype=torch.long, device=device)  # a replayed graph's rows in use
         self.counts = torch.zeros(len(self.layers), self.num_experts, device=device)
         self.device_run = device_executor(self.device_stacks, swiglu_limit)
-        self.host_run = CpuExperts(self.host, swiglu_limit, host_threads)
+        self.host_run = CpuExperts(self.host, swiglu_limit, host_threads or default_host_threads(device))
         # Batches with at least this many missed pairs fetch those experts instead (prefill).
         self.fetch_min_pairs = fetch_min_pairs
         self.fetch = ExpertFetcher(first.device or first.host, min(fetch_capacity, self.num_experts), device,

@@ -16,6 +16,7 @@
 #include <limits.h>
 #include <linux/futex.h>
 #include <pthread.h>
+#include <sched.h>
 #include <stdatomic.h>
 #include <sys/syscall.h>
 #include <unistd.h>
@@ -52,6 +53,7 @@ static uint32_t next_job(uint32_t seen, int64_t spin_ns) {
         if (now != seen) return now;
         relax();
         if (spin_ns && spins % 1024) continue;
+        sched_yield(); /* more threads than cores (a caller's choice): let a preempted one finish its share */
         if (!since) {
             since = pool_now_ns();
         } else if (pool_now_ns() - since >= spin_ns) {
@@ -114,7 +116,10 @@ void pool_run(int team, pool_task task, void *context, int64_t spin_ns) {
     atomic_fetch_add(&pool.generation, 1);
     if (atomic_load(&pool.sleepers)) futex(&pool.generation, FUTEX_WAKE_PRIVATE, INT_MAX);
     task(context, 0, pool.team);
-    while (atomic_load_explicit(&pool.pending, memory_order_acquire)) relax();
+    for (unsigned spins = 1; atomic_load_explicit(&pool.pending, memory_order_acquire); spins++) {
+        relax();
+        if (spins % 1024 == 0) sched_yield();
+    }
     pthread_mutex_unlock(&pool.submit);
 }
 
