@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
+from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -20,7 +21,7 @@ from engine.cache.prefix_cache import PrefixCache, PrefixCacheStats, TierSize
 from engine.cache.state_rows import state_bytes
 from engine.checkpoint.loader import LoadedWeights, checkpoint_sizes, load_weights
 from engine.kernels.dispatch import fast_kernels_enabled
-from engine.kernels.kda.fla_prefill import warm_up_kda_prefill
+from engine.kernels.kda.fla_prefill import start_kda_warm_up
 from engine.config import ModelConfig
 from engine.checkpoint.availability import ExpertAvailability
 from engine.experts import default_executor, executor_class
@@ -136,14 +137,24 @@ class EngineCore:
 
     def _warm_up(self, options: EngineOptions) -> None:
         """Autotune fla's prefill kernels and capture the decode graphs now, not inside the first requests."""
-        cfg, dev = self.config, self.model.device
         start = time.perf_counter()
-        warm_up_kda_prefill(dev, cfg.linear_num_heads, cfg.linear_head_dim, self.model.dtype)
-        log.info("event=kda_prefill_autotune seconds=%.2f", time.perf_counter() - start)
+        self.start_warm_up(self.config, self.model.device, self.model.dtype).result()
+        log.info("event=kda_prefill_autotune waited_s=%.2f", time.perf_counter() - start)
         if options.cuda_graphs and self.pending is not None:
             log.info("event=decode_graphs deferred=experts_loading")  # missing experts are loaded inside steps
         elif options.cuda_graphs and self._graphs_allowed():
             self._capture_graphs()
+
+    @staticmethod
+    def start_warm_up(config: ModelConfig, device: torch.device, dtype: torch.dtype) -> Future:
+        """Start the warm-up that needs only the config (fla's KDA-prefill autotuning) in the background;
+        a loader calls it before reading the weights, the engine waits on it once built. On the CPU (or
+        with the fast kernels off) there is nothing to warm: a finished future."""
+        if device.type == "cuda" and fast_kernels_enabled():
+            return start_kda_warm_up(device, config.linear_num_heads, config.linear_head_dim, dtype)
+        done: Future = Future()
+        done.set_result(None)
+        return done
 
     def _graphs_allowed(self) -> bool:
         """Host experts in a format the compiled CPU kernels do not take run through a synchronizing path."""
@@ -198,6 +209,7 @@ class EngineCore:
             raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
         config = ModelConfig.from_dir(model)
         device = torch.device(device)
+        cls.start_warm_up(config, device, DTYPES[dtype])
         budget, slots = plan_load(options.moe_vram_budget, device, checkpoint_sizes(Path(model), config),
                                   len(config.moe_layers), config.n_routed_experts,
                                   cls.cache_bytes(config, options, DTYPES[dtype]))

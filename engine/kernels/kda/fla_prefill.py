@@ -16,9 +16,15 @@ buffer refilled in place.
 
 from __future__ import annotations
 
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
+
 import torch
 
 from engine.kernels.dispatch import register
+
+_warm_ups: dict[tuple[str, int, int, torch.dtype], Future] = {}
+_warm_ups_lock = threading.Lock()
 
 
 @register("kda_prefill", "triton")
@@ -54,3 +60,18 @@ def warm_up_kda_prefill(device: torch.device | str, heads: int, dim: int, dtype:
     beta = torch.rand(n, heads, device=device, dtype=dtype, generator=gen)
     state = torch.zeros(len(lengths) - 1, heads, dim, dim, device=device)
     kda_prefill(q, k, v, g, beta, state, torch.arange(len(lengths) - 1, device=device), lengths.cumsum(0))
+
+
+def start_kda_warm_up(device: torch.device | str, heads: int, dim: int, dtype: torch.dtype) -> Future:
+    """`warm_up_kda_prefill` on a thread of its own, once per process and shapes -> its future.
+
+    It needs only the shapes, so a loader starts it as soon as the config is known: the autotuning then
+    runs while the weights are read (the disk bounds a cold start, the GPU is idle meanwhile), and the
+    engine waits on the same future instead of tuning after the load."""
+    key = (str(torch.device(device)), heads, dim, dtype)
+    with _warm_ups_lock:
+        if key not in _warm_ups:
+            pool = ThreadPoolExecutor(1, thread_name_prefix="kda-warm-up")
+            _warm_ups[key] = pool.submit(warm_up_kda_prefill, device, heads, dim, dtype)
+            pool.shutdown(wait=False)  # the thread ends with its one job
+        return _warm_ups[key]

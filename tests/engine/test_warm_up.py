@@ -1,0 +1,36 @@
+"""The config-only warm-up starts in the background, once per shapes, and the engine waits on it."""
+
+from __future__ import annotations
+
+import threading
+
+import torch
+
+from engine.config import ModelConfig
+from engine.engine_core import EngineCore
+from engine.kernels.kda import fla_prefill
+from engine.tiny.factory import tiny_config
+
+
+def test_the_kda_warm_up_runs_on_its_own_thread_once_per_shapes(monkeypatch):
+    release, calls = threading.Event(), []
+
+    def tune(device, heads, dim, dtype):
+        calls.append((threading.current_thread().name, heads, dim, dtype))
+        assert release.wait(10)
+
+    monkeypatch.setattr(fla_prefill, "warm_up_kda_prefill", tune)
+    monkeypatch.setattr(fla_prefill, "_warm_ups", {})
+    first = fla_prefill.start_kda_warm_up("cpu", 3, 32, torch.bfloat16)
+    assert not first.done()  # the caller goes on (reads weights) while it tunes
+    assert fla_prefill.start_kda_warm_up("cpu", 3, 32, torch.bfloat16) is first
+    other = fla_prefill.start_kda_warm_up("cpu", 3, 64, torch.bfloat16)
+    release.set()
+    first.result(10), other.result(10)
+    assert sorted(c[1:] for c in calls) == [(3, 32, torch.bfloat16), (3, 64, torch.bfloat16)]
+    assert all(c[0].startswith("kda-warm-up") for c in calls)
+
+
+def test_nothing_to_warm_on_the_cpu():
+    done = EngineCore.start_warm_up(ModelConfig.from_dict(tiny_config()), torch.device("cpu"), torch.float32)
+    assert done.done() and done.result() is None
