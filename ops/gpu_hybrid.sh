@@ -10,11 +10,13 @@
 set -uo pipefail
 out=${1:?output directory}; part=${2:?checks, whole, skew or slice}
 mkdir -p "$out"
+exec > >(tee -a "$out/run.log") 2>&1  # kept in the output folder even when a caller's time limit cuts the run
 source ops/gpu_env.sh
-ls engine/kernels/experts/_cpu_gemv*.so >/dev/null 2>&1 || python3 setup.py -q build_ext --inplace > "$out/build.log" 2>&1
+# Always: a machine that keeps build outputs between calls may hold a library built from older sources.
+python3 setup.py -q build_ext --inplace > "$out/build.log" 2>&1 || { tail -20 "$out/build.log"; exit 1; }
 decode="python3 -m ops.bench_decode --device cuda --expert-variety 8 --steps 16 --contexts 1024 --batches 4 --prefills 2048 --reference-layers 0"
 case "$part" in
-  checks) timeout 480 python3 -m pytest -q tests/engine/kernels/test_cpu_gemv.py tests/gpu/test_hybrid_cuda.py -k "gemv or release" 2>&1 | tail -15
+  checks) timeout 480 python3 -m pytest -q tests/engine/kernels/test_cpu_gemv.py tests/gpu/test_hybrid_cuda.py -k "gemv or pool or release or pinned" 2>&1 | tail -15
           for rows in 1 4; do timeout 40 python3 -m ops.bench_handshake --device cuda --layers 42 --rows $rows; done ;;
   whole) timeout 540 $decode --layers 45 --expert-slots auto --max-expert-swaps 0 --json "$out/whole.json" 2>&1 | tail -45 ;;
   skew) timeout 540 $decode --layers 45 --expert-slots auto --routing-skew 2 --json "$out/skew.json" 2>&1 | tail -45 ;;

@@ -63,8 +63,8 @@ source ops/gpu_env.sh
   python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__)'
   echo "cores $(nproc)"; free -g | head -2; git log -1 --format='commit %h %s' 2>/dev/null
 } 2>&1 | tee -a "$out/env.log"
-ls engine/kernels/experts/_cpu_gemv*.so >/dev/null 2>&1 \
-  || step 150 0 "$out/env.log" python3 setup.py -q build_ext --inplace
+# Always: a machine that keeps build outputs between calls may hold a library built from older sources.
+step 150 0 "$out/env.log" python3 setup.py -q build_ext --inplace
 
 # The slice and the prepared snapshot on the local disk (not tmpfs: its reads would be memory reads).
 work=${WORK_DIR:-}
