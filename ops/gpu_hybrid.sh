@@ -1,14 +1,16 @@
 #!/usr/bin/env bash
 # Hybrid offload on a CUDA machine in time-boxed parts (each fits a 10-minute call), from the repo root:
-#   bash ops/gpu_hybrid.sh OUT_DIR checks|whole|skew|slice
+#   bash ops/gpu_hybrid.sh OUT_DIR checks|whole|skew|slice|threads
 # checks: the compiled CPU kernels' tests, the release-shape hybrid tests (split, graphs, swaps) and the
 #         cost of one GPU<->CPU handshake per layer (ops/bench_handshake.py);
 # whole: scenario (b), all 45 layers, uniform routing, the miss split measured at load;
 # skew:  the same under a Zipf-like routing trace with swaps on;
-# slice: scenario (a), a 32 GB-class budget (18 slots per MoE layer) on an 8-layer slice.
+# slice: scenario (a), a 32 GB-class budget (18 slots per MoE layer) on an 8-layer slice;
+# threads: an 8-layer slice with every miss on the CPU at 14, 15 and 16 CPU threads (the default is every
+#          core but one; more threads than cores should degrade, not stall).
 # Wheels the machine lacks: see ops/gpu_env.sh.
 set -uo pipefail
-out=${1:?output directory}; part=${2:?checks, whole, skew or slice}
+out=${1:?output directory}; part=${2:?checks, whole, skew, slice or threads}
 mkdir -p "$out"
 exec > >(tee -a "$out/run.log") 2>&1  # kept in the output folder even when a caller's time limit cuts the run
 source ops/gpu_env.sh
@@ -21,5 +23,10 @@ case "$part" in
   whole) timeout 540 $decode --layers 45 --expert-slots auto --max-expert-swaps 0 --json "$out/whole.json" 2>&1 | tail -45 ;;
   skew) timeout 540 $decode --layers 45 --expert-slots auto --routing-skew 2 --json "$out/skew.json" 2>&1 | tail -45 ;;
   slice) timeout 540 $decode --layers 8 --expert-slots 18 --json "$out/slice.json" 2>&1 | tail -45 ;;
+  threads) for t in 14 15 16; do
+             echo "== $t threads"
+             timeout 150 $decode --layers 8 --expert-slots 197 --pcie-percent 0 --max-expert-swaps 0 --prefills 512 \
+               --cpu-threads $t --json "$out/threads$t.json" 2>&1 | grep -E "step_ms|cpu_GBps"
+           done ;;
   *) echo "unknown part: $part" >&2; exit 2 ;;
 esac
