@@ -5,10 +5,10 @@
  * before they sleep on a futex: on a GPU host a decode step's MoE layers come a few hundred microseconds
  * apart (the device's share of each layer), and waking sleeping threads for each of them cost a third of
  * a layer's CPU time; without a GPU, torch runs the rest of the model on the same cores between expert
- * passes, and spinning workers would take them from it. An idle server never burns its cores. OpenMP could spin too, but its wait policy is process-wide:
- * torch's intra-op threads share the runtime, and with both teams spinning on the same cores the
- * expert pass ran 7x slower (measured on the H200 host). Linux only (futex); elsewhere the extension
- * is not built and the torch path runs.
+ * passes, and spinning workers would take them from it. An idle server never burns its cores.
+ * OpenMP could spin too, but its wait policy is process-wide: torch's intra-op threads share the
+ * runtime, and with both teams spinning on the same cores the expert pass ran 7x slower (measured on
+ * the H200 host). Linux only (futex); elsewhere the extension is not built and the torch path runs.
  */
 #define _GNU_SOURCE
 #include "thread_pool.h"
