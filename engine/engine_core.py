@@ -79,6 +79,7 @@ class EngineOptions:
     moe_vram_budget: int | str | None = None
     max_expert_swaps: int = 4  # host experts moved into device slots between two steps, at most
     cpu_expert_threads: int | None = None  # threads of the CPU expert executor; None: torch's thread count
+    cpu_expert_pin: bool = True  # with a GPU, one core per CPU expert thread where the CPU mask allows
     # Share (percent) of a decode step's missed experts copied over PCIe and run on the GPU, the rest on the
     # CPU; None: from the two rates measured at load (CUDA), 0 elsewhere.
     pcie_expert_percent: int | None = None
@@ -194,7 +195,8 @@ class EngineCore:
         if budget == AUTO:
             budget = auto_budget(*torch.cuda.mem_get_info(device)) if device.type == "cuda" else 0
         hybrid = HybridExperts.from_weights(weights, config.moe_layers, config.swiglu_limit, device, budget,
-                                            executor_class(device), options.cpu_expert_threads)
+                                            executor_class(device), options.cpu_expert_threads,
+                                            options.cpu_expert_pin)
         hybrid.split_misses(*choose_split(hybrid, config.num_experts_per_tok, options.pcie_expert_percent))
         slots = len(hybrid.resident[config.moe_layers[0]])
         gib_per_slot = hybrid.expert_bytes * len(config.moe_layers) / 2 ** 30  # one expert in every MoE layer

@@ -14,6 +14,7 @@ gives the ceiling. Prints one JSON line: executor_GBps, read_GBps, ratio.
     python -m ops.bench_cpu_moe --format fp8 --json
     python -m ops.bench_cpu_moe --misses 2 --gap-us 300 --json   # a hybrid layer's share, idle between layers
     python -m ops.bench_cpu_moe --bank torch-pinned --json        # torch's pinned memory (4 KiB pages)
+    python -m ops.bench_cpu_moe --pin --json                      # workers pinned to cores, as with a GPU
 """
 
 from __future__ import annotations
@@ -25,7 +26,8 @@ import time
 import torch
 
 from engine.experts.hybrid import expert_nbytes
-from engine.kernels.experts.cpu_gemv import ExpertStacks
+from engine.kernels.experts.cpu_gemv import ExpertStacks, pin_workers
+from engine.offload.cpu_cores import worker_cpus
 from engine.offload.host_memory import host_copy
 from engine.offload.host_steps import SPIN_NS, HostSteps
 from engine.weights import Fp8BlockWeight, Nvfp4Weight, map_tensors
@@ -79,6 +81,8 @@ def main() -> None:
                         "(huge pages, pinned with a GPU), torch's pageable or torch's pinned memory")
     parser.add_argument("--spin-us", type=float, help="how long the pool's threads wait awake after a call "
                         "(default: as the engine sets it here, awake with a GPU, asleep at once without)")
+    parser.add_argument("--pin", action="store_true", help="pin the pool's workers to one core each, as the engine "
+                        "does with a GPU (engine/offload/cpu_cores.py picks the cores)")
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--json", action="store_true", help="print only the JSON line")
     args = parser.parse_args()
@@ -91,6 +95,8 @@ def main() -> None:
     host = HostSteps({0: ExpertStacks(*stacks)}, {0: torch.arange(args.experts)}, args.misses, 7.0,
                      torch.get_num_threads(), torch.device("cpu"), max_rows=1)
     host.spin_ns = int(args.spin_us * 1e3) if args.spin_us is not None else SPIN_NS * torch.cuda.is_available()
+    pinned = worker_cpus(torch.get_num_threads()) if args.pin else []
+    pin_workers(pinned)
     x = torch.randn(1, D).to(torch.bfloat16)
     weights = torch.full((1, args.misses), 1.0 / args.misses)
     steps = [torch.randperm(args.experts, generator=gen)[:args.misses].unsqueeze(0) for _ in range(args.steps + 2)]
@@ -104,7 +110,8 @@ def main() -> None:
     moved = args.misses * expert_nbytes(stacks)
     read = read_bandwidth(2 << 30)
     result = {"threads": torch.get_num_threads(), "format": args.format, "bank": args.bank, "batch": 1,
-              "misses": args.misses, "gap_us": args.gap_us, "spin_us": host.spin_ns / 1e3, "step_ms": seconds * 1e3, "bytes_per_step": moved,
+              "misses": args.misses, "gap_us": args.gap_us, "spin_us": host.spin_ns / 1e3, "pinned": pinned,
+              "step_ms": seconds * 1e3, "bytes_per_step": moved,
               "executor_GBps": moved / seconds / 1e9, "read_GBps": read, "ratio": moved / seconds / 1e9 / read}
     if not args.json:
         print(f"executor: {result['executor_GBps']:.2f} GB/s ({seconds * 1e3:.2f} ms per call for {args.misses} "

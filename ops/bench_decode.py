@@ -142,7 +142,8 @@ def main() -> None:
     parser.add_argument("--pcie-percent", type=int, help="hybrid: share of decode misses run on the GPU after a "
                         "PCIe copy (default: from the rates measured at load)")
     parser.add_argument("--cpu-threads", type=int, help="hybrid: threads of the CPU expert executor (default: "
-                                                         "torch's thread count)")
+                                                         "every usable core but one with a GPU)")
+    parser.add_argument("--no-cpu-pin", action="store_true", help="hybrid: leave the CPU expert threads unpinned")
     parser.add_argument("--routing-skew", type=float, default=0.0, help="hybrid: skew the routing toward a few "
                         "experts per layer (Zipf-like: selection bias -S*log(rank)); 0 keeps the synthetic router's "
                         "near-uniform routing")
@@ -195,7 +196,8 @@ def main() -> None:
     llm = LLM.from_weights(cfg, weights, max_num_seqs=max(batches + [1]), max_model_len=max_len,
                            max_num_batched_tokens=max(prefills + [2048]), moe_vram_budget=budget,
                            max_expert_swaps=args.max_expert_swaps, prefix_cache=False,  # repeated prompts
-                           pcie_expert_percent=args.pcie_percent, cpu_expert_threads=args.cpu_threads)
+                           pcie_expert_percent=args.pcie_percent, cpu_expert_threads=args.cpu_threads,
+                           cpu_expert_pin=not args.no_cpu_pin)
     if hybrid:
         report({"pcie_percent": llm.core.offload.pcie_percent})
     report({"engine_init_s": time.perf_counter() - start,

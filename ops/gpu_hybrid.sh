@@ -7,7 +7,7 @@
 # skew:  the same under a Zipf-like routing trace with swaps on;
 # slice: scenario (a), a 32 GB-class budget (18 slots per MoE layer) on an 8-layer slice;
 # threads: an 8-layer slice with every miss on the CPU at 14, 15 and 16 CPU threads (the default is every
-#          core but one; more threads than cores should degrade, not stall).
+#          core but one; more threads than cores should degrade, not stall), then the default unpinned.
 # Wheels the machine lacks: see ops/gpu_env.sh.
 set -uo pipefail
 out=${1:?output directory}; part=${2:?checks, whole, skew, slice or threads}
@@ -26,7 +26,10 @@ case "$part" in
   threads) for t in 14 15 16; do
              echo "== $t threads"
              timeout 150 $decode --layers 8 --expert-slots 197 --pcie-percent 0 --max-expert-swaps 0 --prefills 512 \
-               --cpu-threads $t --json "$out/threads$t.json" 2>&1 | grep -E "step_ms|cpu_GBps"
-           done ;;
+               --cpu-threads $t --json "$out/threads$t.json" 2>&1 | grep -E "step_ms|cpu_GBps|event=cpu_experts"
+           done
+           echo "== 15 threads, unpinned"
+           timeout 150 $decode --layers 8 --expert-slots 197 --pcie-percent 0 --max-expert-swaps 0 --prefills 512 \
+             --no-cpu-pin --json "$out/unpinned.json" 2>&1 | grep -E "step_ms|cpu_GBps|event=cpu_experts" ;;
   *) echo "unknown part: $part" >&2; exit 2 ;;
 esac

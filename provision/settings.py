@@ -57,6 +57,10 @@ class Settings(BaseSettings):
                                            description="CPU threads computing the routed experts kept in host RAM "
                                                        "(default: with a GPU every core but one, without "
                                                        "torch's thread count)")
+    cpu_expert_pin: bool = Field(True, validation_alias=_env("CPU_EXPERT_PIN"),
+                                 description="With a GPU, pin each CPU expert thread to its own core (physical "
+                                             "cores first, the first core left to the threads driving the GPU); "
+                                             "skipped under a CPU quota, where the kernel places threads")
     expert_calibration: FilePath | None = Field(None, validation_alias=_env("EXPERT_CALIBRATION"),
                                                 description="A text file of prompts, one per line, prefilled once at "
                                                             "start: hybrid placement puts the experts they route to "

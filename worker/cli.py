@@ -38,6 +38,11 @@ def main(argv: list[str] | None = None) -> None:
     triton_dir = use_compile_cache(settings.cache_dir)  # before the engine's kernels are defined
     logging.getLogger("glmflash.cli").info("event=compile_cache dir=%s autotuning=%s", triton_dir,
                                            os.environ["TRITON_CACHE_AUTOTUNING"])
+    from engine.offload.cpu_cores import cap_torch_threads, quota_cores
+
+    before, after = cap_torch_threads()
+    logging.getLogger("glmflash.cli").info("event=cpu_threads torch_before=%d torch=%d cpu_quota=%s", before, after,
+                                           quota_cores())
     from worker.serve import serve as run
 
     asyncio.run(run(settings))

@@ -15,7 +15,7 @@ per step, so no step waits on many copies).
 from __future__ import annotations
 
 import dataclasses
-import os
+import logging
 import time
 from dataclasses import dataclass
 
@@ -26,12 +26,16 @@ from engine.experts.cpu_experts import CpuExperts
 from engine.experts.torch_experts import TorchExperts
 from engine.kernels.experts import DECODE_MAX_PAIRS
 from engine.kernels.experts.cpu_gemv import available as cpu_kernels_built
+from engine.kernels.experts.cpu_gemv import pin_workers
+from engine.offload.cpu_cores import usable_cores, worker_cpus
 from engine.offload.cuda_driver import copy_async
 from engine.offload.fetch import ExpertFetcher, Stacks
 from engine.offload.host_memory import host_copy, host_empty
 from engine.offload.host_steps import HostSteps
 from engine.offload.placement import hottest, slots_per_layer
 from engine.weights import SplitStack, map_tensors, tensor_fields
+
+log = logging.getLogger("glmflash.engine")
 
 
 @dataclass
@@ -62,13 +66,13 @@ def expert_nbytes(stacks: Stacks) -> int:
 
 
 def default_host_threads(device: torch.device) -> int:
-    """With a GPU, every core but one: the thread driving the device waits on it while the CPU threads
-    spin between layers (with 16 of them on 16 cores a step's CPU pass read 2.6 GB/s, with 15 54 GB/s, on
-    the H200 host). Without a GPU, torch's thread count (the cores it uses for the rest of the model)."""
+    """With a GPU, every usable core but one: the thread driving the device waits on it while the CPU
+    threads spin between layers (with 16 of them on 16 cores a step's CPU pass read 2.6 GB/s, with 15 54
+    GB/s, on the H200 host). Without a GPU, torch's thread count (the cores it uses for the rest of the
+    model)."""
     if device.type != "cuda":
         return torch.get_num_threads()
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    return max(1, cores - 1)
+    return max(1, usable_cores() - 1)
 
 
 @dataclass
@@ -97,9 +101,12 @@ class LayerExperts:
 class HybridExperts:
     def __init__(self, layers: dict[int, LayerExperts], device: torch.device, swiglu_limit: float,
                  device_executor=TorchExperts, count_decay: float = 0.99, host_threads: int | None = None,
-                 fetch_min_pairs: int = 256, fetch_capacity: int = 8, pcie_percent: int = 0) -> None:
+                 fetch_min_pairs: int = 256, fetch_capacity: int = 8, pcie_percent: int = 0,
+                 pin_host_threads: bool = True) -> None:
         """pcie_percent: the share of a decode step's misses copied to the device and run there (0-100; the
-        staging slots bound it per layer step), fixed before the first decode step."""
+        staging slots bound it per layer step), fixed before the first decode step. pin_host_threads: with
+        a GPU, the CPU threads go to one core each where the process's CPU mask allows (`worker_cpus`);
+        without one they share the cores with torch and float."""
         self.device, self.decay = device, count_decay
         self.layers = sorted(layers)
         first = layers[self.layers[0]]
@@ -123,6 +130,7 @@ class HybridExperts:
         self.counts = torch.zeros(len(self.layers), self.num_experts, device=device)
         self.device_run = device_executor(self.device_stacks, swiglu_limit)
         self.host_run = CpuExperts(self.host, swiglu_limit, host_threads or default_host_threads(device))
+        self._pin_host_threads(pin_host_threads and device.type == "cuda")
         # Batches with at least this many missed pairs fetch those experts instead (prefill).
         self.fetch_min_pairs = fetch_min_pairs
         self.fetch = ExpertFetcher(first.device or first.host, min(fetch_capacity, self.num_experts), device,
@@ -151,7 +159,8 @@ class HybridExperts:
 
     @classmethod
     def from_weights(cls, w: dict, layers: list[int], swiglu_limit: float, device: torch.device, budget_bytes: int,
-                     device_executor=TorchExperts, host_threads: int | None = None) -> "HybridExperts":
+                     device_executor=TorchExperts, host_threads: int | None = None,
+                     pin_host_threads: bool = True) -> "HybridExperts":
         """Takes the expert stacks out of `w`. Stacks the loader already split (`SplitStack`) keep their
         placement; whole ones are placed under `budget_bytes`, one layer at a time (each whole stack is
         dropped once split, so host RAM never holds two copies of the experts)."""
@@ -169,7 +178,15 @@ class HybridExperts:
                 slots = slots_per_layer(budget_bytes, expert_nbytes(stacks), len(layers), stacks[0].shape[0])
             placed[layer] = LayerExperts.split(stacks, list(range(slots)), device)
             del stacks
-        return cls(placed, device, swiglu_limit, device_executor, host_threads=host_threads)
+        return cls(placed, device, swiglu_limit, device_executor, host_threads=host_threads,
+                   pin_host_threads=pin_host_threads)
+
+    def _pin_host_threads(self, pin: bool) -> None:
+        cpus = worker_cpus(self.host_run.threads) if pin and cpu_kernels_built() else []
+        if cpus:
+            pin_workers(cpus)
+        log.info("event=cpu_experts threads=%d pinned=%s", self.host_run.threads,
+                 ",".join(map(str, cpus)) if cpus else "none")
 
     def split_misses(self, pcie_percent: int, measured: tuple[float, float] | None = None) -> None:
         """Set the share of decode misses that go over PCIe (and the (CPU, PCIe) rates it came from), before

@@ -78,6 +78,8 @@ def _library() -> ctypes.CDLL | None:
     lib.experts_forward.restype = ctypes.c_int
     lib.host_step.argtypes = [_P]
     lib.host_step.restype = None
+    lib.pool_pin.argtypes = [_P, ctypes.c_int]
+    lib.pool_pin.restype = None
     return lib
 
 
@@ -102,6 +104,15 @@ def run_host_step(args: HostStepArgs) -> None:
     lib = _library()
     assert lib is not None, "the CPU kernels are not built: check available() first"
     lib.host_step(ctypes.addressof(args))
+
+
+def pin_workers(cpus: list[int]) -> None:
+    """Pins the kernels' worker threads (ids 1..len(cpus)) to these CPUs, one each, now and when started;
+    an empty list unpins them."""
+    lib = _library()
+    assert lib is not None, "the CPU kernels are not built: check available() first"
+    table = (ctypes.c_int32 * max(len(cpus), 1))(*cpus)
+    lib.pool_pin(table, len(cpus))
 
 
 def simd_level() -> int:

@@ -6,6 +6,7 @@
  * apart (the device's share of each layer), and waking sleeping threads for each of them cost a third of
  * a layer's CPU time; without a GPU, torch runs the rest of the model on the same cores between expert
  * passes, and spinning workers would take them from it. An idle server never burns its cores.
+ * Workers are named `glmflash-expert` and may be pinned to cores (pool_pin; the caller picks the cores).
  * OpenMP could spin too, but its wait policy is process-wide: torch's intra-op threads share the
  * runtime, and with both teams spinning on the same cores the expert pass ran 7x slower (measured on
  * the H200 host). Linux only (futex); elsewhere the extension is not built and the torch path runs.
@@ -33,7 +34,22 @@ static struct {
     void *context;
     int team;
     int64_t spin_ns;
+    pthread_t threads[MAX_WORKERS + 1]; /* by worker id */
+    int32_t pinned[MAX_WORKERS + 1];    /* by worker id: 1 + the CPU it is pinned to, 0 when it is not */
 } pool = {.submit = PTHREAD_MUTEX_INITIALIZER};
+
+/* Applies worker `id`'s entry of the pin table (none: the caller's own mask, undoing an earlier pin). */
+static void place(int id) {
+    cpu_set_t set;
+    const int32_t cpu = pool.pinned[id] - 1;
+    if (cpu < 0 || cpu >= CPU_SETSIZE) {
+        if (pthread_getaffinity_np(pthread_self(), sizeof set, &set)) return;
+    } else {
+        CPU_ZERO(&set);
+        CPU_SET(cpu, &set);
+    }
+    pthread_setaffinity_np(pool.threads[id], sizeof set, &set); /* a CPU outside the cgroup: stays unpinned */
+}
 
 static inline void relax(void) {
 #if defined(__x86_64__) || defined(__i386__)
@@ -100,6 +116,9 @@ static void grow(int workers) {
         pthread_attr_destroy(&attr);
         if (failed) break; /* run with the workers there are */
         pool.workers++;
+        pool.threads[pool.workers] = thread;
+        pthread_setname_np(thread, "glmflash-expert");
+        if (pool.pinned[pool.workers]) place(pool.workers);
     }
 }
 
@@ -119,6 +138,16 @@ void pool_run(int team, pool_task task, void *context, int64_t spin_ns) {
     for (unsigned spins = 1; atomic_load_explicit(&pool.pending, memory_order_acquire); spins++) {
         relax();
         if (spins % 1024 == 0) sched_yield();
+    }
+    pthread_mutex_unlock(&pool.submit);
+}
+
+void pool_pin(const int32_t *cpus, int count) {
+    pthread_mutex_lock(&pool.submit);
+    for (int id = 1; id <= MAX_WORKERS; id++) {
+        const int32_t before = pool.pinned[id];
+        pool.pinned[id] = id <= count && cpus[id - 1] >= 0 ? cpus[id - 1] + 1 : 0;
+        if (id <= pool.workers && (pool.pinned[id] || before)) place(id);
     }
     pthread_mutex_unlock(&pool.submit);
 }

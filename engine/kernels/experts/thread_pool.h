@@ -13,6 +13,10 @@ typedef void (*pool_task)(void *context, int id, int team);
  * layer on a GPU host) before they sleep. Jobs from several threads run one after another. */
 void pool_run(int team, pool_task task, void *context, int64_t spin_ns);
 
+/* Pins worker i (1..count) to CPU cpus[i - 1] (-1: unpinned, the caller's own mask), those running and
+ * those started later; workers past `count` are not pinned. The caller (id 0) is never pinned. */
+void pool_pin(const int32_t *cpus, int count);
+
 /* Claims the next unit of a shared counter (dynamic scheduling): < limit while work remains. */
 int64_t pool_claim(int64_t *counter);
 
