@@ -83,6 +83,7 @@ class EngineOptions:
     # Share (percent) of a decode step's missed experts copied over PCIe and run on the GPU, the rest on the
     # CPU; None: from the two rates measured at load (CUDA), 0 elsewhere.
     pcie_expert_percent: int | None = None
+    miss_split_file: Path | None = None  # where the measured CPU and PCIe rates are kept between starts
     prefix_cache: bool = True  # start requests from the saved state of their longest cached prefix
     prefix_cache_bytes: int = 4 << 30  # device memory for cached prefixes (snapshots and extra pages)
     prefix_cache_host_bytes: int = 0  # host RAM for prefixes evicted from the device (0: none, evictions drop)
@@ -197,7 +198,8 @@ class EngineCore:
         hybrid = HybridExperts.from_weights(weights, config.moe_layers, config.swiglu_limit, device, budget,
                                             executor_class(device), options.cpu_expert_threads,
                                             options.cpu_expert_pin)
-        hybrid.split_misses(*choose_split(hybrid, config.num_experts_per_tok, options.pcie_expert_percent))
+        hybrid.split_misses(*choose_split(hybrid, config.num_experts_per_tok, options.pcie_expert_percent,
+                                          options.miss_split_file))
         slots = len(hybrid.resident[config.moe_layers[0]])
         gib_per_slot = hybrid.expert_bytes * len(config.moe_layers) / 2 ** 30  # one expert in every MoE layer
         log.info("event=expert_placement device_slots_per_layer=%d of=%d device_gib=%.2f host_gib=%.2f",

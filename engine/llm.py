@@ -18,11 +18,12 @@ class LLM:
     def __init__(self, model: str | Path, device: str = "cpu", dtype: str = "bfloat16", max_num_seqs: int = 8,
                  max_model_len: int = 8192, page_size: int = 64, max_num_batched_tokens: int = 2048,
                  cuda_graphs: bool = True, moe_vram_budget: int | None = None, prefix_cache: bool = True,
-                 pcie_expert_percent: int | None = None) -> None:
-        options = EngineOptions(max_num_seqs, max_model_len, max_num_batched_tokens, page_size=page_size,
-                                cuda_graphs=cuda_graphs, moe_vram_budget=moe_vram_budget, prefix_cache=prefix_cache,
-                                pcie_expert_percent=pcie_expert_percent)
-        self._init(EngineCore.from_snapshot(model, device, dtype, options))
+                 pcie_expert_percent: int | None = None, **options) -> None:
+        """`options`: the rest of EngineOptions' fields (engine_core.py), by name."""
+        engine = EngineOptions(max_num_seqs, max_model_len, max_num_batched_tokens, page_size=page_size,
+                               cuda_graphs=cuda_graphs, moe_vram_budget=moe_vram_budget, prefix_cache=prefix_cache,
+                               pcie_expert_percent=pcie_expert_percent, **options)
+        self._init(EngineCore.from_snapshot(model, device, dtype, engine))
 
     @classmethod
     def from_weights(cls, config: ModelConfig, weights: LoadedWeights, **options) -> "LLM":

@@ -81,6 +81,9 @@ class PreparedWrite:
             self.expert_stacks = {}
 
 
+MISS_SPLIT_FILE = "miss_split.json"
+
+
 @dataclass
 class LoadedModel:
     config: ModelConfig
@@ -91,6 +94,7 @@ class LoadedModel:
     prepare: PreparedWrite | None = None  # a cold start's prepared snapshot, written after ready
     # ready_at=partial: the routed experts still to fill in (worker.serve starts the fill)
     experts: ExpertAvailability | None = None
+    miss_split_file: Path | None = None  # hybrid offload's measured CPU and PCIe rates, beside the prepared snapshot
 
 
 class BackgroundPrepare:
@@ -179,7 +183,8 @@ def provision_and_load(settings: Settings, clock: StageClock) -> LoadedModel:
             else:
                 weights, stats = load_prepared(prepared, device, settings.download_workers, expert_slots=slots)
             clock.progress(read_gb_s=round(stats.gb_per_s, 3), bytes=stats.bytes, **_host_memory(rss_before))
-            return LoadedModel(config, weights, files, name, budget, experts=experts)
+            return LoadedModel(config, weights, files, name, budget, experts=experts,
+                               miss_split_file=home / MISS_SPLIT_FILE)
         except PreparedSnapshotError as exc:
             clock.stage("repair", reason=_quote(str(exc)))
             problems = [str(exc)]
@@ -205,7 +210,7 @@ def provision_and_load(settings: Settings, clock: StageClock) -> LoadedModel:
     clock.stage("load", path="in-memory (converted)", bytes=read[0], read_gb_s=round(read[0] / seconds / 1e9, 3),
                 **_host_memory(rss_before), **({"experts": "deferred"} if experts is not None else {}))
     job = PreparedWrite(prepared, {"source": {**wanted, "files": identity.to_dict()}}, weights)
-    return LoadedModel(config, weights, files, name, budget, job, experts)
+    return LoadedModel(config, weights, files, name, budget, job, experts, home / MISS_SPLIT_FILE)
 
 
 def _rss_gib() -> float:

@@ -251,3 +251,24 @@ def test_miss_split_follows_the_measured_rates():
     assert cpu > 0 and pcie > 0
     with pytest.raises(ValueError, match="pcie_percent"):
         hybrid.split_misses(101)
+
+
+def test_measured_rates_are_kept_under_their_key(tmp_path):
+    """Kept whole under what they depend on; another key, a torn or foreign file reads as nothing kept."""
+    from engine.offload.miss_split import cached_rates, keep_rates, rates_key
+
+    hybrid = HybridExperts.place({0: layer_stacks("nvfp4", 3)}, {0: [0]}, torch.device("cpu"), LIMIT)
+    key = rates_key(hybrid)
+    assert key["threads"] == hybrid.host_run.threads and key["format"] == "Nvfp4Weight"
+    assert key["expert_bytes"] == hybrid.expert_bytes and key["cpus"] >= 1
+    path = tmp_path / "miss_split.json"
+    assert cached_rates(path, key) is None
+    keep_rates(path, key, (12e9, 40e9))
+    assert cached_rates(path, key) == (12e9, 40e9)
+    assert not path.with_name(path.name + ".partial").exists()
+    assert cached_rates(path, {**key, "threads": key["threads"] + 1}) is None  # another machine or setting
+    assert cached_rates(path, {**key, "format": "Fp8BlockWeight"}) is None
+    path.write_text('{"key": ')
+    assert cached_rates(path, key) is None
+    path.write_text('[1, 2]')
+    assert cached_rates(path, key) is None

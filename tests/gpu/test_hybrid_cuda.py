@@ -129,3 +129,19 @@ def test_prefill_sized_batches_fetch_their_experts():
     err = ((got.double() - want.double()).norm() / want.double().norm()).item()
     assert err < 1e-2, err
     assert hybrid.stats.fetched_pairs > 0 and hybrid.stats.host_pairs == 0
+
+
+def test_the_miss_split_is_measured_once_then_kept(tmp_path, caplog):
+    """The first start measures the CPU and PCIe rates and keeps them beside the snapshot; the next one on
+    the same machine and weights reads them back and splits the same way."""
+    snapshot = write_tiny_model(tmp_path / "nvfp4-ct", "nvfp4-ct")
+    probe = LLM(snapshot, "cuda", "float32", max_model_len=256, moe_vram_budget=0)
+    budget = 3 * probe.core.offload.expert_bytes * len(probe.config.moe_layers)
+    rates = tmp_path / "miss_split.json"
+    with caplog.at_level("INFO", logger="glmflash.engine"):
+        first = LLM(snapshot, "cuda", "float32", max_model_len=256, moe_vram_budget=budget, miss_split_file=rates)
+        again = LLM(snapshot, "cuda", "float32", max_model_len=256, moe_vram_budget=budget, miss_split_file=rates)
+    splits = [r.getMessage() for r in caplog.records if r.getMessage().startswith("event=miss_split ")]
+    assert "rates=measured" in splits[0] and "rates=kept" in splits[1], splits
+    assert rates.exists() and first.core.offload.rates_at_load == again.core.offload.rates_at_load
+    assert first.core.offload.pcie_percent == again.core.offload.pcie_percent

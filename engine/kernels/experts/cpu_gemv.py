@@ -154,9 +154,10 @@ class ExpertStacks:
         self.hidden, self.inter = gate.shape[-1], gate.shape[-2]
 
     def forward(self, x: torch.Tensor, experts: torch.Tensor, starts: torch.Tensor, pair_weights: torch.Tensor,
-                limit: float, threads: int) -> torch.Tensor:
+                limit: float, threads: int, spin_ns: int = 0) -> torch.Tensor:
         """x [P, D]: one row per (token, expert) pair, grouped by expert (group g: rows starts[g]..starts[g+1]
-        use experts[g]) -> [P, D] fp32, each row its expert's MLP output times its pair weight."""
+        use experts[g]) -> [P, D] fp32, each row its expert's MLP output times its pair weight. The threads
+        stay awake `spin_ns` after the pass."""
         lib = _library()
         assert lib is not None, "the CPU kernels are not built: check available() first"
         xf, w = x.float().contiguous(), pair_weights.float().contiguous()
@@ -167,7 +168,7 @@ class ExpertStacks:
         gate, up, down = (ctypes.byref(m) for m in self.matrices)
         status = lib.experts_forward(gate, up, down, xf.data_ptr(), pairs, experts.numel(), experts.data_ptr(),
                                      starts.data_ptr(), w.data_ptr(), limit, out.data_ptr(), workspace.data_ptr(),
-                                     fp8_table().data_ptr(), threads, simd_level(), 0)
+                                     fp8_table().data_ptr(), threads, simd_level(), spin_ns)
         if status:
             raise ValueError(f"experts_forward: stacks of shapes {[(m.n, m.k) for m in self.matrices]} do not "
                              "form an expert MLP the kernel can take")
