@@ -136,6 +136,7 @@ class EngineCore:
         self.masks = GrammarMasks(config.vocab_size, options.max_num_seqs, dev)
         if dev.type == "cuda" and fast_kernels_enabled():
             self._warm_up(options)
+        self._report_decode_rate()
 
     def _warm_up(self, options: EngineOptions) -> None:
         """Autotune fla's prefill kernels and capture the decode graphs now, not inside the first requests."""
@@ -146,6 +147,15 @@ class EngineCore:
             log.info("event=decode_graphs deferred=experts_loading")  # missing experts are loaded inside steps
         elif options.cuda_graphs and self._graphs_allowed():
             self._capture_graphs()
+
+    def _report_decode_rate(self, steps: int = 8) -> None:
+        """The boot log's expected tok/s: batch-1 decode steps timed as requests run them, with a GPU or with
+        experts on the host (where placement decides the rate); not while experts are still loading."""
+        if self.pending is not None or (self.offload is None and self.model.device.type != "cuda"):
+            return
+        step = self.runner.time_decode(steps, self.config.vocab_size)
+        log.info("event=decode_probe batch=1 step_ms=%.2f expected_tok_s=%.1f graphs=%s", step * 1e3, 1 / step,
+                 "yes" if self.runner.graphs is not None else "no")
 
     @staticmethod
     def start_warm_up(config: ModelConfig, device: torch.device, dtype: torch.dtype) -> Future:
@@ -179,6 +189,7 @@ class EngineCore:
         if (self.model.device.type == "cuda" and fast_kernels_enabled() and self.options.cuda_graphs
                 and self._graphs_allowed()):
             self._capture_graphs()
+        self._report_decode_rate()
 
     def _prefix_cache(self, config: ModelConfig, options: EngineOptions, device: TierSize, pages: int) -> PrefixCache:
         host = TierSize.of(options.prefix_cache_host_bytes, config, options.page_size, self.cache.latents.dtype, pages)

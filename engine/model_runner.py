@@ -7,6 +7,7 @@ per-request spans.
 
 from __future__ import annotations
 
+import time
 from typing import Callable
 
 import torch
@@ -49,12 +50,32 @@ class ModelRunner:
         page_table = torch.full((len(seqs), self.max_pages), self.cache.scratch_page, dtype=torch.long)
         for row, seq in enumerate(seqs):
             page_table[row, :len(seq.pages)] = torch.tensor(seq.pages)
-        if self.graphs is not None and len(seqs) <= self.graphs.max_batch:
+        return self._decode_step(tokens, slot_ids, positions, page_table)
+
+    def _decode_step(self, tokens: torch.Tensor, slot_ids: torch.Tensor, positions: torch.Tensor,
+                     page_table: torch.Tensor) -> torch.Tensor:
+        """One decode step from host tensors: replayed from a graph that holds the batch, else eager."""
+        if self.graphs is not None and tokens.shape[0] <= self.graphs.max_batch:
             return self.graphs.run(tokens, slot_ids, positions, page_table)
         dev = self.model.device
         meta = DecodeMeta(slot_ids.to(dev), positions.to(dev), page_table.to(dev))
         batch = ForwardBatch(tokens.to(dev), [], meta)
-        return self.model.forward(batch, self.slots, self.cache, torch.arange(len(seqs), device=dev))
+        return self.model.forward(batch, self.slots, self.cache, torch.arange(tokens.shape[0], device=dev))
+
+    def time_decode(self, steps: int, vocab_size: int, seed: int = 0) -> float:
+        """Median seconds of a batch-1 decode step, as requests run it (graph or eager), on the scratch slot
+        and page that no request owns; a different random token each step, so routing varies as in text.
+        After one untimed step."""
+        g = torch.Generator().manual_seed(seed)
+        slot_ids, positions = torch.tensor([self.slots.scratch_slot]), torch.zeros(1, dtype=torch.long)
+        page_table = torch.full((1, self.max_pages), self.cache.scratch_page, dtype=torch.long)
+        times = []
+        for _ in range(steps + 1):
+            tokens = torch.randint(vocab_size, (1,), generator=g)
+            start = time.perf_counter()
+            self._decode_step(tokens, slot_ids, positions, page_table).cpu()  # waits for the device
+            times.append(time.perf_counter() - start)
+        return sorted(times[1:])[steps // 2]
 
     def _spans(self, scheduled: Scheduled, all_rows: bool, layer_outputs: list[torch.Tensor] | None) -> torch.Tensor:
         device = self.model.device

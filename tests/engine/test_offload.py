@@ -272,3 +272,21 @@ def test_measured_rates_are_kept_under_their_key(tmp_path):
     assert cached_rates(path, key) is None
     path.write_text('[1, 2]')
     assert cached_rates(path, key) is None
+
+
+def test_the_boot_log_gives_the_expected_decode_rate(tiny_dir, caplog):
+    """Timed batch-1 steps on the scratch slot: a positive rate in the log, and requests after it decode as
+    an engine without experts on the host does."""
+    from engine import LLM, SamplingParams
+
+    snapshot = tiny_dir("nvfp4-ct")
+    resident = LLM(snapshot, "cpu", "float32", max_model_len=256)
+    with caplog.at_level("INFO", logger="glmflash.engine"):
+        hybrid = LLM(snapshot, "cpu", "float32", max_model_len=256, moe_vram_budget=0)
+    probe = [r.getMessage() for r in caplog.records if r.getMessage().startswith("event=decode_probe")]
+    assert len(probe) == 1 and "batch=1" in probe[0], probe
+    assert float(probe[0].split("expected_tok_s=")[1].split()[0]) > 0
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    prompts = [[5, 9, 2, 7], [3] * 30]
+    assert ([o.token_ids for o in hybrid.generate(prompts, params)]
+            == [o.token_ids for o in resident.generate(prompts, params)])
