@@ -37,6 +37,7 @@ from engine.checkpoint.prepared_store import (PreparedPlan, PreparedSnapshotErro
                                               invalidate_prepared, read_plan)
 from engine.config import ModelConfig
 from engine.engine_core import DTYPES, EngineCore
+from engine.offload.cpu_cores import usable_cores
 from engine.offload.placement import WeightBytes, plan_load
 from engine.tiny.factory import write_tiny_model
 from provision.cache import check_snapshot
@@ -142,8 +143,9 @@ class BackgroundPrepare:
 
 
 def cpu_workers(settings: Settings) -> int:
-    """Threads for work that is mostly CPU (hashing, copies): the parallel-read count, at most one per core."""
-    return max(1, min(settings.download_workers, os.cpu_count() or 1))
+    """Threads for work that is mostly CPU (hashing, copies): the parallel-read count, at most one per usable
+    core (a CPU quota counts)."""
+    return max(1, min(settings.download_workers, usable_cores()))
 
 
 def model_spec(settings: Settings) -> tuple[str, str]:
