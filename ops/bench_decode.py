@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import logging
 import math
 import time
 from typing import Any, Callable
@@ -30,6 +31,7 @@ import torch
 
 from engine import LLM, SamplingParams
 from engine.config import ModelConfig
+from engine.kernels.linear import dense_gemv
 from engine.model.moe import MoE
 from engine.tiny.factory import synthetic_weights, tiny_config
 from engine.checkpoint.layout import EXPERT_KEY, EXPERT_PROJS, text_specs
@@ -144,6 +146,8 @@ def main() -> None:
     parser.add_argument("--cpu-threads", type=int, help="hybrid: threads of the CPU expert executor (default: "
                                                          "every usable core but one with a GPU)")
     parser.add_argument("--no-cpu-pin", action="store_true", help="hybrid: leave the CPU expert threads unpinned")
+    parser.add_argument("--no-dense-gemv", action="store_true", help="dense decode projections on cuBLAS only "
+                        "(default: the Triton GEMV where it is timed faster, engine/kernels/linear/dense_gemv.py)")
     parser.add_argument("--routing-skew", type=float, default=0.0, help="hybrid: skew the routing toward a few "
                         "experts per layer (Zipf-like: selection bias -S*log(rank)); 0 keeps the synthetic router's "
                         "near-uniform routing")
@@ -151,6 +155,8 @@ def main() -> None:
                         "release size: each expert still has its own memory)")
     parser.add_argument("--json", help="write the results here as JSON")
     args = parser.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(message)s")  # the engine's event= lines (placement, choices)
+    dense_gemv.CHOICES.enabled = not args.no_dense_gemv
 
     device, dtype = torch.device(args.device), torch.bfloat16
     contexts = [int(c) for c in args.contexts.split(",")]
