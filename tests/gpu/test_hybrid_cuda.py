@@ -145,3 +145,24 @@ def test_the_miss_split_is_measured_once_then_kept(tmp_path, caplog):
     assert "rates=measured" in splits[0] and "rates=kept" in splits[1], splits
     assert rates.exists() and first.core.offload.rates_at_load == again.core.offload.rates_at_load
     assert first.core.offload.pcie_percent == again.core.offload.pcie_percent
+
+
+def test_cpu_expert_threads_are_pinned_with_a_gpu(tmp_path):
+    """With a GPU (and no CPU quota) each CPU expert thread runs on a core of its own, the first core left
+    free; GLMFLASH_CPU_EXPERT_PIN=false (cpu_expert_pin) leaves them floating."""
+    from engine.kernels.experts import cpu_gemv
+    from engine.offload.cpu_cores import allowed_cpus, quota_cores, worker_cpus
+    from tests.engine.test_cpu_cores import expert_threads
+
+    if quota_cores() < len(allowed_cpus()) or len(allowed_cpus()) < 3:
+        pytest.skip("a CPU quota or fewer than three CPUs: the threads float by design")
+    snapshot = write_tiny_model(tmp_path / "nvfp4-ct", "nvfp4-ct")
+    try:
+        llm = LLM(snapshot, "cuda", "float32", max_model_len=256, moe_vram_budget=0)
+        llm.generate([random_prompt(8, seed=1)], SamplingParams(max_tokens=2, temperature=0.0))
+        want = worker_cpus(llm.core.offload.host_run.threads)
+        assert want, "worker_cpus gave no cores on a machine without a quota"
+        assert {str(cpu) for cpu in want} <= set(expert_threads().values())
+        assert str(allowed_cpus()[0]) not in expert_threads().values()
+    finally:
+        cpu_gemv.pin_workers([])
