@@ -183,7 +183,7 @@ class HybridExperts:
 
     def _pin_host_threads(self, pin: bool) -> None:
         cpus = worker_cpus(self.host_run.threads) if pin and cpu_kernels_built() else []
-        if cpus:
+        if cpu_kernels_built():  # the pool is the process's: the last engine built decides (unpinned: [])
             pin_workers(cpus)
         log.info("event=cpu_experts threads=%d pinned=%s", self.host_run.threads,
                  ",".join(map(str, cpus)) if cpus else "none")

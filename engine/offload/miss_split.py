@@ -99,6 +99,7 @@ def cached_rates(path: Path, key: dict) -> tuple[float, float] | None:
 
 def keep_rates(path: Path, key: dict, rates: tuple[float, float]) -> None:
     """Writes the rates under `key` (whole or not at all: a new file renamed over the old)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
     partial = path.with_name(path.name + ".partial")
     partial.write_text(json.dumps({"key": key, "cpu_Bps": rates[0], "pcie_Bps": rates[1]}, indent=1))
     os.replace(partial, path)

@@ -261,7 +261,7 @@ def test_measured_rates_are_kept_under_their_key(tmp_path):
     key = rates_key(hybrid)
     assert key["threads"] == hybrid.host_run.threads and key["format"] == "Nvfp4Weight"
     assert key["expert_bytes"] == hybrid.expert_bytes and key["cpus"] >= 1
-    path = tmp_path / "miss_split.json"
+    path = tmp_path / "not-yet" / "miss_split.json"  # a local source's cache folder before its first write
     assert cached_rates(path, key) is None
     keep_rates(path, key, (12e9, 40e9))
     assert cached_rates(path, key) == (12e9, 40e9)
