@@ -15,6 +15,7 @@ gives the ceiling. Prints one JSON line: executor_GBps, read_GBps, ratio.
     python -m ops.bench_cpu_moe --misses 2 --gap-us 300 --json   # a hybrid layer's share, idle between layers
     python -m ops.bench_cpu_moe --bank torch-pinned --json        # torch's pinned memory (4 KiB pages)
     python -m ops.bench_cpu_moe --pin --json                      # workers pinned to cores, as with a GPU
+    GLMFLASH_CPU_KERNELS=avx512vnni python -m ops.bench_cpu_moe --json   # NVFP4 with x in int16 (AVX-512 VNNI)
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ import time
 import torch
 
 from engine.experts.hybrid import expert_nbytes
-from engine.kernels.experts.cpu_gemv import ExpertStacks, pin_workers
+from engine.kernels.experts.cpu_gemv import ExpertStacks, pin_workers, simd_path
 from engine.offload.cpu_cores import worker_cpus
 from engine.offload.host_memory import host_copy
 from engine.offload.host_steps import SPIN_NS, HostSteps
@@ -110,6 +111,7 @@ def main() -> None:
     moved = args.misses * expert_nbytes(stacks)
     read = read_bandwidth(2 << 30)
     result = {"threads": torch.get_num_threads(), "format": args.format, "bank": args.bank, "batch": 1,
+              "simd_path": ["portable", "avx2", "avx512", "avx512vnni"][simd_path()],
               "misses": args.misses, "gap_us": args.gap_us, "spin_us": host.spin_ns / 1e3, "pinned": pinned,
               "step_ms": seconds * 1e3, "bytes_per_step": moved,
               "executor_GBps": moved / seconds / 1e9, "read_GBps": read, "ratio": moved / seconds / 1e9 / read}

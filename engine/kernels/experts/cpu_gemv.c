@@ -10,7 +10,9 @@
  * so the low nibbles of a run of bytes meet contiguous even columns and the high nibbles odd ones.
  * Three code paths, picked at run time (the caller may cap the level to compare them):
  *   portable C (the reference), AVX2 (a byte shuffle looks up exact int8 weights, widened to float;
- *   F16C widens e4m3), AVX-512 (one permute looks 16 codes up as floats; e4m3 widened 16 at a time).
+ *   F16C widens e4m3), AVX-512 (one permute looks 16 codes up as floats; e4m3 widened 16 at a time),
+ *   and, asked for by name (GLMFLASH_CPU_KERNELS=avx512vnni), NVFP4 on AVX-512 VNNI with x in 16-bit
+ *   integers (see nvfp4_rows_x16; FP8 takes the AVX-512 path there).
  * The expert pass runs on the kernels' own thread pool (thread_pool.c), sized by the caller, whose
  * workers stay awake between a decode step's layers.
  *
@@ -31,7 +33,7 @@
 #define MAX_ROWS 8 /* rows of x handled per pass over the weights */
 #define TILE 32    /* output rows of one matrix per unit of work in the expert pass */
 
-enum { PORTABLE = 0, AVX2 = 1, AVX512 = 2 };
+enum { PORTABLE = 0, AVX2 = 1, AVX512 = 2, AVX512_VNNI = 3 };
 enum { NVFP4 = 0, FP8_BLOCK = 1 };
 
 static const float E2M1[16] = {0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f,
@@ -189,6 +191,90 @@ __attribute__((target("avx512f"))) static void nvfp4_row_avx512(const float *xs,
     ROWS_DISPATCH(rows, nvfp4_rows_avx512, xs, x_stride, half_k, codes, scales, fp8_table, global, out, out_stride)
 }
 
+/* AVX-512 VNNI reads x as 16-bit integers: per group of 16 columns a float scale (the group's largest |x|
+ * over 32767) and the columns rounded to it, so the products of the int8 weights (x2) and x add up exactly
+ * in int32, 32 of them per vpdpwssd, where the float path needs a permute and an FMA per 16. The rounding
+ * is the only change: at most half a step, 1/65534 of the group's largest |x| (bf16 activations round
+ * ~100x coarser). A prepared row of k columns (in the k floats the other paths use): k int16, the even
+ * columns then the odd ones, then one float scale per group. */
+#define X16_SCALES(k) ((k) / 2) /* float offset of a prepared row's scales */
+
+static void prepare_row_x16(const float *src, int64_t k, float *dst) {
+    const int64_t half_k = k / 2;
+    int16_t *q = (int16_t *)dst;
+    for (int64_t g = 0; g < k / GROUP; g++) {
+        float top = 0.0f;
+        for (int j = 0; j < GROUP; j++) top = fmaxf(top, fabsf(src[g * GROUP + j]));
+        const float inverse = top > 0.0f ? 32767.0f / top : 0.0f;
+        for (int j = 0; j < GROUP / 2; j++) {
+            q[g * 8 + j] = (int16_t)lrintf(src[g * GROUP + 2 * j] * inverse);
+            q[half_k + g * 8 + j] = (int16_t)lrintf(src[g * GROUP + 2 * j + 1] * inverse);
+        }
+        dst[X16_SCALES(k) + g] = top / 32767.0f;
+    }
+}
+
+/* Groups g..g+3 (32 bytes: 64 codes) against `rows` prepared rows: byte shuffles look the low nibbles
+ * (even columns) and the high ones (odd) up as int8 weights x2, widened to int16; two vpdpwssd give 16
+ * int32 sums, 4 per group, scaled by weight scale x x scale. Past the last group every load is masked:
+ * the weights there are zero and so are the scales. */
+__attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni"), always_inline)) static inline void
+nvfp4_step_x16(const int rows, const float *xs, int64_t x_stride, int64_t half_k, const uint8_t *codes,
+               const float *wscale, int64_t g, int64_t groups, __m512 *acc) {
+    const int64_t left = groups - g;
+    const __mmask32 lanes = left >= 4 ? 0xFFFFFFFFu : (1u << (8 * left)) - 1; /* a code byte (x lane) each */
+    const __mmask8 quad = left >= 4 ? 0xF : (1u << left) - 1;                   /* a group each */
+    const __m256i table = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)E2M1_X2));
+    const __m256i nibble = _mm256_set1_epi8(15);
+    const __m256i bytes = _mm256_maskz_loadu_epi8(lanes, codes + g * 8);
+    const __m512i we = _mm512_cvtepi8_epi16(_mm256_shuffle_epi8(table, _mm256_and_si256(bytes, nibble)));
+    const __m512i wo = _mm512_cvtepi8_epi16(
+        _mm256_shuffle_epi8(table, _mm256_and_si256(_mm256_srli_epi16(bytes, 4), nibble)));
+    const __m128 ws = _mm_maskz_loadu_ps(quad, wscale);
+    const __m512i spread = _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0);
+    for (int r = 0; r < rows; r++) {
+        const float *row = xs + r * x_stride;
+        const int16_t *e = (const int16_t *)row + g * 8;
+        __m512i sums = _mm512_dpwssd_epi32(_mm512_setzero_si512(), we, _mm512_maskz_loadu_epi16(lanes, e));
+        sums = _mm512_dpwssd_epi32(sums, wo, _mm512_maskz_loadu_epi16(lanes, e + half_k));
+        const __m128 scale4 = _mm_mul_ps(ws, _mm_maskz_loadu_ps(quad, row + X16_SCALES(2 * half_k) + g));
+        const __m512 scale = _mm512_permutexvar_ps(spread, _mm512_castps128_ps512(scale4));
+        acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums), scale, acc[r]);
+    }
+}
+
+/* The weight row's group scales are widened 16 at a time (as e4m3_scaled16 does, the /256 folded into
+ * the global) into a block on the stack before its steps; the last few one by one from the table. */
+#define SCALE_BLOCK 64
+__attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni"), always_inline)) static inline void
+nvfp4_rows_x16(const int rows, const float *xs, int64_t x_stride, int64_t half_k, const uint8_t *codes,
+               const uint8_t *scales, const float *fp8_table, float global, float *out, int64_t out_stride) {
+    const int64_t groups = half_k / 8;
+    float wscale[SCALE_BLOCK];
+    __m512 acc[MAX_ROWS];
+    for (int r = 0; r < rows; r++) acc[r] = _mm512_setzero_ps();
+    for (int64_t b0 = 0; b0 < groups; b0 += SCALE_BLOCK) {
+        const int64_t b1 = b0 + SCALE_BLOCK < groups ? b0 + SCALE_BLOCK : groups;
+        int64_t g = b0;
+        for (; g + 16 <= b1; g += 16) {
+            const __m256i v = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(scales + g)));
+            const __m256i sign = _mm256_slli_epi16(_mm256_and_si256(v, _mm256_set1_epi16(0x80)), 8);
+            const __m256i rest = _mm256_slli_epi16(_mm256_and_si256(v, _mm256_set1_epi16(0x7F)), 7);
+            _mm512_storeu_ps(wscale + (g - b0), _mm512_cvtph_ps(_mm256_or_si256(sign, rest)));
+        }
+        for (; g < b1; g++) wscale[g - b0] = fp8_table[scales[g]] / 256.0f;
+        for (g = b0; g < b1; g += 4)
+            nvfp4_step_x16(rows, xs, x_stride, half_k, codes, wscale + (g - b0), g, b1, acc);
+    }
+    for (int r = 0; r < rows; r++) out[r * out_stride] = _mm512_reduce_add_ps(acc[r]) * 128.0f * global;
+}
+
+__attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni"))) static void
+nvfp4_row_x16(const float *xs, int64_t x_stride, int64_t rows, int64_t half_k, const uint8_t *codes,
+              const uint8_t *scales, const float *fp8_table, float global, float *out, int64_t out_stride) {
+    ROWS_DISPATCH(rows, nvfp4_rows_x16, xs, x_stride, half_k, codes, scales, fp8_table, global, out, out_stride)
+}
+
 /* ---------------------------------------------------------------- FP8 block rows */
 
 /* One weight row against `rows` rows of x (rows `x_stride` apart); portable. */
@@ -300,12 +386,18 @@ __attribute__((target("avx512f,avx512bw"))) static void fp8_row_avx512(const flo
 /* The best path this CPU has, capped by the caller's level. */
 static int level_for(int cap) {
     __builtin_cpu_init();
-    if (cap >= AVX512 && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw")) return AVX512;
+    const int avx512 = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw");
+    if (cap >= AVX512_VNNI && avx512 && __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni"))
+        return AVX512_VNNI;
+    if (cap >= AVX512 && avx512) return AVX512;
     if (cap >= AVX2 && __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
         __builtin_cpu_supports("f16c"))
         return AVX2;
     return PORTABLE;
 }
+
+/* The code path a cap gives on this CPU (for callers that need to know, e.g. which rounding of x). */
+int simd_path(int cap) { return level_for(cap); }
 
 /* Whether a matrix's shape suits the SIMD paths (else its rows take the portable one). */
 static int simd_shape(const matrix *m) {
@@ -330,7 +422,9 @@ static void project_rows(const matrix *m, int64_t expert, int64_t row0, int64_t 
                 const uint8_t *c = codes + row * half_k, *s = scales + row * (m->k / GROUP);
                 const float gs = global[row * m->global_stride];
                 float *out = y + r0 * y_stride + row;
-                if (level == AVX512)
+                if (level == AVX512_VNNI)
+                    nvfp4_row_x16(xr, x_stride, count, half_k, c, s, fp8_table, gs, out, y_stride);
+                else if (level == AVX512)
                     nvfp4_row_avx512(xr, x_stride, count, half_k, c, s, fp8_table, gs, out, y_stride);
                 else if (level == AVX2)
                     nvfp4_row_avx2(xr, x_stride, count, half_k, c, s, fp8_table, gs, out, y_stride);
@@ -348,7 +442,7 @@ static void project_rows(const matrix *m, int64_t expert, int64_t row0, int64_t 
                 const uint8_t *wr = w + row * m->k;
                 const float *sr = block_scales + (row / m->bn) * kb;
                 float *out = y + r0 * y_stride + row;
-                if (level == AVX512)
+                if (level >= AVX512)
                     fp8_row_avx512(xr, x_stride, count, m->k, wr, sr, m->bk, fp8_table, out, y_stride);
                 else if (level == AVX2)
                     fp8_row_avx2(xr, x_stride, count, m->k, wr, sr, m->bk, fp8_table, out, y_stride);
@@ -358,10 +452,15 @@ static void project_rows(const matrix *m, int64_t expert, int64_t row0, int64_t 
     }
 }
 
-/* Row `src` (k values) into the layout the matrix reads: NVFP4 splits even and odd columns. */
-static void prepare_row(const matrix *m, const float *src, float *dst) {
+/* Row `src` (k values) into the layout the matrix's code path reads (in k floats): NVFP4 splits even and
+ * odd columns, as 16-bit integers on the VNNI path. */
+static void prepare_row(const matrix *m, const float *src, float *dst, int level) {
     if (m->format != NVFP4) {
         memcpy(dst, src, sizeof(float) * (size_t)m->k);
+        return;
+    }
+    if (level == AVX512_VNNI) {
+        prepare_row_x16(src, m->k, dst);
         return;
     }
     const int64_t half_k = m->k / 2;
@@ -406,8 +505,9 @@ int gemv(const matrix *m, const float *x, int64_t rows, float *y, const float *f
     if (check(m) || rows < 0) return -1;
     float *prepared = malloc(sizeof(float) * (size_t)(rows * m->k + 1));
     if (!prepared) return -1;
-    for (int64_t r = 0; r < rows; r++) prepare_row(m, x + r * m->k, prepared + r * m->k);
-    gemv_job job = {m, prepared, rows, y, fp8_table, level_for(level), 0};
+    const int path = level_for(level);
+    for (int64_t r = 0; r < rows; r++) prepare_row(m, x + r * m->k, prepared + r * m->k, path);
+    gemv_job job = {m, prepared, rows, y, fp8_table, path, 0};
     pool_run(threads, gemv_share, &job, 0);
     free(prepared);
     return 0;
@@ -433,7 +533,7 @@ typedef struct {
 static void prepare_inputs(void *context, int id, int team) {
     experts_job *j = context;
     const int64_t d = j->gate->k;
-    for (int64_t p = id; p < j->pairs; p += team) prepare_row(j->gate, j->x + p * d, j->xin + p * d);
+    for (int64_t p = id; p < j->pairs; p += team) prepare_row(j->gate, j->x + p * d, j->xin + p * d, j->level);
 }
 
 static void gate_up_tiles(void *context, int id, int team) {
@@ -459,7 +559,7 @@ static void activation(void *context, int id, int team) {
             const float gv = fminf(act[i], j->limit), uv = fminf(fmaxf(j->u_out[p * inter + i], -j->limit), j->limit);
             act[i] = silu(gv) * uv;
         }
-        prepare_row(j->down, act, j->h + p * inter);
+        prepare_row(j->down, act, j->h + p * inter, j->level);
     }
 }
 

@@ -2,7 +2,9 @@
 
 `pip install -e .` compiles them where a C compiler exists; elsewhere `available()` is False and the
 CPU expert executor keeps its torch path. GLMFLASH_CPU_KERNELS picks the path: `auto` (the widest
-SIMD the CPU has), `avx2`, `portable` (plain C), `torch` (the compiled kernels off), for comparisons.
+SIMD the CPU has, up to AVX-512), `avx2`, `portable` (plain C), `torch` (the compiled kernels off), for
+comparisons; `avx512vnni` adds the NVFP4 path with x in 16-bit integers on CPUs with AVX-512 VNNI (x
+rounded to 1/65534 of each 16 columns' largest value: not the default until measured against `auto`).
 """
 
 from __future__ import annotations
@@ -19,7 +21,8 @@ from engine.weights import Fp8BlockWeight, Nvfp4Weight
 _MODULE = "engine.kernels.experts._cpu_gemv"
 _P = ctypes.c_void_p
 _I = ctypes.c_int64
-_LEVELS = {"auto": 2, "avx2": 1, "portable": 0}
+_LEVELS = {"avx512vnni": 3, "auto": 2, "avx2": 1, "portable": 0}
+X16_PATH = 3  # cpu_gemv.c's AVX512_VNNI: NVFP4 rows of x rounded to int16 per group of 16
 QuantWeight = Nvfp4Weight | Fp8BlockWeight
 
 
@@ -80,6 +83,8 @@ def _library() -> ctypes.CDLL | None:
     lib.host_step.restype = None
     lib.pool_pin.argtypes = [_P, ctypes.c_int]
     lib.pool_pin.restype = None
+    lib.simd_path.argtypes = [ctypes.c_int]
+    lib.simd_path.restype = ctypes.c_int
     return lib
 
 
@@ -118,6 +123,13 @@ def pin_workers(cpus: list[int]) -> None:
 def simd_level() -> int:
     """The widest code path GLMFLASH_CPU_KERNELS allows (the kernel takes the widest the CPU has under it)."""
     return _LEVELS.get(_mode(), 2)
+
+
+def simd_path() -> int:
+    """The code path the kernels take on this CPU under GLMFLASH_CPU_KERNELS (0 portable .. 3 AVX-512 VNNI)."""
+    lib = _library()
+    assert lib is not None, "the CPU kernels are not built: check available() first"
+    return lib.simd_path(simd_level())
 
 
 @functools.lru_cache(maxsize=None)
