@@ -21,7 +21,7 @@ from typing import Callable
 
 import torch
 
-from engine.kernels.experts.cpu_gemv import simd_level
+from engine.kernels.experts.cpu_gemv import simd_path
 from engine.offload.cpu_cores import allowed_cpus, quota_cores
 from engine.offload.host_steps import SPIN_NS
 
@@ -41,7 +41,8 @@ def _best_of(runs: int, fn: Callable[[], None]) -> float:
 
 
 def miss_rates(hybrid, experts: int = 8) -> tuple[float, float]:
-    """(CPU, PCIe) bytes per second on `experts` missed experts of the first MoE layer (batch-1 shaped)."""
+    """(CPU, PCIe) bytes per second on `experts` missed experts of the first MoE layer (batch-1 shaped; its
+    host bank in a format the compiled CPU kernels take)."""
     layer = hybrid.layers[0]
     bank = hybrid.host[layer]
     n = min(experts, len(hybrid.hosted[layer]), hybrid.fetch.capacity)
@@ -49,10 +50,10 @@ def miss_rates(hybrid, experts: int = 8) -> tuple[float, float]:
         return 0.0, 0.0
     nbytes = n * hybrid.expert_bytes
     x = torch.randn(1, bank[0].shape[-1]).expand(n, -1).contiguous()
-    experts, starts, weights = torch.arange(n), torch.arange(n + 1), torch.ones(n)
+    ids, starts, weights = torch.arange(n), torch.arange(n + 1), torch.ones(n)
     # The compiled pass with its threads awake between calls, as in the decode steps' host functions.
     stacks, threads = hybrid.host_run.compiled[layer], hybrid.host_run.threads
-    cpu = _best_of(3, lambda: stacks.forward(x, experts, starts, weights, hybrid.host_run.limit, threads, SPIN_NS))
+    cpu = _best_of(3, lambda: stacks.forward(x, ids, starts, weights, hybrid.host_run.limit, threads, SPIN_NS))
     device = hybrid.device
     entries = torch.full((hybrid.fetch.capacity,), -1, dtype=torch.long, device=device)
     entries[:n] = torch.arange(n, device=device)
@@ -83,7 +84,7 @@ def rates_key(hybrid) -> dict:
         pass
     layer = hybrid.layers[0]
     return {"cpu": cpu, "cpus": len(allowed_cpus()), "cpu_quota": str(quota_cores()),
-            "threads": hybrid.host_run.threads, "simd_level": simd_level(),
+            "threads": hybrid.host_run.threads, "simd_path": simd_path(),
             "gpu": torch.cuda.get_device_name(hybrid.device) if hybrid.device.type == "cuda" else "",
             "expert_bytes": hybrid.expert_bytes, "format": type(hybrid.host[layer][0]).__name__}
 
