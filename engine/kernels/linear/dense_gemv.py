@@ -4,7 +4,7 @@ At batch 1..16 a linear layer is a read of its weight, and cuBLAS's kernels for 
 weight at ~45% of the H200's copy rate (the stacked KDA input projection, 105 MB: 55 us against 25; see
 ops/BENCHMARKS.md). This kernel streams the weight in [BK, BN] tiles against one 16-row activation tile
 (tl.dot's smallest M; padding rows cost no bytes), and splits K over programs until every SM has two, as
-the FP8 decode kernel does. Which of the two is faster depends on the shape and the GPU, so the first
+the FP8 decode kernel does, in one of three split widths (each width is a build: three compiles at most). Which of the two is faster depends on the shape and the GPU, so the first
 eager call of each (rows, N, K, dtype, device) times both and keeps the faster (`event=dense_gemv`); a
 call made while a CUDA graph is captured takes what was chosen, or cuBLAS for a shape never timed.
 """
@@ -21,6 +21,7 @@ import triton.language as tl
 log = logging.getLogger("glmflash.engine")
 
 ROWS, BN, BK = 16, 64, 128
+SPLIT_WIDTHS = (4096, 1024, 256)  # K columns per program, widest first (multiples of BK)
 TIMED_RUNS = 5
 
 
@@ -59,9 +60,8 @@ def dense_gemv(x: torch.Tensor, weight: torch.Tensor, sms: int) -> torch.Tensor:
     if m > ROWS or weight.shape[1] != k:
         raise ValueError(f"dense_gemv: x {tuple(x.shape)} against weight {tuple(weight.shape)} (at most {ROWS} rows)")
     x = x if x.stride(-1) == 1 else x.contiguous()
-    tiles, steps = triton.cdiv(n, BN), triton.cdiv(k, BK)
-    split = 1 if tiles >= 2 * sms else min(steps, triton.cdiv(2 * sms, tiles))
-    k_split = triton.cdiv(steps, split) * BK
+    tiles = triton.cdiv(n, BN)
+    k_split = next((w for w in SPLIT_WIDTHS if tiles * triton.cdiv(k, w) >= 2 * sms), SPLIT_WIDTHS[-1])
     split = triton.cdiv(k, k_split)
     out = torch.empty(split, m, n, dtype=x.dtype if split == 1 else torch.float32, device=x.device)
     _dense_gemv_kernel[(tiles, split)](

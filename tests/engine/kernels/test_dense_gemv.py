@@ -12,9 +12,11 @@ from engine.kernels.linear.dense_gemv import GemvChoices, dense_gemv, takes
 
 
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 8e-3)])
-@pytest.mark.parametrize("m,n,k", [(1, 70, 256), (3, 130, 384), (16, 64, 200), (5, 300, 128)])
+@pytest.mark.parametrize("m,n,k", [(1, 70, 256), (3, 130, 384), (2, 40, 1000), (16, 64, 200), (5, 600, 4200)])
 def test_dense_gemv_matches_float64(m, n, k, dtype, tol):
-    """K split over programs (70 and 130 columns leave SMs idle), ragged N and K, every row count class."""
+    """K split over programs where the column tiles leave SMs idle (384 and 1,000 columns: 2 and 4 splits
+    of 256, the last ragged), one wide split (600 rows: 10 tiles, K of 4,200 in two of 4,096), ragged N
+    and K, 1 to 16 rows."""
     g = torch.Generator().manual_seed(m * n + k)
     x = torch.randn(m, k, generator=g).to(dtype)
     weight = (torch.randn(n, k, generator=g) / k ** 0.5).to(dtype)
