@@ -91,7 +91,13 @@ class GemvChoices:
             return chosen
         if capturing or not self.enabled:
             return False
-        cublas_s, triton_s = self.timer(cublas), self.timer(triton_gemv)
+        cublas_s = self.timer(cublas)
+        try:
+            triton_s = self.timer(triton_gemv)
+        except Exception as error:  # e.g. a GPU the kernel does not build for: cuBLAS serves, loudly
+            log.warning("event=dense_gemv_failed rows=%d n=%d k=%d error=%r", key[0], key[1], key[2], error)
+            self.use_triton[key] = False
+            return False
         chosen = self.use_triton[key] = triton_s < cublas_s
         rows, n, k, dtype, _ = key
         log.info("event=dense_gemv rows=%d n=%d k=%d dtype=%s cublas_us=%.1f triton_us=%.1f chose=%s", rows, n, k,

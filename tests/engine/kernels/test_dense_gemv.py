@@ -68,3 +68,15 @@ def test_each_shape_is_timed_once_and_keeps_the_faster(caplog):
     choices.enabled = False
     third = (4, 12800, 4096, torch.bfloat16, torch.device("cpu"))
     assert not choices.decide(third, lambda: "cublas", lambda: "triton", capturing=False) and len(calls) == 4
+
+
+def test_a_gemv_that_fails_to_run_leaves_cublas_and_says_so(caplog):
+    def broken():
+        raise RuntimeError("no build for this GPU")
+
+    choices = GemvChoices(lambda fn: fn() or 1e-5)
+    key = (8, 640, 4096, torch.bfloat16, torch.device("cpu"))
+    with caplog.at_level(logging.WARNING, logger="glmflash.engine"):
+        assert not choices.decide(key, lambda: None, broken, capturing=False)
+    assert "event=dense_gemv_failed" in caplog.text and "no build for this GPU" in caplog.text
+    assert choices.use_triton[key] is False
