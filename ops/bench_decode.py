@@ -235,6 +235,10 @@ def main() -> None:
     if cfg.num_layers != FULL_LAYERS:
         report({"extrapolated_45_layers_ms_per_token (est.)": b1 * FULL_LAYERS + head_ms,
                 "extrapolated_45_layers_tok_s (est.)": 1e3 / (b1 * FULL_LAYERS + head_ms)})
+    timed = dense_gemv.CHOICES.seconds
+    if timed:  # the dense decode projections' choice (engine/kernels/linear/dense_gemv.py), per timed shape
+        report({"dense_gemv_shapes_on_triton": f"{sum(dense_gemv.CHOICES.use_triton[k] for k in timed)}/{len(timed)}",
+                "dense_gemv_us_saved_per_call_of_each_shape": sum(max(c - t, 0) for c, t in timed.values()) * 1e6})
     if args.profile:
         profile_step(llm, device)
     del llm

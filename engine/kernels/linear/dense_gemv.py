@@ -80,6 +80,7 @@ class GemvChoices:
         """timer(fn) -> seconds of one call of fn (after fn has run once)."""
         self.timer = timer
         self.use_triton: dict[Key, bool] = {}
+        self.seconds: dict[Key, tuple[float, float]] = {}  # (cuBLAS, Triton) per timed shape
         self.enabled = True  # False: cuBLAS everywhere (benchmarks compare the two)
 
     def decide(self, key: Key, cublas: Callable[[], object], triton_gemv: Callable[[], object],
@@ -99,6 +100,7 @@ class GemvChoices:
             self.use_triton[key] = False
             return False
         chosen = self.use_triton[key] = triton_s < cublas_s
+        self.seconds[key] = (cublas_s, triton_s)
         rows, n, k, dtype, _ = key
         log.info("event=dense_gemv rows=%d n=%d k=%d dtype=%s cublas_us=%.1f triton_us=%.1f chose=%s", rows, n, k,
                  str(dtype).removeprefix("torch."), cublas_s * 1e6, triton_s * 1e6,

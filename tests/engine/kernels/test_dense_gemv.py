@@ -57,6 +57,7 @@ def test_each_shape_is_timed_once_and_keeps_the_faster(caplog):
     with caplog.at_level(logging.INFO, logger="glmflash.engine"):
         assert choices.decide(key, lambda: "cublas", lambda: "triton", capturing=False)
     assert calls == ["cublas", "triton"] and "chose=triton" in caplog.text and "n=12800 k=4096" in caplog.text
+    assert choices.seconds[key] == (3e-5, 2e-5)
     assert choices.decide(key, lambda: "cublas", lambda: "triton", capturing=True)  # kept, not timed again
     assert len(calls) == 2
     seconds["triton"] = 9e-5
