@@ -33,11 +33,11 @@ case "$part" in
   slice) timeout 540 $decode --layers 8 --expert-slots 18 --json "$out/slice.json" 2>&1 | tail -45 ;;
   threads) for t in 14 15 16; do
              echo "== $t threads"
-             timeout 150 $decode --layers 8 --expert-slots 197 --pcie-percent 0 --max-expert-swaps 0 --prefills 512 \
+             timeout 120 $decode --layers 8 --expert-slots 197 --pcie-percent 0 --max-expert-swaps 0 --prefills 512 \
                --cpu-threads $t --json "$out/threads$t.json" 2>&1 | grep -E "step_ms|cpu_GBps|event=cpu_experts"
            done
            echo "== 15 threads, unpinned"
-           timeout 150 $decode --layers 8 --expert-slots 197 --pcie-percent 0 --max-expert-swaps 0 --prefills 512 \
+           timeout 120 $decode --layers 8 --expert-slots 197 --pcie-percent 0 --max-expert-swaps 0 --prefills 512 \
              --no-cpu-pin --json "$out/unpinned.json" 2>&1 | grep -E "step_ms|cpu_GBps|event=cpu_experts" ;;
   gemv) timeout 200 python3 -m pytest -q tests/gpu/test_dense_gemv_cuda.py 2>&1 | tail -5
         for flag in "" --no-dense-gemv; do
