@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # Hybrid offload on a CUDA machine in time-boxed parts (each fits a 10-minute call), from the repo root:
-#   bash ops/gpu_hybrid.sh OUT_DIR checks|whole|skew|slice|threads|gemv
-# checks: the compiled CPU kernels' tests, the release-shape hybrid tests (split, graphs, swaps), the
-#         opt-in AVX-512 VNNI path's tests and speed against the default, and the cost of one GPU<->CPU
-#         handshake per layer (ops/bench_handshake.py);
+#   bash ops/gpu_hybrid.sh OUT_DIR checks|vnni|whole|skew|slice|threads|gemv
+# checks: the compiled CPU kernels' tests, the release-shape hybrid tests (split, graphs, swaps, pinning,
+#         the kept miss split) and the cost of one GPU<->CPU handshake per layer (ops/bench_handshake.py);
+# vnni:   the opt-in AVX-512 VNNI NVFP4 path (GLMFLASH_CPU_KERNELS=avx512vnni): its tests, its speed against
+#         the default path at 16 and 2 threads;
 # whole: scenario (b), all 45 layers, uniform routing, the miss split measured at load;
 # skew:  the same under a Zipf-like routing trace with swaps on;
 # slice: scenario (a), a 32 GB-class budget (18 slots per MoE layer) on an 8-layer slice;
@@ -13,7 +14,7 @@
 #          (the event=dense_gemv lines: cuBLAS and Triton times of each projection) and with cuBLAS only.
 # Wheels the machine lacks: see ops/gpu_env.sh.
 set -uo pipefail
-out=${1:?output directory}; part=${2:?checks, whole, skew, slice, threads or gemv}
+out=${1:?output directory}; part=${2:?checks, vnni, whole, skew, slice, threads or gemv}
 mkdir -p "$out"
 exec > >(tee -a "$out/run.log") 2>&1  # kept in the output folder even when a caller's time limit cuts the run
 source ops/gpu_env.sh
@@ -21,13 +22,13 @@ source ops/gpu_env.sh
 python3 setup.py -q build_ext --inplace > "$out/build.log" 2>&1 || { tail -20 "$out/build.log"; exit 1; }
 decode="python3 -m ops.bench_decode --device cuda --expert-variety 8 --steps 16 --contexts 1024 --batches 4 --prefills 2048 --reference-layers 0"
 case "$part" in
-  checks) timeout 400 python3 -m pytest -q tests/engine/kernels/test_cpu_gemv.py tests/gpu/test_hybrid_cuda.py -k "gemv or pool or release or pinned or miss_split" 2>&1 | tail -15
-          # the opt-in VNNI path (x in int16): its tests, then against the default path on 16 and 2 threads
-          GLMFLASH_CPU_KERNELS=avx512vnni timeout 60 python3 -m pytest -q tests/engine/kernels/test_cpu_gemv.py 2>&1 | tail -3
-          for t in 16 2; do for mode in auto avx512vnni; do
-            GLMFLASH_CPU_KERNELS=$mode timeout 60 python3 -m ops.bench_cpu_moe --threads $t --spin-us 2000 --json
-          done; done
+  checks) timeout 480 python3 -m pytest -q tests/engine/kernels/test_cpu_gemv.py tests/gpu/test_hybrid_cuda.py -k "gemv or pool or release or pinned or miss_split" 2>&1 | tail -15
           for rows in 1 4; do timeout 40 python3 -m ops.bench_handshake --device cuda --layers 42 --rows $rows; done ;;
+  vnni) # the opt-in AVX-512 VNNI path (x in int16): its tests, then against the default path on 16 and 2 threads
+        GLMFLASH_CPU_KERNELS=avx512vnni timeout 90 python3 -m pytest -q tests/engine/kernels/test_cpu_gemv.py 2>&1 | tail -3
+        for t in 16 2; do for mode in auto avx512vnni; do
+          GLMFLASH_CPU_KERNELS=$mode timeout 100 python3 -m ops.bench_cpu_moe --threads $t --spin-us 2000 --json
+        done; done ;;
   whole) timeout 540 $decode --layers 45 --expert-slots auto --max-expert-swaps 0 --json "$out/whole.json" 2>&1 | tail -45 ;;
   skew) timeout 540 $decode --layers 45 --expert-slots auto --routing-skew 2 --json "$out/skew.json" 2>&1 | tail -45 ;;
   slice) timeout 540 $decode --layers 8 --expert-slots 18 --json "$out/slice.json" 2>&1 | tail -45 ;;
