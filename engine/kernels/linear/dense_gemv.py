@@ -25,14 +25,14 @@ SPLIT_WIDTHS = (4096, 1024, 256)  # K columns per program, widest first (multipl
 TIMED_RUNS = 5
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M", "N", "K"])  # one build whatever the rows and sizes (strides keep theirs)
 def _dense_gemv_kernel(x_ptr, w_ptr, out_ptr, M, N, K, stride_x, stride_w, stride_split, stride_out,
                        K_SPLIT: tl.constexpr, DOT_F32: tl.constexpr,
                        BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
     """Program (column tile, K split): out[split] [M, BN] tile = x @ w^T over K_SPLIT columns of K.
 
-    The sizes are run-time values and only the split's width is built in: a handful of builds serve every
-    projection (a few compiles at start, kept in the Triton cache)."""
+    The sizes are run-time values, not specialized on, and only the split's width is built in: three builds
+    serve every projection and row count (compiled at start, kept in the Triton cache)."""
     rows = tl.arange(0, BM)
     cols = tl.program_id(0) * BN + tl.arange(0, BN)
     split = tl.program_id(1)
