@@ -25,8 +25,7 @@ from engine.checkpoint.layout import EXPERT_PROJS, stacked_expert_name
 from engine.experts.cpu_experts import CpuExperts
 from engine.experts.torch_experts import TorchExperts
 from engine.kernels.experts import DECODE_MAX_PAIRS
-from engine.kernels.experts.cpu_gemv import available as cpu_kernels_built
-from engine.kernels.experts.cpu_gemv import pin_workers
+from engine.kernels.experts.cpu_gemv import available as cpu_kernels_built, pin_workers
 from engine.offload.cpu_cores import usable_cores, worker_cpus
 from engine.offload.cuda_driver import copy_async
 from engine.offload.fetch import ExpertFetcher, Stacks
@@ -182,8 +181,9 @@ class HybridExperts:
                    pin_host_threads=pin_host_threads)
 
     def _pin_host_threads(self, pin: bool) -> None:
-        cpus = worker_cpus(self.host_run.threads) if pin and cpu_kernels_built() else []
-        if cpu_kernels_built():  # the pool is the process's: the last engine built decides (unpinned: [])
+        built = cpu_kernels_built()
+        cpus = worker_cpus(self.host_run.threads) if pin and built else []
+        if built:  # the pool is the process's: the last engine built decides (unpinned: [])
             pin_workers(cpus)
         log.info("event=cpu_experts threads=%d pinned=%s", self.host_run.threads,
                  ",".join(map(str, cpus)) if cpus else "none")

@@ -99,9 +99,13 @@ def core_of(cpus: list[int], topology: Path = CPU_TOPOLOGY) -> dict[int, tuple]:
 def physical_cores(cpus: list[int], topology: Path = CPU_TOPOLOGY) -> list[int]:
     """One CPU of each physical core among `cpus` (its first SMT sibling), in order: two spinning threads
     on siblings share one core's load ports."""
+    return _first_of_each_core(core_of(cpus, topology))
+
+
+def _first_of_each_core(core: dict[int, tuple]) -> list[int]:
     first: dict[tuple, int] = {}
-    for cpu, core in core_of(cpus, topology).items():
-        first.setdefault(core, cpu)
+    for cpu, key in core.items():
+        first.setdefault(key, cpu)
     return list(first.values())
 
 
@@ -117,7 +121,7 @@ def worker_cpus(threads: int, cpus: list[int] | None = None, quota: float | None
     if workers < 1 or quota < len(cpus) or workers > len(cpus) - 1:
         return []
     core = core_of(cpus, topology)
-    firsts = physical_cores(cpus, topology)
+    firsts = _first_of_each_core(core)
     siblings = [cpu for cpu in cpus if cpu not in firsts]
     order = (firsts[1:] + [cpu for cpu in siblings if core[cpu] != core[cpus[0]]]
              + [cpu for cpu in siblings if core[cpu] == core[cpus[0]]])

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import ctypes
 import math
-import os
+import sys
 import weakref
 
 import torch
@@ -36,7 +36,7 @@ def _libc() -> ctypes.CDLL:
 def host_empty(shape: tuple[int, ...] | list[int], dtype: torch.dtype, pin: bool = False) -> torch.Tensor:
     """A zero-filled host tensor of exactly `shape` (pinned if `pin`); small ones come from torch."""
     nbytes = math.prod(shape) * dtype.itemsize
-    if nbytes < HUGE_PAGE or not hasattr(os, "sched_getaffinity"):  # small, or not Linux
+    if nbytes < HUGE_PAGE or sys.platform != "linux":  # small, or no mmap flags to match
         return torch.zeros(shape, dtype=dtype, pin_memory=pin)
     libc = _libc()
     mapped = nbytes + HUGE_PAGE  # room to start on a huge-page boundary

@@ -183,9 +183,9 @@ def fp8_block_linear(x: torch.Tensor, w: Fp8BlockWeight) -> torch.Tensor:
 
 @register("linear", "triton")
 def linear(x: torch.Tensor, weight: Weight) -> torch.Tensor:
-    if x.is_cuda and isinstance(weight, DenseWeight) and takes(x.reshape(-1, x.shape[-1]), weight.data):
-        out = dense_linear(x.reshape(-1, x.shape[-1]), weight.data, sm_count(x.device))
-        return out.view(*x.shape[:-1], weight.shape[0])
+    rows = x.reshape(-1, x.shape[-1])
+    if x.is_cuda and isinstance(weight, DenseWeight) and takes(rows, weight.data):
+        return dense_linear(rows, weight.data, sm_count(x.device)).view(*x.shape[:-1], weight.shape[0])
     if not isinstance(weight, Fp8BlockWeight):
         return torch_linear(x, weight)  # dense: one cuBLAS matmul; NVFP4: dequantize until its kernel lands
-    return fp8_block_linear(x.reshape(-1, x.shape[-1]), weight).view(*x.shape[:-1], weight.shape[0])
+    return fp8_block_linear(rows, weight).view(*x.shape[:-1], weight.shape[0])
