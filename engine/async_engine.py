@@ -41,6 +41,7 @@ class GenerationDelta:
     # where that character starts).
     text_offsets: list[int] = field(default_factory=list)
     cached_tokens: int = 0  # prompt tokens restored from the prefix cache (the same in every delta)
+    prompt_logprobs: list[TokenLogprobs] | None = None  # in the first delta, when the params ask (prompt tokens 1..)
 
 
 class _RequestStream:
@@ -138,7 +139,8 @@ class AsyncEngine:
     @staticmethod
     def _delta(outputs: list[StepOutput], params: SamplingParams,
                detok: IncrementalDetokenizer | None) -> GenerationDelta:
-        delta = GenerationDelta([], "", cached_tokens=outputs[0].cached_tokens)
+        delta = GenerationDelta([], "", cached_tokens=outputs[0].cached_tokens,
+                                prompt_logprobs=outputs[0].prompt_logprobs)
         for out in outputs:
             delta.token_ids.append(out.token_id)
             delta.text_offsets.append(detok.decoded_chars if detok is not None else 0)

@@ -52,6 +52,7 @@ class StepOutput:
     logprobs: TokenLogprobs | None
     finish_reason: str | None
     cached_tokens: int = 0  # prompt tokens the request restored from the prefix cache
+    prompt_logprobs: list[TokenLogprobs] | None = None  # on a request's first token, when its params ask
 
 
 @dataclass(frozen=True)
@@ -309,7 +310,9 @@ class EngineCore:
             seq.append(token, self.config.eos_token_ids)
             if seq.constraint is not None:
                 seq.constraint.accept(token)
-            outputs.append(StepOutput(seq.request_id, token, logprobs, seq.finish_reason, seq.cached_prompt_tokens))
+            first = len(seq.output_token_ids) == 1 and seq.params.prompt_logprobs is not None
+            outputs.append(StepOutput(seq.request_id, token, logprobs, seq.finish_reason, seq.cached_prompt_tokens,
+                                      seq.prompt_logprobs if first else None))
             if seq.finished:
                 self.scheduler.finish(seq)
                 del self._by_id[seq.request_id]

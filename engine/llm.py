@@ -46,7 +46,8 @@ class LLM:
             self.core.add(seq)
         while self.core.has_work:
             self.core.step()
-        return [RequestOutput(s.request_id, s.prompt_token_ids, s.output_token_ids, s.finish_reason) for s in seqs]
+        return [RequestOutput(s.request_id, s.prompt_token_ids, s.output_token_ids, s.finish_reason,
+                              s.prompt_logprobs if s.params.prompt_logprobs is not None else None) for s in seqs]
 
     def prompt_logits(self, token_ids: list[int]) -> torch.Tensor:
         """fp32 logits [len, vocab] for every prompt position, from one prefill."""

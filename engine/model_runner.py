@@ -2,7 +2,8 @@
 
 A step where every request adds one token takes the static decode path (DecodeMeta), replayed
 from a CUDA graph when one was captured for a batch that large; any other step runs eagerly with
-per-request spans.
+per-request spans. A request that asks for its prompt's logprobs gets them from the rows of its
+prefill chunks, as they run.
 """
 
 from __future__ import annotations
@@ -16,7 +17,9 @@ from engine.cache import PagedLatents, RequestSlots
 from engine.decode_graphs import DecodeGraphs
 from engine.model.batch import DecodeMeta, ForwardBatch, SeqSpan
 from engine.model.glm5_next import Glm5NextModel
+from engine.sampler import token_logprobs
 from engine.scheduler import Scheduled
+from engine.sequence import Sequence
 
 
 class ModelRunner:
@@ -82,14 +85,41 @@ class ModelRunner:
         tokens: list[int] = []
         spans: list[SeqSpan] = []
         rows: list[int] = []
+        sampled: list[int] = []  # which of `rows` the step samples from
+        prompt_rows: list[tuple[Sequence, int, int]] = []  # (seq, its first row in `rows`, rows)
         for seq, new in scheduled:
             spans.append(SeqSpan(len(tokens), new, seq.cached, seq.slot,
                                  torch.tensor(seq.pages, dtype=torch.long, device=device)))
+            start = len(tokens)
             tokens.extend(seq.token_ids[seq.cached:seq.cached + new])
             if all_rows:
-                rows.extend(range(len(tokens) - new, len(tokens)))
-            elif seq.cached + new == seq.num_tokens:
-                rows.append(len(tokens) - 1)
+                rows.extend(range(start, start + new))
+                continue
+            if seq.params.prompt_logprobs is not None:  # positions whose next token is a prompt token
+                count = min(seq.cached + new, len(seq.prompt_token_ids) - 1) - seq.cached
+                if count > 0:
+                    prompt_rows.append((seq, len(rows), count))
+                    rows.extend(range(start, start + count))
+            if seq.cached + new == seq.num_tokens:
+                sampled.append(len(rows))
+                rows.append(start + new - 1)
         batch = ForwardBatch(torch.tensor(tokens, dtype=torch.long, device=device), spans)
-        return self.model.forward(batch, self.slots, self.cache, torch.tensor(rows, dtype=torch.long, device=device),
-                                  layer_outputs)
+        logits = self.model.forward(batch, self.slots, self.cache, torch.tensor(rows, dtype=torch.long, device=device),
+                                    layer_outputs)
+        if not prompt_rows:
+            return logits
+        for seq, first, count in prompt_rows:
+            _record_prompt_logprobs(seq, logits[first:first + count])
+        return logits[torch.tensor(sampled, dtype=torch.long, device=device)]
+
+
+PROMPT_LOGPROB_ROWS = 256  # rows per log-softmax: bounds the fp32 copies a long prefill chunk makes at once
+
+
+def _record_prompt_logprobs(seq: Sequence, logits: torch.Tensor) -> None:
+    """Logits of the rows at positions seq.cached.. -> the logprobs of the prompt tokens after them."""
+    first = seq.cached + 1
+    for at in range(0, logits.shape[0], PROMPT_LOGPROB_ROWS):
+        block = logits[at:at + PROMPT_LOGPROB_ROWS]
+        targets = seq.prompt_token_ids[first + at:first + at + block.shape[0]]
+        seq.prompt_logprobs.extend(token_logprobs(block, targets, seq.params.prompt_logprobs))

@@ -58,13 +58,19 @@ def sample(logits: torch.Tensor, seq: Sequence) -> tuple[int, TokenLogprobs | No
         token = int(torch.multinomial(_probs(logits, seq).cpu(), 1, generator=seq.generator))
     if params.logprobs is None:
         return token, None
-    logprobs = torch.log_softmax(raw, dim=-1)
-    ranked: list[tuple[int, float]] = []
-    if params.logprobs:
-        top = torch.topk(logprobs, params.logprobs)
-        # A grammar's mask may leave fewer candidates than asked for: masked tokens (-inf) are none.
-        ranked = [(t, v) for t, v in zip(top.indices.tolist(), top.values.tolist()) if v != float("-inf")]
-    return token, TokenLogprobs(float(logprobs[token]), ranked)
+    return token, token_logprobs(raw.unsqueeze(0), [token], params.logprobs)[0]
+
+
+def token_logprobs(raw: torch.Tensor, tokens: list[int], k: int) -> list[TokenLogprobs]:
+    """Raw logits [R, V] and one token per row -> each row's logprob of its token and its top k."""
+    logprobs = torch.log_softmax(raw.float(), dim=-1)
+    chosen = logprobs.gather(1, torch.tensor(tokens, device=raw.device).view(-1, 1)).view(-1).tolist()
+    if not k:
+        return [TokenLogprobs(value, []) for value in chosen]
+    top = torch.topk(logprobs, min(k, logprobs.shape[-1]))
+    # A grammar's mask may leave fewer candidates than asked for: masked tokens (-inf) are none.
+    return [TokenLogprobs(value, [(t, v) for t, v in zip(ids, values) if v != float("-inf")])
+            for value, ids, values in zip(chosen, top.indices.tolist(), top.values.tolist())]
 
 
 def apply_penalties(logits: torch.Tensor, seq: Sequence) -> torch.Tensor:

@@ -23,6 +23,9 @@ class SamplingParams:
     stop: list[str] = field(default_factory=list)  # applied by the detokenizing layer (AsyncEngine)
     ignore_eos: bool = False
     logprobs: int | None = None  # None: off; k >= 0: the sampled token's logprob plus the top k
+    # None: off; k >= 0: each prompt token's logprob (from the second on) plus the top k at its position.
+    # Such a request computes its whole prompt (no prefix-cache hit): the logprobs need every position.
+    prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     # Callables (token ids so far, logits [V]) -> logits, applied in order before sampling (constrained output).
     logits_processors: list[Callable[[list[int], Any], Any]] = field(default_factory=list)
@@ -38,6 +41,7 @@ class SamplingParams:
             (0 <= self.min_p <= 1, "min_p must be in [0, 1]"),
             (self.repetition_penalty > 0, "repetition_penalty must be > 0"),
             (self.logprobs is None or self.logprobs >= 0, "logprobs must be >= 0"),
+            (self.prompt_logprobs is None or self.prompt_logprobs >= 0, "prompt_logprobs must be >= 0"),
         ]
         for ok, message in checks:
             if not ok:

@@ -78,8 +78,9 @@ class Scheduler:
         for seq in list(self.waiting):
             if budget <= 0:
                 break
-            hit = self.prefix.lookup(seq.prompt_token_ids) if self.prefix else PrefixHit()
-            owner = self.prefix.wait_for(seq, hit, self.running) if self.prefix else None
+            reuse = self.prefix is not None and seq.params.prompt_logprobs is None  # those need every position
+            hit = self.prefix.lookup(seq.prompt_token_ids) if reuse else PrefixHit()
+            owner = self.prefix.wait_for(seq, hit, self.running) if reuse else None
             if owner is not None:  # it will find the prefix cached once `owner` got there
                 if owner in plan:
                     budget += plan[owner] - (cut := self._chunk(owner, plan[owner]))

@@ -10,6 +10,7 @@ import torch
 from engine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
+    from engine.sampler import TokenLogprobs
     from engine.structured.constraint import RequestConstraint
 
 
@@ -26,6 +27,8 @@ class Sequence:
     finish_reason: str | None = None
     generator: torch.Generator | None = None
     constraint: RequestConstraint | None = None  # grammar / reasoning budget state, when the params ask for one
+    # With params.prompt_logprobs: prompt tokens 1.. as their prefill chunks ran (token 0 has none).
+    prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if self.params.seed is not None and self.generator is None:
@@ -63,3 +66,4 @@ class RequestOutput:
     prompt_token_ids: list[int]
     token_ids: list[int]
     finish_reason: str
+    prompt_logprobs: list[TokenLogprobs] | None = None  # with params.prompt_logprobs: prompt tokens 1..

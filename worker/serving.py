@@ -61,7 +61,8 @@ def completion_budget(model: ServedModel, prompt_len: int, requested: int | None
 
 
 def sampling_params(body: _SamplingRequest, model: ServedModel, max_tokens: int, logprobs: int | None,
-                    grammar: GrammarSpec | None = None, reasoning: Reasoning | None = None) -> SamplingParams:
+                    grammar: GrammarSpec | None = None, reasoning: Reasoning | None = None,
+                    prompt_logprobs: int | None = None) -> SamplingParams:
     try:
         return SamplingParams(
             max_tokens=max_tokens,
@@ -77,6 +78,7 @@ def sampling_params(body: _SamplingRequest, model: ServedModel, max_tokens: int,
             stop=body.stop_sequences,
             ignore_eos=body.ignore_eos,
             logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
             skip_special_tokens=body.skip_special_tokens,
             logits_processors=list(model.logits_processors),
             grammar=grammar,

@@ -7,8 +7,10 @@ from typing import AsyncIterator
 from aiohttp import web
 
 from engine.async_engine import GenerationDelta
+from engine.detokenizer import IncrementalDetokenizer
+from engine.sampler import TokenLogprobs
 from worker.protocol import (
-    CompletionChoice, CompletionChunk, CompletionLogprobs, CompletionRequest, CompletionResponse, ProtocolError, Usage,
+    CompletionChoice, CompletionChunk, CompletionLogprobs, CompletionRequest, CompletionResponse, Usage,
     random_id,
 )
 from worker.served_model import ServedModel
@@ -23,26 +25,41 @@ DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 
 class LogprobBuilder:
     """OpenAI's parallel-list completion logprobs, token by token. `text_offset` counts characters of the
-    choice's text (after the echoed prompt): where each token's text starts, or for a token inside a
-    multi-byte character, where that character starts."""
+    choice's text: where each token's text starts, or for a token inside a multi-byte character, where
+    that character starts. With echo the echoed prompt's tokens come first, the first one without a
+    logprob (nothing precedes it)."""
 
-    def __init__(self, model: ServedModel, prefix_chars: int) -> None:
-        self.model, self.prefix_chars = model, prefix_chars  # the echoed prompt's length
+    def __init__(self, model: ServedModel, prompt: list[int] | None, echo: str) -> None:
+        """prompt: the prompt's ids when its logprobs are echoed too; echo: the echoed text ("" without)."""
+        self.model, self.prompt, self.prefix_chars = model, prompt, len(echo)
 
     def add(self, delta: GenerationDelta) -> CompletionLogprobs | None:
+        out = self._prompt(delta.prompt_logprobs) if delta.prompt_logprobs is not None and self.prompt else None
         if not delta.logprobs:
-            return None
-        out = CompletionLogprobs()
+            return out
+        out = out or CompletionLogprobs()
         for token, lp, text_offset in zip(delta.token_ids, delta.logprobs, delta.text_offsets):
-            text = self.model.token_text(token)
-            out.tokens.append(text)
-            out.token_logprobs.append(lp.logprob)
-            top: dict[str, float] = {}
+            self._append(out, token, lp, self.prefix_chars + text_offset)
+        return out
+
+    def _prompt(self, logprobs: list[TokenLogprobs]) -> CompletionLogprobs:
+        out = CompletionLogprobs()
+        detok = IncrementalDetokenizer(self.model.tokenizer, skip_special_tokens=False)
+        for index, token in enumerate(self.prompt):
+            self._append(out, token, logprobs[index - 1] if index else None, detok.decoded_chars)
+            detok.push(token)
+        return out
+
+    def _append(self, out: CompletionLogprobs, token: int, lp: TokenLogprobs | None, text_offset: int) -> None:
+        out.tokens.append(self.model.token_text(token))
+        out.token_logprobs.append(lp.logprob if lp is not None else None)
+        top: dict[str, float] | None = None
+        if lp is not None:
+            top = {}
             for top_text, value in top_logprobs(self.model, lp):  # best first
                 top.setdefault(top_text, value)  # texts can collide (lone bytes read "\ufffd"): keep the best
-            out.top_logprobs.append(top)
-            out.text_offset.append(self.prefix_chars + text_offset)
-        return out
+        out.top_logprobs.append(top)
+        out.text_offset.append(text_offset)
 
 
 def merge_logprobs(parts: list[CompletionLogprobs]) -> CompletionLogprobs:
@@ -60,8 +77,6 @@ async def completions(request: web.Request) -> web.StreamResponse:
     model: ServedModel = state.require_model()
     body = await read_request(request, CompletionRequest)
     check_model(body, model)
-    if body.echo and body.logprobs is not None:
-        raise ProtocolError("echo with logprobs (prompt logprobs) is not supported", param="echo")
     prompts: list[list[int]] = []
     for prompt in body.prompts:
         ids = model.encode(prompt) if isinstance(prompt, str) else list(prompt)
@@ -69,10 +84,13 @@ async def completions(request: web.Request) -> web.StreamResponse:
         prompts.append(ids)
     max_tokens = min(completion_budget(model, len(ids), body.max_tokens, DEFAULT_MAX_TOKENS, "prompt") for ids in prompts)
     grammar, grammar_param = output_grammar(body) or (None, None)
-    params = sampling_params(body, model, max_tokens, body.logprobs, grammar)
+    # echo with logprobs: the prompt's logprobs too
+    params = sampling_params(body, model, max_tokens, body.logprobs, grammar,
+                             prompt_logprobs=body.logprobs if body.echo else None)
     echoes = [model.tokenizer.decode(ids, skip_special_tokens=False) if body.echo else "" for ids in prompts]
+    builders = [LogprobBuilder(model, ids if params.prompt_logprobs is not None else None, echo)
+                for ids, echo in zip(prompts, echoes) for _ in range(body.n)]
     echoes = [e for e in echoes for _ in range(body.n)]
-    builders = [LogprobBuilder(model, len(e)) for e in echoes]
     prompt_tokens = sum(len(ids) for ids in prompts)
     timing = Timing(state.metrics)
     streams = await open_streams(model, prompts, params, body.n, grammar_param)

@@ -182,6 +182,36 @@ def test_echo_prepends_the_prompt(client):
     assert response.choices[0].text.startswith("echo me")
 
 
+def test_echo_with_logprobs_scores_the_prompt(client, tokenizer, reference):
+    """What evaluation harnesses send to score a text: every prompt token after the first gets its logprob
+    (the first has none), then the completion's; offsets count characters, multi-byte ones too."""
+    prompt, steps = "Ünïcode prompt — scored", 3
+    ids = tokenizer.encode(prompt, add_special_tokens=False)
+    response = client.completions.create(model=MODEL_NAME, prompt=prompt, echo=True, logprobs=2, max_tokens=steps,
+                                         temperature=0, extra_body=IGNORE_EOS)
+    choice, lp = response.choices[0], response.choices[0].logprobs
+    assert choice.text.startswith(prompt)
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(lp.text_offset) == len(ids) + steps
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None and lp.text_offset[0] == 0
+    rows = torch.log_softmax(reference.llm.prompt_logits(ids).double(), dim=-1)
+    for position in range(1, len(ids)):
+        want = rows[position - 1]
+        assert lp.tokens[position] == tokenizer.decode([ids[position]], skip_special_tokens=False)
+        assert lp.token_logprobs[position] == pytest.approx(float(want[ids[position]]), abs=2e-3)
+        assert max(lp.top_logprobs[position].values()) == pytest.approx(float(want.max()), abs=2e-3)
+    for token, offset in zip(lp.tokens, lp.text_offset):
+        if "\ufffd" not in token:  # a lone byte of a multi-byte character reads U+FFFD
+            assert choice.text[offset:offset + len(token)] == token
+    assert lp.text_offset == sorted(lp.text_offset) and lp.text_offset[len(ids)] == len(prompt)
+    tokens, _ = reference(ids, steps)
+    assert lp.tokens[len(ids):] == [tokenizer.decode([t], skip_special_tokens=False) for t in tokens]
+    streamed = [c.choices[0].logprobs for c in client.completions.create(
+        model=MODEL_NAME, prompt=prompt, echo=True, logprobs=2, max_tokens=steps, temperature=0, stream=True,
+        extra_body=IGNORE_EOS) if c.choices and c.choices[0].logprobs]
+    assert [t for part in streamed for t in part.tokens] == lp.tokens
+    assert [v for part in streamed for v in part.token_logprobs] == lp.token_logprobs
+
+
 # --- seeds ----------------------------------------------------------------------------------------
 
 
@@ -222,6 +252,7 @@ def reference(tiny_model_dir):
         rows = torch.log_softmax(llm.prompt_logits(ids).float(), dim=-1)
         return ids[len(prompt_ids):], rows[len(prompt_ids) - 1: len(ids) - 1]
 
+    greedy_logprobs.llm = llm
     return greedy_logprobs
 
 
