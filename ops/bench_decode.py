@@ -31,7 +31,6 @@ import torch
 
 from engine import LLM, SamplingParams
 from engine.config import ModelConfig
-from engine.kernels.linear import dense_gemv
 from engine.model.moe import MoE
 from engine.tiny.factory import synthetic_weights, tiny_config
 from engine.checkpoint.layout import EXPERT_KEY, EXPERT_PROJS, text_specs
@@ -146,8 +145,6 @@ def main() -> None:
     parser.add_argument("--cpu-threads", type=int, help="hybrid: threads of the CPU expert executor (default: "
                                                          "every usable core but one with a GPU)")
     parser.add_argument("--no-cpu-pin", action="store_true", help="hybrid: leave the CPU expert threads unpinned")
-    parser.add_argument("--no-dense-gemv", action="store_true", help="dense decode projections on cuBLAS only "
-                        "(default: the Triton GEMV where it is timed faster, engine/kernels/linear/dense_gemv.py)")
     parser.add_argument("--routing-skew", type=float, default=0.0, help="hybrid: skew the routing toward a few "
                         "experts per layer (Zipf-like: selection bias -S*log(rank)); 0 keeps the synthetic router's "
                         "near-uniform routing")
@@ -155,8 +152,7 @@ def main() -> None:
                         "release size: each expert still has its own memory)")
     parser.add_argument("--json", help="write the results here as JSON")
     args = parser.parse_args()
-    logging.basicConfig(level=logging.INFO, format="%(message)s")  # the engine's event= lines (placement, choices)
-    dense_gemv.CHOICES.enabled = not args.no_dense_gemv
+    logging.basicConfig(level=logging.INFO, format="%(message)s")  # the engine's event= lines (placement, split)
 
     device, dtype = torch.device(args.device), torch.bfloat16
     contexts = [int(c) for c in args.contexts.split(",")]
@@ -235,10 +231,6 @@ def main() -> None:
     if cfg.num_layers != FULL_LAYERS:
         report({"extrapolated_45_layers_ms_per_token (est.)": b1 * FULL_LAYERS + head_ms,
                 "extrapolated_45_layers_tok_s (est.)": 1e3 / (b1 * FULL_LAYERS + head_ms)})
-    timed = dense_gemv.CHOICES.seconds
-    if timed:  # the dense decode projections' choice (engine/kernels/linear/dense_gemv.py), per timed shape
-        report({"dense_gemv_shapes_on_triton": f"{sum(dense_gemv.CHOICES.use_triton[k] for k in timed)}/{len(timed)}",
-                "dense_gemv_us_saved_per_call_of_each_shape": sum(max(c - t, 0) for c, t in timed.values()) * 1e6})
     if args.profile:
         profile_step(llm, device)
     del llm

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Hybrid offload on a CUDA machine in time-boxed parts (each fits a 10-minute call), from the repo root:
-#   bash ops/gpu_hybrid.sh OUT_DIR checks|vnni|whole|skew|slice|threads|gemv
+#   bash ops/gpu_hybrid.sh OUT_DIR checks|vnni|whole|skew|slice|threads
 # checks: the compiled CPU kernels' tests, the release-shape hybrid tests (split, graphs, swaps, pinning,
 #         the kept miss split) and the cost of one GPU<->CPU handshake per layer (ops/bench_handshake.py);
 # vnni:   the opt-in AVX-512 VNNI NVFP4 path (GLMFLASH_CPU_KERNELS=avx512vnni): its tests, its speed against
@@ -10,11 +10,9 @@
 # slice: scenario (a), a 32 GB-class budget (18 slots per MoE layer) on an 8-layer slice;
 # threads: an 8-layer slice with every miss on the CPU at 14, 15 and 16 CPU threads (the default is every
 #          core but one; more threads than cores should degrade, not stall), then the default unpinned.
-# gemv:    the dense decode GEMV: its CUDA tests, then an all-resident 8-layer slice with the per-shape choice
-#          (the event=dense_gemv lines: cuBLAS and Triton times of each projection) and with cuBLAS only.
 # Wheels the machine lacks: see ops/gpu_env.sh.
 set -uo pipefail
-out=${1:?output directory}; part=${2:?checks, vnni, whole, skew, slice, threads or gemv}
+out=${1:?output directory}; part=${2:?checks, vnni, whole, skew, slice or threads}
 mkdir -p "$out"
 exec > >(tee -a "$out/run.log") 2>&1  # kept in the output folder even when a caller's time limit cuts the run
 source ops/gpu_env.sh
@@ -40,11 +38,5 @@ case "$part" in
            echo "== 15 threads, unpinned"
            timeout 120 $decode --layers 8 --expert-slots 197 --pcie-percent 0 --max-expert-swaps 0 --prefills 512 \
              --no-cpu-pin --json "$out/unpinned.json" 2>&1 | grep -E "step_ms|cpu_GBps|event=cpu_experts" ;;
-  gemv) timeout 200 python3 -m pytest -q tests/gpu/test_dense_gemv_cuda.py 2>&1 | tail -5
-        for flag in "" --no-dense-gemv; do
-          echo "== 8 layers, all resident ${flag:-(per-shape choice)}"
-          timeout 170 python3 -m ops.bench_decode --device cuda --steps 12 --contexts 1024 --batches 4,16 --prefills 512 \
-            --reference-layers 0 $flag --json "$out/gemv${flag:+-cublas}.json" 2>&1 | grep -E "event=dense_gemv|decode|tok_s"
-        done ;;
   *) echo "unknown part: $part" >&2; exit 2 ;;
 esac

@@ -1,5 +1,4 @@
-"""Linear on CUDA: FP8 block weights on Triton, dense weights on cuBLAS or, at decode sizes where timing
-says it is faster, on a Triton GEMV (dense_gemv.py); NVFP4 through the reference.
+"""Linear on CUDA: FP8 block weights on Triton, dense weights on cuBLAS, NVFP4 through the reference.
 
 FP8 block (the official release: e4m3 weights, one fp32 multiplier per 128x128 block):
   - decode (at most DECODE_MAX_ROWS rows) reads the weight once and is bound by that read, so the
@@ -22,9 +21,8 @@ import triton.language as tl
 
 from engine.checkpoint.quant import FP8_BLOCK
 from engine.kernels.dispatch import register
-from engine.kernels.linear.dense_gemv import dense_linear, takes
 from engine.kernels.linear.torch_ref import linear as torch_linear
-from engine.weights import DenseWeight, Fp8BlockWeight, Weight
+from engine.weights import Fp8BlockWeight, Weight
 
 DECODE_MAX_ROWS = 16
 QBLOCK = tl.constexpr(FP8_BLOCK[1])  # K width of a weight block, activation group and K step alike
@@ -183,9 +181,6 @@ def fp8_block_linear(x: torch.Tensor, w: Fp8BlockWeight) -> torch.Tensor:
 
 @register("linear", "triton")
 def linear(x: torch.Tensor, weight: Weight) -> torch.Tensor:
-    rows = x.reshape(-1, x.shape[-1])
-    if x.is_cuda and isinstance(weight, DenseWeight) and takes(rows, weight.data):
-        return dense_linear(rows, weight.data, sm_count(x.device)).view(*x.shape[:-1], weight.shape[0])
     if not isinstance(weight, Fp8BlockWeight):
         return torch_linear(x, weight)  # dense: one cuBLAS matmul; NVFP4: dequantize until its kernel lands
-    return fp8_block_linear(rows, weight).view(*x.shape[:-1], weight.shape[0])
+    return fp8_block_linear(x.reshape(-1, x.shape[-1]), weight).view(*x.shape[:-1], weight.shape[0])
