@@ -15,7 +15,7 @@ gives the ceiling. Prints one JSON line: executor_GBps, read_GBps, ratio.
     python -m ops.bench_cpu_moe --misses 2 --gap-us 300 --json   # a hybrid layer's share, idle between layers
     python -m ops.bench_cpu_moe --bank torch-pinned --json        # torch's pinned memory (4 KiB pages)
     python -m ops.bench_cpu_moe --pin --json                      # workers pinned to cores, as with a GPU
-    GLMFLASH_CPU_KERNELS=avx512vnni python -m ops.bench_cpu_moe --json   # NVFP4 with x in int16 (AVX-512 VNNI)
+    GLMFLASH_CPU_KERNELS=avx512 python -m ops.bench_cpu_moe --json   # without the int16 NVFP4 path of AVX-512 VNNI
 """
 
 from __future__ import annotations

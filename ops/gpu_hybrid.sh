@@ -3,8 +3,8 @@
 #   bash ops/gpu_hybrid.sh OUT_DIR checks|vnni|whole|skew|slice|threads
 # checks: the compiled CPU kernels' tests, the release-shape hybrid tests (split, graphs, swaps, pinning,
 #         the kept miss split) and the cost of one GPU<->CPU handshake per layer (ops/bench_handshake.py);
-# vnni:   the opt-in AVX-512 VNNI NVFP4 path (GLMFLASH_CPU_KERNELS=avx512vnni): its tests, its speed against
-#         the default path at 16 and 2 threads;
+# vnni:   the AVX-512 VNNI NVFP4 path (the default where the CPU has it): the kernels' tests, its speed against
+#         the float AVX-512 path (GLMFLASH_CPU_KERNELS=avx512) at 16 and 2 threads;
 # whole: scenario (b), all 45 layers, uniform routing, the miss split measured at load;
 # skew:  the same under a Zipf-like routing trace with swaps on;
 # slice: scenario (a), a 32 GB-class budget (18 slots per MoE layer) on an 8-layer slice;
@@ -22,9 +22,9 @@ decode="python3 -m ops.bench_decode --device cuda --expert-variety 8 --steps 16 
 case "$part" in
   checks) timeout 480 python3 -m pytest -q tests/engine/kernels/test_cpu_gemv.py tests/gpu/test_hybrid_cuda.py -k "gemv or pool or release or pinned or miss_split" 2>&1 | tail -15
           for rows in 1 4; do timeout 40 python3 -m ops.bench_handshake --device cuda --layers 42 --rows $rows; done ;;
-  vnni) # the opt-in AVX-512 VNNI path (x in int16): its tests, then against the default path on 16 and 2 threads
-        GLMFLASH_CPU_KERNELS=avx512vnni timeout 90 python3 -m pytest -q tests/engine/kernels/test_cpu_gemv.py 2>&1 | tail -3
-        for t in 16 2; do for mode in auto avx512vnni; do
+  vnni) # the AVX-512 VNNI path (x in int16, the default): the kernels' tests, then against float AVX-512 on 16 and 2 threads
+        timeout 90 python3 -m pytest -q tests/engine/kernels/test_cpu_gemv.py 2>&1 | tail -3
+        for t in 16 2; do for mode in avx512 auto; do
           GLMFLASH_CPU_KERNELS=$mode timeout 100 python3 -m ops.bench_cpu_moe --threads $t --spin-us 2000 --json
         done; done ;;
   whole) timeout 540 $decode --layers 45 --expert-slots auto --max-expert-swaps 0 --json "$out/whole.json" 2>&1 | tail -45 ;;

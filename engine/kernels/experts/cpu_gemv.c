@@ -11,8 +11,8 @@
  * Three code paths, picked at run time (the caller may cap the level to compare them):
  *   portable C (the reference), AVX2 (a byte shuffle looks up exact int8 weights, widened to float;
  *   F16C widens e4m3), AVX-512 (one permute looks 16 codes up as floats; e4m3 widened 16 at a time),
- *   and, asked for by name (GLMFLASH_CPU_KERNELS=avx512vnni), NVFP4 on AVX-512 VNNI with x in 16-bit
- *   integers (see nvfp4_rows_x16; FP8 takes the AVX-512 path there).
+ *   and, where the CPU has AVX-512 VNNI, NVFP4 with x in 16-bit integers (see nvfp4_rows_x16; FP8 takes
+ *   the AVX-512 path there).
  * The expert pass runs on the kernels' own thread pool (thread_pool.c), sized by the caller, whose
  * workers stay awake between a decode step's layers.
  *

@@ -1,10 +1,11 @@
 """The compiled CPU expert kernels (cpu_gemv.c) behind torch-shaped calls, and whether they are built.
 
 `pip install -e .` compiles them where a C compiler exists; elsewhere `available()` is False and the
-CPU expert executor keeps its torch path. GLMFLASH_CPU_KERNELS picks the path: `auto` (the widest
-SIMD the CPU has, up to AVX-512), `avx2`, `portable` (plain C), `torch` (the compiled kernels off), for
-comparisons; `avx512vnni` adds the NVFP4 path with x in 16-bit integers on CPUs with AVX-512 VNNI (x
-rounded to 1/65534 of each 16 columns' largest value: not the default until measured against `auto`).
+CPU expert executor keeps its torch path. GLMFLASH_CPU_KERNELS picks the path: `auto` (the widest the
+CPU has), `avx512` (AVX-512 without VNNI's integer NVFP4 path), `avx2`, `portable` (plain C), `torch`
+(the compiled kernels off), for comparisons. On CPUs with AVX-512 VNNI, `auto` runs NVFP4 with x in
+16-bit integers, rounded to 1/65534 of each 16 columns' largest value (finer than the bf16 activations
+it starts from): 6% faster than the float AVX-512 path on 16 threads, 22% on 2 (ops/BENCHMARKS.md).
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from engine.weights import Fp8BlockWeight, Nvfp4Weight
 _MODULE = "engine.kernels.experts._cpu_gemv"
 _P = ctypes.c_void_p
 _I = ctypes.c_int64
-_LEVELS = {"avx512vnni": 3, "auto": 2, "avx2": 1, "portable": 0}
+_LEVELS = {"auto": 3, "avx512": 2, "avx2": 1, "portable": 0}
 X16_PATH = 3  # cpu_gemv.c's AVX512_VNNI: NVFP4 rows of x rounded to int16 per group of 16
 QuantWeight = Nvfp4Weight | Fp8BlockWeight
 
@@ -122,7 +123,7 @@ def pin_workers(cpus: list[int]) -> None:
 
 def simd_level() -> int:
     """The widest code path GLMFLASH_CPU_KERNELS allows (the kernel takes the widest the CPU has under it)."""
-    return _LEVELS.get(_mode(), 2)
+    return _LEVELS.get(_mode(), 3)
 
 
 def simd_path() -> int:

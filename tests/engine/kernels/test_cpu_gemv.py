@@ -53,7 +53,7 @@ def test_kernel_is_built():
     assert cpu_gemv.available(), "engine/kernels/experts/_cpu_gemv was not built by `pip install -e .`"
 
 
-@pytest.mark.parametrize("mode", ["avx512vnni", "auto", "avx2", "portable"])
+@pytest.mark.parametrize("mode", ["auto", "avx512", "avx2", "portable"])
 @pytest.mark.parametrize("rows,n,k", [(1, 130, 256), (3, 40, 200), (11, 17, 96), (2, 5, 100)])
 def test_fp8_gemv_matches_float64(monkeypatch, mode, rows, n, k):
     """Ragged blocks in both directions (n = 130, k = 200), K not a multiple of 16 (portable path)."""
@@ -66,7 +66,7 @@ def test_fp8_gemv_matches_float64(monkeypatch, mode, rows, n, k):
     assert ((got.double() - want).norm() / want.norm()).item() < 1e-6
 
 
-@pytest.mark.parametrize("mode", ["avx512vnni", "auto", "avx2", "portable"])
+@pytest.mark.parametrize("mode", ["auto", "avx512", "avx2", "portable"])
 @pytest.mark.parametrize("rows,n,k,per_row", [(1, 64, 256, False), (3, 40, 96, True), (11, 17, 512, True)])
 def test_gemv_matches_float64(monkeypatch, mode, rows, n, k, per_row):
     """Ragged rows (11 > the kernel's 8-row pass), ragged N, K of one and of many groups."""
@@ -79,7 +79,7 @@ def test_gemv_matches_float64(monkeypatch, mode, rows, n, k, per_row):
     assert ((got.double() - want).norm() / want.norm()).item() < 1e-6  # fp32 sums of exact products
 
 
-@pytest.mark.parametrize("mode", ["avx512vnni", "auto", "avx2"])
+@pytest.mark.parametrize("mode", ["auto", "avx512", "avx2"])
 def test_every_row_count_of_one_pass_matches_float64(monkeypatch, mode):
     """The SIMD kernels are compiled once per count of x rows (1..8): each count, and 9 (a pass of 8 and
     one of 1), with an odd count of NVFP4 groups (k = 112: 7) and FP8 blocks of 48 (one 16-wide tail)."""
@@ -117,14 +117,15 @@ def test_the_thread_pool_serves_several_callers_and_a_forked_child():
     g = torch.Generator().manual_seed(4)
     cases = [(torch.randn(3, 128, generator=g), torch.randint(0, 6, (3, 2), generator=g),
               torch.rand(3, 2, generator=g)) for _ in range(4)]
-    wants = [TorchExperts(stacks, 1.5)(0, *case) for case in cases]
     executors = [CpuExperts(stacks, 1.5, threads=t) for t in (1, 2, 3, 5)]
+    singles = [executors[k](0, *cases[k]) for k in range(4)]  # each output element is one thread's: exact
+    for got, case in zip(singles, cases):  # the VNNI path's int16 inputs: ~1e-5 off the reference
+        torch.testing.assert_close(got, TorchExperts(stacks, 1.5)(0, *case), rtol=1e-4, atol=1e-4)
     failures = []
 
     def caller(k: int) -> None:
         for _ in range(25):
-            got = executors[k](0, *cases[k])
-            if not torch.allclose(got, wants[k], rtol=1e-5, atol=1e-5):
+            if not torch.equal(executors[k](0, *cases[k]), singles[k]):
                 failures.append(k)
 
     threads = [threading.Thread(target=caller, args=(k,)) for k in range(4)]
@@ -152,7 +153,7 @@ def test_the_thread_pool_serves_several_callers_and_a_forked_child():
     assert os.waitstatus_to_exitcode(done[1]) == 0
 
 
-@pytest.mark.parametrize("mode", ["avx512vnni", "auto", "avx2", "portable"])
+@pytest.mark.parametrize("mode", ["auto", "avx512", "avx2", "portable"])
 @pytest.mark.parametrize("fmt", ["nvfp4", "fp8"])
 @pytest.mark.parametrize("d,i,tokens", [(128, 64, 5), (96, 80, 12)])
 def test_cpu_experts_equal_the_reference_on_quantized_experts(monkeypatch, mode, fmt, d, i, tokens):
