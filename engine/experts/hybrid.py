@@ -29,7 +29,7 @@ from engine.kernels.experts.cpu_gemv import available as cpu_kernels_built, pin_
 from engine.offload.cpu_cores import usable_cores, worker_cpus
 from engine.offload.cuda_driver import copy_async
 from engine.offload.fetch import ExpertFetcher, Stacks
-from engine.offload.host_memory import host_copy, host_empty
+from engine.offload.host_memory import host_copy
 from engine.offload.host_steps import HostSteps
 from engine.offload.placement import hottest, slots_per_layer
 from engine.weights import SplitStack, map_tensors, tensor_fields
@@ -143,7 +143,7 @@ class HybridExperts:
         self.split_misses(pcie_percent)
         self._pin = device.type == "cuda"
         self._swap_stream = torch.cuda.Stream(device) if self._pin else None
-        self._staging: list[Stacks] = []  # one expert each, for the swaps of one rebalance
+        self._staging: Stacks | None = None  # one expert in device memory: a swap's outgoing expert in transit
         # Set while something reads the slots and the host bank by expert id (a prepared snapshot being
         # written from them): swaps would move experts under it.
         self.swaps_held = False
@@ -329,22 +329,25 @@ class HybridExperts:
             for new, old in zip(incoming, outgoing):
                 if made >= max_swaps or c[new] <= c[old]:
                     break
-                self._swap(layer, experts.index(old), new, made)
+                self._swap(layer, experts.index(old), new)
                 made += 1
         if main is not None:
             main.wait_stream(self._swap_stream)
         self._stats.swaps += made
         return made
 
-    def _swap(self, layer: int, slot: int, expert: int, staging: int) -> None:
+    def _swap(self, layer: int, slot: int, expert: int) -> None:
         """Exchange a host expert with the one in a device slot: the slot's expert goes to the host bank
-        entry the incoming one leaves, through staging buffer `staging` (both move at once)."""
+        entry the incoming one leaves. It waits in a staging expert on the device (slot -> staging ->
+        host entry, after host entry -> slot), so host memory is read once and written once per swap, with
+        no host-to-host copy to compete with the CPU experts' reads; the copies run in order on one
+        stream, so one staging expert serves every swap."""
         index, entry = self._index[layer], int(self.entry_of[self._index[layer], expert])
         outgoing = self.resident[layer][slot]
-        while len(self._staging) <= staging:
-            self._staging.append(tuple(map_tensors(s, lambda t: host_empty(t.shape[1:], t.dtype, self._pin))
-                                       for s in self.host[layer]))
-        for on_device, on_host, buffer in zip(self.device_stacks[layer], self.host[layer], self._staging[staging]):
+        if self._staging is None:
+            self._staging = tuple(map_tensors(s, lambda t: torch.empty(t.shape[1:], dtype=t.dtype, device=t.device))
+                                  for s in self.device_stacks[layer])
+        for on_device, on_host, buffer in zip(self.device_stacks[layer], self.host[layer], self._staging):
             for name in tensor_fields(on_device):
                 d, h, b = getattr(on_device, name)[slot], getattr(on_host, name)[entry], getattr(buffer, name)
                 self._copy(b, d)
@@ -356,7 +359,7 @@ class HybridExperts:
         self.resident[layer][slot], self.hosted[layer][entry] = expert, outgoing
 
     def _copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
-        """In the swap stream's order on a GPU (host to host included), at once elsewhere."""
+        """In the swap stream's order on a GPU, at once elsewhere."""
         if self._pin:
             copy_async(dst, src, self._swap_stream)
         else:
