@@ -22,6 +22,7 @@ from engine.cache.state_rows import state_bytes
 from engine.checkpoint.loader import LoadedWeights, checkpoint_sizes, load_weights
 from engine.kernels.dispatch import fast_kernels_enabled
 from engine.kernels.kda.fla_prefill import start_kda_warm_up
+from engine.kernels.kernel_manifest import COMPILES, start_preload
 from engine.config import ModelConfig
 from engine.checkpoint.availability import ExpertAvailability
 from engine.experts import default_executor, executor_class
@@ -85,6 +86,7 @@ class EngineOptions:
     # CPU; None: from the two rates measured at load (CUDA), 0 elsewhere.
     pcie_expert_percent: int | None = None
     miss_split_file: Path | None = None  # where the measured CPU and PCIe rates are kept between starts
+    kernels_file: Path | None = None  # the Triton specializations compiled, preloaded by the next start
     prefix_cache: bool = True  # start requests from the saved state of their longest cached prefix
     prefix_cache_bytes: int = 4 << 30  # device memory for cached prefixes (snapshots and extra pages)
     prefix_cache_host_bytes: int = 0  # host RAM for prefixes evicted from the device (0: none, evictions drop)
@@ -120,6 +122,8 @@ class EngineCore:
         self.config, self.options = config, options
         embed = weights["embed_tokens.weight"]
         dev, dtype = embed.device, embed.dtype
+        if dev.type == "cuda" and fast_kernels_enabled():
+            self._wait_for_warm_up(options.kernels_file, dev, dtype)
         # Caches first: an automatic expert budget is the device memory they leave.
         pages, tier = _cache_pages(config, options, dtype)
         self.slots, self.cache = _caches(config, options, dev, dtype)  # the prefix cache's device pages join
@@ -138,12 +142,20 @@ class EngineCore:
         if dev.type == "cuda" and fast_kernels_enabled():
             self._warm_up(options)
         self._report_decode_rate()
+        if dev.type == "cuda":  # what the start compiled; from here on each compile is logged on its own
+            log.info("event=kernel_compiles %s", COMPILES.summary())
+            COMPILES.serving = True
+
+    def _wait_for_warm_up(self, kernels_file: Path | None, device: torch.device, dtype: torch.dtype) -> None:
+        """Before the engine's first kernel: the kernels an earlier start compiled are compiled again (or read
+        from Triton's cache) and fla's prefill kernels tuned, both started with the reads; neither then
+        competes with the engine's own GPU work (placement timings, graph capture)."""
+        start = time.perf_counter()
+        self.start_warm_up(self.config, device, dtype, kernels_file).result()
+        log.info("event=warm_up_wait waited_s=%.2f", time.perf_counter() - start)
 
     def _warm_up(self, options: EngineOptions) -> None:
-        """Autotune fla's prefill kernels and capture the decode graphs now, not inside the first requests."""
-        start = time.perf_counter()
-        self.start_warm_up(self.config, self.model.device, self.model.dtype).result()
-        log.info("event=kda_prefill_autotune waited_s=%.2f", time.perf_counter() - start)
+        """Capture the decode graphs now, not inside the first requests."""
         if options.cuda_graphs and self.pending is not None:
             log.info("event=decode_graphs deferred=experts_loading")  # missing experts are loaded inside steps
         elif options.cuda_graphs and self._graphs_allowed():
@@ -159,12 +171,16 @@ class EngineCore:
                  "yes" if self.runner.graphs is not None else "no")
 
     @staticmethod
-    def start_warm_up(config: ModelConfig, device: torch.device, dtype: torch.dtype) -> Future:
-        """Start the warm-up that needs only the config (fla's KDA-prefill autotuning) in the background;
-        a loader calls it before reading the weights, the engine waits on it once built. On the CPU (or
-        with the fast kernels off) there is nothing to warm: a finished future."""
+    def start_warm_up(config: ModelConfig, device: torch.device, dtype: torch.dtype,
+                      kernels_file: Path | None = None) -> Future:
+        """Start the warm-up that needs only the config in the background: the preload of the Triton kernels
+        an earlier start recorded in `kernels_file` (this one records its own there) and fla's KDA-prefill
+        autotuning, after it. A loader calls it before reading the weights, the engine waits on it before its
+        first kernel; a second call returns the same work. On the CPU (or with the fast kernels off) there is
+        nothing to warm: a finished future."""
         if device.type == "cuda" and fast_kernels_enabled():
-            return start_kda_warm_up(device, config.linear_num_heads, config.linear_head_dim, dtype)
+            preload = start_preload(kernels_file, device, dtype)
+            return start_kda_warm_up(device, config.linear_num_heads, config.linear_head_dim, dtype, after=preload)
         done: Future = Future()
         done.set_result(None)
         return done
@@ -225,7 +241,7 @@ class EngineCore:
             raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
         config = ModelConfig.from_dir(model)
         device = torch.device(device)
-        cls.start_warm_up(config, device, DTYPES[dtype])
+        cls.start_warm_up(config, device, DTYPES[dtype], options.kernels_file)
         budget, slots = plan_load(options.moe_vram_budget, device, checkpoint_sizes(Path(model), config),
                                   len(config.moe_layers), config.n_routed_experts,
                                   cls.cache_bytes(config, options, DTYPES[dtype]))

@@ -9,11 +9,12 @@ from provision.settings import Settings
 
 
 def engine_options(settings: Settings, moe_vram_budget: int | str | None = None,
-                   miss_split_file: Path | None = None) -> EngineOptions:
+                   miss_split_file: Path | None = None, kernels_file: Path | None = None) -> EngineOptions:
     return EngineOptions(max_num_seqs=settings.max_num_seqs, max_model_len=settings.max_model_len,
                          max_num_batched_tokens=settings.max_num_batched_tokens, max_waiting=settings.max_queue,
                          moe_vram_budget=moe_vram_budget, cpu_expert_threads=settings.cpu_expert_threads,
                          cpu_expert_pin=settings.cpu_expert_pin,
                          pcie_expert_percent=settings.pcie_expert_percent, miss_split_file=miss_split_file,
+                         kernels_file=kernels_file,
                          prefix_cache=settings.prefix_cache, prefix_cache_bytes=settings.prefix_cache_bytes,
                          prefix_cache_host_bytes=settings.prefix_cache_host_bytes)

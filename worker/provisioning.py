@@ -83,6 +83,7 @@ class PreparedWrite:
 
 
 MISS_SPLIT_FILE = "miss_split.json"
+KERNELS_FILE = "kernels.json"  # the Triton specializations the model compiled, preloaded at the next start
 
 
 @dataclass
@@ -96,6 +97,7 @@ class LoadedModel:
     # ready_at=partial: the routed experts still to fill in (worker.serve starts the fill)
     experts: ExpertAvailability | None = None
     miss_split_file: Path | None = None  # hybrid offload's measured CPU and PCIe rates, beside the prepared snapshot
+    kernels_file: Path | None = None  # the compiled kernels' manifest, beside it too
 
 
 class BackgroundPrepare:
@@ -175,7 +177,7 @@ def provision_and_load(settings: Settings, clock: StageClock) -> LoadedModel:
         clock.stage("load", path=str(prepared))
         try:
             config = ModelConfig.from_dir(files)
-            EngineCore.start_warm_up(config, device, DTYPES[dtype])  # runs while the weights are read
+            EngineCore.start_warm_up(config, device, DTYPES[dtype], home / KERNELS_FILE)  # while the reads run
             budget, slots = _placement(settings, config, device, prepared_sizes(read_plan(prepared).meta))
             experts = None
             if settings.ready_at == "partial":
@@ -186,7 +188,7 @@ def provision_and_load(settings: Settings, clock: StageClock) -> LoadedModel:
                 weights, stats = load_prepared(prepared, device, settings.download_workers, expert_slots=slots)
             clock.progress(read_gb_s=round(stats.gb_per_s, 3), bytes=stats.bytes, **_host_memory(rss_before))
             return LoadedModel(config, weights, files, name, budget, experts=experts,
-                               miss_split_file=home / MISS_SPLIT_FILE)
+                               miss_split_file=home / MISS_SPLIT_FILE, kernels_file=home / KERNELS_FILE)
         except PreparedSnapshotError as exc:
             clock.stage("repair", reason=_quote(str(exc)))
             problems = [str(exc)]
@@ -195,7 +197,7 @@ def provision_and_load(settings: Settings, clock: StageClock) -> LoadedModel:
     identity = _fetch(source, files, settings, clock)
     clock.stage("prepare", path=str(prepared), written="after_ready")
     config = ModelConfig.from_dir(files)
-    EngineCore.start_warm_up(config, device, DTYPES[dtype])
+    EngineCore.start_warm_up(config, device, DTYPES[dtype], home / KERNELS_FILE)
     budget, slots = _placement(settings, config, device, checkpoint_sizes(files, config))
     start, read = time.perf_counter(), [0]
 
@@ -212,7 +214,8 @@ def provision_and_load(settings: Settings, clock: StageClock) -> LoadedModel:
     clock.stage("load", path="in-memory (converted)", bytes=read[0], read_gb_s=round(read[0] / seconds / 1e9, 3),
                 **_host_memory(rss_before), **({"experts": "deferred"} if experts is not None else {}))
     job = PreparedWrite(prepared, {"source": {**wanted, "files": identity.to_dict()}}, weights)
-    return LoadedModel(config, weights, files, name, budget, job, experts, home / MISS_SPLIT_FILE)
+    return LoadedModel(config, weights, files, name, budget, job, experts, home / MISS_SPLIT_FILE,
+                       home / KERNELS_FILE)
 
 
 def _rss_gib() -> float:

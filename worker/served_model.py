@@ -44,7 +44,7 @@ def build_served_model(loaded: LoadedModel, settings: Settings) -> ServedModel:
     """An engine over loaded weights, with the tokenizer and chat template from the snapshot's files."""
     files = loaded.files
     tokenizer = Tokenizer.from_file(str(files / "tokenizer.json"))
-    options = engine_options(settings, loaded.moe_vram_budget, loaded.miss_split_file)
+    options = engine_options(settings, loaded.moe_vram_budget, loaded.miss_split_file, loaded.kernels_file)
     core = EngineCore(loaded.config, loaded.weights, options, tokenizer, loaded.experts)
     if loaded.prepare is not None and core.offload is not None:
         core.offload.swaps_held = True  # the prepared snapshot is written from the slots and the host bank

@@ -34,3 +34,19 @@ def test_the_kda_warm_up_runs_on_its_own_thread_once_per_shapes(monkeypatch):
 def test_nothing_to_warm_on_the_cpu():
     done = EngineCore.start_warm_up(ModelConfig.from_dict(tiny_config()), torch.device("cpu"), torch.float32)
     assert done.done() and done.result() is None
+
+
+def test_the_kda_warm_up_waits_for_the_kernel_preload_whatever_its_outcome(monkeypatch):
+    """The preload compiles the same kernels the tuning would: the tuning starts once it is done, also when
+    it failed (a failed preload leaves the kernels to their first call, it never stops the start)."""
+    from concurrent.futures import Future
+
+    calls = []
+    monkeypatch.setattr(fla_prefill, "warm_up_kda_prefill", lambda *args: calls.append(args))
+    monkeypatch.setattr(fla_prefill, "_warm_ups", {})
+    preload: Future = Future()
+    tuning = fla_prefill.start_kda_warm_up("cpu", 3, 32, torch.bfloat16, after=preload)
+    assert not tuning.done() and not calls
+    preload.set_exception(RuntimeError("no driver"))
+    tuning.result(10)
+    assert calls == [("cpu", 3, 32, torch.bfloat16)]

@@ -17,7 +17,7 @@ buffer refilled in place.
 from __future__ import annotations
 
 import threading
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 
 import torch
 
@@ -62,16 +62,24 @@ def warm_up_kda_prefill(device: torch.device | str, heads: int, dim: int, dtype:
     kda_prefill(q, k, v, g, beta, state, torch.arange(len(lengths) - 1, device=device), lengths.cumsum(0))
 
 
-def start_kda_warm_up(device: torch.device | str, heads: int, dim: int, dtype: torch.dtype) -> Future:
-    """`warm_up_kda_prefill` on a thread of its own, once per process and shapes -> its future.
+def start_kda_warm_up(device: torch.device | str, heads: int, dim: int, dtype: torch.dtype,
+                      after: Future | None = None) -> Future:
+    """`warm_up_kda_prefill` on a thread of its own, once per process and shapes -> its future; after
+    `after` is done (a preload that compiles the same kernels), whatever its outcome.
 
     It needs only the shapes, so a loader starts it as soon as the config is known: the autotuning then
     runs while the weights are read (the disk bounds a cold start, the GPU is idle meanwhile), and the
     engine waits on the same future instead of tuning after the load."""
     key = (str(torch.device(device)), heads, dim, dtype)
+
+    def run() -> None:
+        if after is not None:
+            wait([after])
+        warm_up_kda_prefill(device, heads, dim, dtype)
+
     with _warm_ups_lock:
         if key not in _warm_ups:
             pool = ThreadPoolExecutor(1, thread_name_prefix="kda-warm-up")
-            _warm_ups[key] = pool.submit(warm_up_kda_prefill, device, heads, dim, dtype)
+            _warm_ups[key] = pool.submit(run)
             pool.shutdown(wait=False)  # the thread ends with its one job
         return _warm_ups[key]

@@ -1,0 +1,200 @@
+"""The Triton kernel specializations a model compiles, kept beside its prepared snapshot so the next start
+compiles them in the background while the weights are read, not inside the engine's build or the first
+requests.
+
+Triton compiles a kernel the first time a call meets a new specialization (argument dtypes, which integers
+are 1 or multiples of 16, the constexprs). With an empty Triton cache that took ~90 s of this model's start
+on an H200 (ops/BENCHMARKS.md), after the reads, and a new prefill shape can still cost seconds after ready.
+`CompileLog` hooks Triton's compiler (`knobs.runtime.jit_cache_hook` before each compile and
+`jit_post_compile_hook` after it, chained to hooks already set): it times every compile, keeps each one's
+specialization data and rewrites the manifest as the list grows. A later start on the same GPU, Triton and
+dtype calls each kernel's `preload` with it (compile, or read Triton's cache, without running anything) on
+a thread of its own, started with the weight reads; the engine waits for it before its first kernel runs.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import logging
+import os
+import threading
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+log = logging.getLogger("glmflash.engine")
+
+
+def manifest_key(device: torch.device, dtype: torch.dtype) -> dict[str, str]:
+    """What a manifest is valid for: its specializations name dtypes and its binaries a GPU and a Triton."""
+    import triton
+
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    major, minor = torch.cuda.get_device_capability(index)
+    return {"gpu": torch.cuda.get_device_name(index), "capability": f"{major}.{minor}", "triton": triton.__version__,
+            "dtype": str(dtype).removeprefix("torch.")}
+
+
+@dataclass
+class CompileLog:
+    """Compiles seen in this process: count, seconds and the slowest kernels, and the manifest's entries."""
+
+    key: dict[str, str] = field(default_factory=dict)
+    file: Path | None = None  # the manifest, rewritten whenever a new specialization compiles
+    serving: bool = False  # after the engine's warm-up each compile is logged on its own (a latency hit)
+    count: int = 0
+    seconds: float = 0.0
+    by_kernel: dict[str, float] = field(default_factory=dict)
+    entries: dict[str, dict[str, str]] = field(default_factory=dict)  # specialization data -> entry
+    _started: dict[tuple[int, str], float] = field(default_factory=dict)
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def before(self, **kwargs: Any) -> None:
+        self._started[(threading.get_ident(), str(kwargs["key"]))] = time.perf_counter()
+
+    def after(self, **kwargs: Any) -> None:
+        start = self._started.pop((threading.get_ident(), str(kwargs["key"])), None)
+        seconds = time.perf_counter() - start if start is not None else 0.0
+        fn, data = kwargs["fn"], kwargs["compile"]["specialization_data"]
+        name = f"{fn.module}.{fn.name}"
+        with self._lock:
+            self.count += 1
+            self.seconds += seconds
+            self.by_kernel[name] = self.by_kernel.get(name, 0.0) + seconds
+            new = data not in self.entries
+            if new:
+                self.entries[data] = {"module": str(fn.module), "name": fn.name, "data": data,
+                                      "source": fn.jit_function.cache_key}
+            if new and self.file is not None:
+                self._write()
+        if self.serving:
+            log.info("event=kernel_compile kernel=%s seconds=%.2f", name, seconds)
+
+    def summary(self, slowest: int = 5) -> str:
+        top = sorted(self.by_kernel.items(), key=lambda item: -item[1])[:slowest]
+        names = ",".join(f"{name.rsplit('.', 1)[-1]}:{seconds:.1f}" for name, seconds in top) or "none"
+        return f"count={self.count} seconds={self.seconds:.1f} kernels={len(self.by_kernel)} slowest={names}"
+
+    def _write(self) -> None:
+        """Atomically, so a start killed mid-write leaves the last whole manifest (or none)."""
+        try:
+            self.file.parent.mkdir(parents=True, exist_ok=True)
+            part = self.file.with_name(f".{self.file.name}.{os.getpid()}.part")
+            part.write_text(json.dumps({"key": self.key, "kernels": list(self.entries.values())}))
+            os.replace(part, self.file)
+        except OSError as exc:  # a read-only volume: the next start compiles as this one did
+            log.warning("event=kernel_manifest_unwritable file=%s error=%r", self.file, exc)
+            self.file = None
+
+
+COMPILES = CompileLog()
+_installed = False
+
+
+def record_compiles(file: Path | None, key: dict[str, str]) -> CompileLog:
+    """Hook Triton's compiler into COMPILES (once per process) and keep its manifest in `file` under `key`."""
+    global _installed
+    if not _installed:
+        try:
+            from triton import knobs
+        except ImportError:  # a Triton without knobs (before 3.4): nothing is recorded
+            return COMPILES
+        knobs.runtime.jit_cache_hook = _chained(knobs.runtime.jit_cache_hook, COMPILES.before)
+        knobs.runtime.jit_post_compile_hook = _chained(knobs.runtime.jit_post_compile_hook, COMPILES.after)
+        _installed = True
+    COMPILES.key, COMPILES.file = key, file
+    if file is not None and COMPILES.entries:
+        with COMPILES._lock:
+            COMPILES._write()
+    return COMPILES
+
+
+def _chained(previous: Callable[..., Any] | None, ours: Callable[..., None]) -> Callable[..., Any]:
+    """Ours, then a hook set before (whose truthy answer to jit_cache_hook skips the compile, as Triton's)."""
+    def hook(**kwargs: Any) -> Any:
+        ours(**kwargs)
+        return previous(**kwargs) if previous is not None else None
+    return hook
+
+
+def read_manifest(file: Path, key: dict[str, str]) -> list[dict[str, str]]:
+    """The manifest's entries when it was written under `key`; [] when absent, unreadable or for another
+    GPU, Triton or dtype."""
+    try:
+        manifest = json.loads(file.read_text())
+    except (OSError, ValueError):
+        return []
+    if not isinstance(manifest, dict) or manifest.get("key") != key or not isinstance(manifest.get("kernels"), list):
+        return []
+    return [e for e in manifest["kernels"] if isinstance(e, dict) and {"module", "name", "data", "source"} <= e.keys()]
+
+
+def resolve(module: str, name: str) -> Any:
+    """The JIT function a manifest entry names: the module's attribute by qualified name, unwrapped from
+    autotuners and heuristics (their `.fn`) down to what has `preload` and a source hash (`cache_key`)."""
+    target: Any = importlib.import_module(module)
+    for part in name.split("."):
+        target = getattr(target, part)
+    while not hasattr(target, "preload") and hasattr(target, "fn"):
+        target = target.fn
+    if not (hasattr(target, "preload") and hasattr(target, "cache_key")):
+        raise TypeError(f"{module}.{name} is not a Triton JIT function")
+    return target
+
+
+def preload(entries: list[dict[str, str]]) -> tuple[int, float]:
+    """Compile (or read from Triton's cache) every entry's specialization -> (kernels preloaded, seconds).
+    An entry whose kernel's source changed since is skipped (its calls will meet other specializations);
+    one that fails (a kernel renamed) with a warning: its first call compiles it."""
+    start, done = time.perf_counter(), 0
+    for entry in entries:
+        try:
+            kernel = resolve(entry["module"], entry["name"])
+            if kernel.cache_key != entry["source"]:
+                continue
+            kernel.preload(entry["data"])
+            done += 1
+        except Exception as exc:  # noqa: BLE001 - any failure leaves the kernel to its first call
+            log.warning("event=kernel_preload_failed kernel=%s.%s error=%r", entry["module"], entry["name"], exc)
+    return done, time.perf_counter() - start
+
+
+def start_preload(file: Path | None, device: torch.device, dtype: torch.dtype) -> Future:
+    """Record this process's compiles into `file` and preload what an earlier start recorded there, on a
+    thread of its own -> a future of (kernels preloaded, seconds). Nothing to do without a file."""
+    if file is None:
+        done: Future = Future()
+        done.set_result((0, 0.0))
+        return done
+    with _preloads_lock:
+        if file in _preloads:
+            return _preloads[file]
+    key = manifest_key(device, dtype)
+    entries = read_manifest(file, key)
+    record_compiles(file, key)
+
+    def run() -> tuple[int, float]:
+        try:
+            torch.cuda.set_device(device)  # Triton compiles for the thread's current device
+            result = preload(entries)
+        except Exception as exc:  # noqa: BLE001 - the kernels then compile at their first call, as without a file
+            log.warning("event=kernel_preload_failed error=%r", exc)
+            return 0, 0.0
+        log.info("event=kernel_preload kernels=%d of=%d seconds=%.1f", result[0], len(entries), result[1])
+        return result
+
+    with _preloads_lock:
+        if file not in _preloads:
+            pool = ThreadPoolExecutor(1, thread_name_prefix="kernel-preload")
+            _preloads[file] = pool.submit(run)
+            pool.shutdown(wait=False)  # the thread ends with its one job
+        return _preloads[file]
+
+
+_preloads: dict[Path, Future] = {}  # one preload per manifest and process: loader and engine share it
+_preloads_lock = threading.Lock()

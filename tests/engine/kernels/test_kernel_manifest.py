@@ -1,0 +1,137 @@
+"""The compiled-kernel manifest: Triton's compile hooks feed it (timed, chained to hooks set before), it is
+kept atomically under a key of GPU, Triton and dtype, and a later start preloads what it lists, skipping
+kernels whose source changed. The compiles themselves need a GPU (tests/gpu/test_kernel_manifest_cuda.py);
+here Triton's side is played by objects of the same shape."""
+
+from __future__ import annotations
+
+import sys
+import textwrap
+from types import SimpleNamespace
+
+import pytest
+from triton import knobs
+
+from engine.kernels import kernel_manifest
+from engine.kernels.kernel_manifest import CompileLog, preload, read_manifest, record_compiles
+
+KEY = {"gpu": "NVIDIA H200", "capability": "9.0", "triton": "3.6.0", "dtype": "bfloat16"}
+
+
+def compile_kwargs(module: str, name: str, data: str, source: str = "src") -> dict:
+    """What Triton passes both hooks (jit.py's _call_hook), reduced to what the log reads."""
+    fn = SimpleNamespace(module=module, name=name, jit_function=SimpleNamespace(cache_key=source))
+    return {"key": (data, "options"), "fn": fn, "compile": {"specialization_data": data}, "repr": name}
+
+
+def test_a_compile_is_timed_and_its_specialization_kept(tmp_path):
+    compiles = CompileLog(key=KEY, file=tmp_path / "kernels.json")
+    for data in ("a", "b", "a"):  # "a" twice: a second device or a cache reload, one entry
+        compiles.before(**compile_kwargs("engine.kernels.norm", "_rms", data))
+        compiles.after(**compile_kwargs("engine.kernels.norm", "_rms", data))
+    assert compiles.count == 3 and compiles.seconds >= 0
+    assert list(compiles.by_kernel) == ["engine.kernels.norm._rms"]
+    assert "count=3" in compiles.summary() and "slowest=_rms:" in compiles.summary()
+    kept = read_manifest(tmp_path / "kernels.json", KEY)
+    assert [(e["module"], e["name"], e["data"], e["source"]) for e in kept] == [
+        ("engine.kernels.norm", "_rms", "a", "src"), ("engine.kernels.norm", "_rms", "b", "src")]
+    assert not list(tmp_path.glob(".*.part"))  # written through a temporary file, renamed into place
+
+
+def test_a_manifest_for_another_gpu_triton_or_dtype_or_torn_is_not_read(tmp_path):
+    file = tmp_path / "kernels.json"
+    compiles = CompileLog(key=KEY, file=file)
+    compiles.after(**compile_kwargs("m", "k", "a"))
+    assert len(read_manifest(file, KEY)) == 1
+    for change in ({"gpu": "NVIDIA H100"}, {"triton": "3.7.0"}, {"dtype": "float32"}):
+        assert read_manifest(file, {**KEY, **change}) == []
+    file.write_text(file.read_text()[:20])
+    assert read_manifest(file, KEY) == []
+    assert read_manifest(tmp_path / "absent.json", KEY) == []
+
+
+def test_an_unwritable_manifest_is_a_warning_and_compiles_go_on(tmp_path, caplog):
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    compiles = CompileLog(key=KEY, file=blocker / "kernels.json")  # its folder is a file
+    with caplog.at_level("WARNING", logger="glmflash.engine"):
+        compiles.after(**compile_kwargs("m", "k", "a"))
+        compiles.after(**compile_kwargs("m", "k", "b"))
+    assert compiles.count == 2 and compiles.file is None
+    assert caplog.text.count("event=kernel_manifest_unwritable") == 1
+
+
+def test_compiles_while_serving_are_logged_one_by_one(caplog):
+    compiles = CompileLog()
+    with caplog.at_level("INFO", logger="glmflash.engine"):
+        compiles.after(**compile_kwargs("m", "during_start", "a"))
+        compiles.serving = True
+        compiles.after(**compile_kwargs("m", "late", "b"))
+    assert "kernel=m.late" in caplog.text and "during_start" not in caplog.text
+
+
+def test_the_hooks_are_installed_once_and_chain_hooks_set_before(monkeypatch, tmp_path):
+    seen = []
+    monkeypatch.setattr(knobs.runtime, "jit_cache_hook", lambda **kw: seen.append(("pre", kw["fn"].name)) or True)
+    monkeypatch.setattr(knobs.runtime, "jit_post_compile_hook", lambda **kw: seen.append(("post", kw["fn"].name)))
+    monkeypatch.setattr(kernel_manifest, "COMPILES", CompileLog())
+    monkeypatch.setattr(kernel_manifest, "_installed", False)
+    compiles = record_compiles(tmp_path / "kernels.json", KEY)
+    record_compiles(tmp_path / "kernels.json", KEY)  # a second engine: no second layer of hooks
+    kwargs = compile_kwargs("m", "k", "a")
+    assert knobs.runtime.jit_cache_hook(**kwargs) is True  # the earlier hook's answer (skip) still counts
+    knobs.runtime.jit_post_compile_hook(**kwargs)
+    assert seen == [("pre", "k"), ("post", "k")] and compiles.count == 1
+    assert read_manifest(tmp_path / "kernels.json", KEY)[0]["data"] == "a"
+
+
+@pytest.fixture
+def fake_kernels(tmp_path, monkeypatch):
+    """A module of objects shaped like Triton's: a JIT function, one inside an autotuner, one in a class."""
+    (tmp_path / "fake_triton_kernels.py").write_text(textwrap.dedent("""
+        class Jit:
+            def __init__(self, source):
+                self.cache_key, self.loaded = source, []
+
+            def preload(self, data):
+                self.loaded.append(data)
+
+        class Autotuner:
+            def __init__(self, fn):
+                self.fn = fn
+
+        plain = Jit("src-plain")
+        tuned = Autotuner(Autotuner(Jit("src-tuned")))
+
+        class Holder:
+            inner = Jit("src-inner")
+
+        not_a_kernel = 3
+    """))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    yield __import__("fake_triton_kernels")
+    sys.modules.pop("fake_triton_kernels", None)
+
+
+def test_preload_compiles_what_the_manifest_lists(fake_kernels, caplog):
+    def entry(name: str, data: str, source: str) -> dict:
+        return {"module": "fake_triton_kernels", "name": name, "data": data, "source": source}
+
+    entries = [entry("plain", "p1", "src-plain"), entry("plain", "p2", "src-plain"), entry("tuned", "t1", "src-tuned"),
+               entry("Holder.inner", "i1", "src-inner"),
+               entry("plain", "stale", "src-before"),  # the kernel's source changed since: not its specialization
+               entry("gone", "g1", "src"), entry("not_a_kernel", "n1", "src")]
+    with caplog.at_level("WARNING", logger="glmflash.engine"):
+        done, seconds = preload(entries)
+    assert done == 4 and seconds >= 0
+    assert fake_kernels.plain.loaded == ["p1", "p2"]
+    assert fake_kernels.tuned.fn.fn.loaded == ["t1"] and fake_kernels.Holder.inner.loaded == ["i1"]
+    assert caplog.text.count("event=kernel_preload_failed") == 2
+    assert "fake_triton_kernels.gone" in caplog.text and "not a Triton JIT function" in caplog.text
+
+
+def test_without_a_file_there_is_nothing_to_preload():
+    import torch
+
+    assert kernel_manifest.start_preload(None, torch.device("cpu"), torch.bfloat16).result() == (0, 0.0)
+

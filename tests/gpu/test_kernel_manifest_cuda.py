@@ -1,0 +1,52 @@
+"""The compiled-kernel manifest on CUDA: a first start records the Triton specializations it compiles; a
+second process, with an empty Triton cache, preloads them while it loads and then compiles nothing more
+for the same work, with the same tokens (runs only where a GPU is)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from engine.tiny.factory import write_tiny_model
+
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (none on this machine)")]
+
+CHILD = """
+import json, sys
+from pathlib import Path
+from engine import LLM, SamplingParams
+from engine.kernels.kernel_manifest import COMPILES
+
+llm = LLM(sys.argv[1], "cuda", "bfloat16", max_model_len=256, kernels_file=Path(sys.argv[2]))
+at_ready = COMPILES.count
+prompts = [[5, 9, 13, 200, 7] * k for k in (1, 6, 20)]
+out = llm.generate(prompts, SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True))
+print(json.dumps({"at_ready": at_ready, "total": COMPILES.count, "tokens": [o.token_ids for o in out]}))
+"""
+
+
+def start(snapshot: Path, manifest: Path, triton_cache: Path) -> dict:
+    env = {**os.environ, "TRITON_CACHE_DIR": str(triton_cache), "PYTHONPATH": os.getcwd()}
+    done = subprocess.run([sys.executable, "-c", CHILD, str(snapshot), str(manifest)], env=env, capture_output=True,
+                          text=True, timeout=900)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def test_a_second_start_preloads_what_the_first_compiled(tmp_path):
+    snapshot = write_tiny_model(tmp_path / "tiny", "nvfp4-ct")
+    manifest = tmp_path / "kernels.json"
+    first = start(snapshot, manifest, tmp_path / "triton-first")
+    kept = json.loads(manifest.read_text())["kernels"]
+    assert first["total"] > 0 and len(kept) > 0
+    second = start(snapshot, manifest, tmp_path / "triton-second")  # an empty cache: every preload compiles
+    assert second["tokens"] == first["tokens"]
+    assert second["total"] - second["at_ready"] == 0, "requests compiled kernels the preload should have"
+    assert second["at_ready"] <= len(kept) + 5  # the preload's compiles, and little besides
