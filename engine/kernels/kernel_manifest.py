@@ -166,8 +166,9 @@ def preload(entries: list[dict[str, str]]) -> tuple[int, float]:
 
 def start_preload(file: Path | None, device: torch.device, dtype: torch.dtype) -> Future:
     """Record this process's compiles into `file` and preload what an earlier start recorded there, on a
-    thread of its own -> a future of (kernels preloaded, seconds). Nothing to do without a file."""
+    thread of its own -> a future of (kernels preloaded, seconds). Without a file compiles are only counted."""
     if file is None:
+        record_compiles(None, {})
         done: Future = Future()
         done.set_result((0, 0.0))
         return done

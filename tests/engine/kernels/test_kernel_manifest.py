@@ -130,8 +130,14 @@ def test_preload_compiles_what_the_manifest_lists(fake_kernels, caplog):
     assert "fake_triton_kernels.gone" in caplog.text and "not a Triton JIT function" in caplog.text
 
 
-def test_without_a_file_there_is_nothing_to_preload():
+def test_without_a_file_compiles_are_counted_and_nothing_is_preloaded(monkeypatch):
     import torch
 
-    assert kernel_manifest.start_preload(None, torch.device("cpu"), torch.bfloat16).result() == (0, 0.0)
+    monkeypatch.setattr(knobs.runtime, "jit_cache_hook", None)
+    monkeypatch.setattr(knobs.runtime, "jit_post_compile_hook", None)
+    monkeypatch.setattr(kernel_manifest, "COMPILES", CompileLog())
+    monkeypatch.setattr(kernel_manifest, "_installed", False)
+    assert kernel_manifest.start_preload(None, torch.device("cuda"), torch.bfloat16).result() == (0, 0.0)
+    knobs.runtime.jit_post_compile_hook(**compile_kwargs("m", "k", "a"))
+    assert kernel_manifest.COMPILES.count == 1 and kernel_manifest.COMPILES.file is None
 
