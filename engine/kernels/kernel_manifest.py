@@ -7,8 +7,8 @@ are 1 or multiples of 16, the constexprs). With an empty Triton cache that took 
 on an H200 (ops/BENCHMARKS.md), after the reads, and a new prefill shape can still cost seconds after ready.
 `CompileLog` hooks Triton's compiler (`knobs.runtime.jit_cache_hook` before each compile and
 `jit_post_compile_hook` after it, chained to hooks already set): it times every compile, keeps each one's
-specialization data and rewrites the manifest as the list grows. A later start on the same GPU, Triton and
-dtype calls each kernel's `preload` with it (compile, or read Triton's cache, without running anything) on
+specialization data and rewrites the manifest as the list grows. A later start on the same GPU architecture,
+Triton and dtype calls each kernel's `preload` with it (compile, or read Triton's cache, without running anything) on
 a thread of its own, started with the weight reads; the engine waits for it before its first kernel runs.
 """
 
@@ -31,13 +31,12 @@ log = logging.getLogger("glmflash.engine")
 
 
 def manifest_key(device: torch.device, dtype: torch.dtype) -> dict[str, str]:
-    """What a manifest is valid for: its specializations name dtypes and its binaries a GPU and a Triton."""
+    """What a manifest is valid for: its specializations name dtypes, its binaries a GPU architecture (an H100's
+    serve an H200) and a Triton."""
     import triton
 
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    major, minor = torch.cuda.get_device_capability(index)
-    return {"gpu": torch.cuda.get_device_name(index), "capability": f"{major}.{minor}", "triton": triton.__version__,
-            "dtype": str(dtype).removeprefix("torch.")}
+    major, minor = torch.cuda.get_device_capability(device)
+    return {"capability": f"{major}.{minor}", "triton": triton.__version__, "dtype": str(dtype).removeprefix("torch.")}
 
 
 @dataclass
@@ -124,7 +123,7 @@ def _chained(previous: Callable[..., Any] | None, ours: Callable[..., None]) -> 
 
 def read_manifest(file: Path, key: dict[str, str]) -> list[dict[str, str]]:
     """The manifest's entries when it was written under `key`; [] when absent, unreadable or for another
-    GPU, Triton or dtype."""
+    GPU architecture, Triton or dtype."""
     try:
         manifest = json.loads(file.read_text())
     except (OSError, ValueError):

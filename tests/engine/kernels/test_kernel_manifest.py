@@ -15,7 +15,7 @@ from triton import knobs
 from engine.kernels import kernel_manifest
 from engine.kernels.kernel_manifest import CompileLog, preload, read_manifest, record_compiles
 
-KEY = {"gpu": "NVIDIA H200", "capability": "9.0", "triton": "3.6.0", "dtype": "bfloat16"}
+KEY = {"capability": "9.0", "triton": "3.6.0", "dtype": "bfloat16"}
 
 
 def compile_kwargs(module: str, name: str, data: str, source: str = "src") -> dict:
@@ -38,12 +38,12 @@ def test_a_compile_is_timed_and_its_specialization_kept(tmp_path):
     assert not list(tmp_path.glob(".*.part"))  # written through a temporary file, renamed into place
 
 
-def test_a_manifest_for_another_gpu_triton_or_dtype_or_torn_is_not_read(tmp_path):
+def test_a_manifest_for_another_architecture_triton_or_dtype_or_torn_is_not_read(tmp_path):
     file = tmp_path / "kernels.json"
     compiles = CompileLog(key=KEY, file=file)
     compiles.after(**compile_kwargs("m", "k", "a"))
     assert len(read_manifest(file, KEY)) == 1
-    for change in ({"gpu": "NVIDIA H100"}, {"triton": "3.7.0"}, {"dtype": "float32"}):
+    for change in ({"capability": "10.0"}, {"triton": "3.7.0"}, {"dtype": "float32"}):
         assert read_manifest(file, {**KEY, **change}) == []
     file.write_text(file.read_text()[:20])
     assert read_manifest(file, KEY) == []
