@@ -32,12 +32,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.request
 from pathlib import Path
@@ -108,32 +110,47 @@ def ready_body(url: str) -> dict | None:
         return None
 
 
-def one_start(cache_dir: Path, flags: list[str], wait_prepared: bool, partial: bool = False) -> dict:
-    """One `glmflash boot`, timed from process start; stopped (SIGTERM) once measured."""
+def one_start(cache_dir: Path, flags: list[str], wait_prepared: bool, partial: bool = False,
+              log_file: Path | None = None) -> dict:
+    """One `glmflash boot`, timed from process start; stopped (SIGTERM) once measured. Its output (the stage
+    and event= lines) goes to a file as it is printed (a pipe nobody reads could fill and stall the server),
+    `log_file` when given: kept even when a time limit cuts the run."""
     port = free_port()
     url = f"http://127.0.0.1:{port}"
-    start = time.perf_counter()
-    proc = subprocess.Popen([sys.executable, "-m", "worker.cli", "boot", "--host", "127.0.0.1", "--port", str(port),
-                             "--cache-dir", str(cache_dir), *flags], stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)
+    if log_file is None:
+        handle, name = tempfile.mkstemp(suffix=".log")
+        os.close(handle)
+        out_path = Path(name)
+    else:
+        log_file.parent.mkdir(parents=True, exist_ok=True)
+        out_path = log_file
     result: dict = {}
-    try:
-        while (ready := ready_body(url)) is None:
-            if proc.poll() is not None:
-                raise RuntimeError(f"boot exited with {proc.returncode}: {proc.stdout.read()}")
-            time.sleep(0.05)
-        result["ready_s"] = round(time.perf_counter() - start, 3)
-        result["first_token_s"] = round(result["ready_s"] + first_token_s(url), 3)
-        result["experts_at_ready"] = ready.get("experts_loaded")
-        if partial:
-            result.update(while_loading(url, start))
-        while wait_prepared and (ready := ready_body(url) or {}).get("prepared_snapshot") in ("writing", "after_experts"):
-            time.sleep(0.2)
-        result["prepared_snapshot"] = ready.get("prepared_snapshot")
-        result["prepared_write_s"] = ready.get("prepared_s")
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        output, _ = proc.communicate(timeout=600)
+    with out_path.open("w") as out:
+        start = time.perf_counter()
+        proc = subprocess.Popen([sys.executable, "-m", "worker.cli", "boot", "--host", "127.0.0.1", "--port",
+                                 str(port), "--cache-dir", str(cache_dir), *flags], stdout=out,
+                                stderr=subprocess.STDOUT, text=True)
+        try:
+            while (ready := ready_body(url)) is None:
+                if proc.poll() is not None:
+                    raise RuntimeError(f"boot exited with {proc.returncode}: {out_path.read_text()}")
+                time.sleep(0.05)
+            result["ready_s"] = round(time.perf_counter() - start, 3)
+            result["first_token_s"] = round(result["ready_s"] + first_token_s(url), 3)
+            result["experts_at_ready"] = ready.get("experts_loaded")
+            if partial:
+                result.update(while_loading(url, start))
+            while wait_prepared and (ready := ready_body(url) or {}).get("prepared_snapshot") in ("writing",
+                                                                                                  "after_experts"):
+                time.sleep(0.2)
+            result["prepared_snapshot"] = ready.get("prepared_snapshot")
+            result["prepared_write_s"] = ready.get("prepared_s")
+        finally:
+            proc.send_signal(signal.SIGTERM)
+            proc.wait(timeout=600)
+    output = out_path.read_text()
+    if log_file is None:
+        out_path.unlink()
     stages = {m.group(1): float(m.group(2)) for m in re.finditer(r"PROVISION_STAGE=(\S+) elapsed_s=([\d.]+)", output)}
     load = re.search(r"PROVISION_STAGE=load .*?read_gb_s=([\d.]+)", output)
     result.update(path="fast_resume" if "fast_resume" in stages else "cold", stages=stages, exit_code=proc.returncode,
@@ -169,6 +186,8 @@ def main() -> None:
     parser.add_argument("--workers", type=int, default=8, help="parallel reads of the raw-read figure")
     parser.add_argument("--ready-at", choices=("loaded", "partial"), default="loaded",
                         help="partial: serve before the routed experts are in, and measure tok/s while they load")
+    parser.add_argument("--log-dir", type=Path, help="keep each start's server output here (cold-N.log, "
+                        "fast_resume-N.log, with -partial before -N under --ready-at partial)")
     parser.add_argument("flags", nargs="*", help="flags passed to glmflash boot (after --)")
     args = parser.parse_args()
     model = args.model
@@ -185,17 +204,21 @@ def main() -> None:
     flags = [*args.flags, *(["--model", str(model)] if model else []), "--ready-at", args.ready_at]
     source = Path(model_spec(Settings(model=str(model) if model else None, cache_dir=args.cache_dir))[0])
     shards = shard_files(source)
-    for _ in range(args.rounds):
+
+    def log_file(path: str, n: int) -> Path | None:
+        return args.log_dir / f"{path}{'-partial' if partial else ''}-{n}.log" if args.log_dir else None
+
+    for n in range(args.rounds):
         for kept in ("models", "triton"):  # cold is a fresh volume: no prepared snapshot, no compiled kernels
             shutil.rmtree(args.cache_dir / kept, ignore_errors=True)
         before = raw_read(shards, args.workers)
-        cold = one_start(args.cache_dir, flags, wait_prepared=True, partial=partial)
+        cold = one_start(args.cache_dir, flags, wait_prepared=True, partial=partial, log_file=log_file("cold", n))
         report("cold", faster(before, raw_read(shards, args.workers)), cold)
         prepared = next((args.cache_dir / "models").iterdir()) / "prepared"
         files = [prepared / name for name in read_plan(prepared).files]
         before = raw_read(files, args.workers)
         evict(shards)
-        fast = one_start(args.cache_dir, flags, wait_prepared=False, partial=partial)
+        fast = one_start(args.cache_dir, flags, wait_prepared=False, partial=partial, log_file=log_file("fast_resume", n))
         report("fast_resume", faster(before, raw_read(files, args.workers)), fast)
 
 

@@ -23,7 +23,8 @@
 # Each step is cut at the time left less what later steps keep, and its figures are printed as measured.
 # DEVICE=cpu checks the script on a CPU machine (with SLICE_GIB=0.3: the smallest slice, 2.8 GiB; AGENT_ARGS,
 # STRUCTURED_ARGS to shrink the workloads). Wheels the machine lacks: see ops/gpu_env.sh. OUT_DIR gets run.log
-# (all that is printed), env.log, tests.log, boot.log, serve.log, agent.json and structured.json.
+# (all that is printed), env.log, tests.log, boot.log, serve.log, agent.json, structured.json and
+# server-logs.tgz (the output of each server bench_boot started).
 set -uo pipefail
 out=${1:?output directory}; shift
 parts=${*:-tests boot serve}
@@ -105,10 +106,13 @@ if has boot; then
     step 120 $((160 + reserve_serve)) "$out/boot.log" python3 -m ops.slice_snapshot "$slice" --gib "$slice_gib" \
       && echo "$slice_gib" > "$work/slice.gib"
   fi
+  rm -rf "$work/logs"
   step 200 $((80 + reserve_serve)) "$out/boot.log" \
-    python3 -m ops.bench_boot --cache-dir "$cache" --model "$slice" -- --device "$device"
+    python3 -m ops.bench_boot --cache-dir "$cache" --model "$slice" --log-dir "$work/logs" -- --device "$device"
   step 200 "$reserve_serve" "$out/boot.log" \
-    python3 -m ops.bench_boot --cache-dir "$cache" --model "$slice" --ready-at partial -- --device "$device"
+    python3 -m ops.bench_boot --cache-dir "$cache" --model "$slice" --ready-at partial --log-dir "$work/logs" \
+      -- --device "$device"
+  tar czf "$out/server-logs.tgz" -C "$work" logs  # each start's own log: its stages, event= lines, compiles
 fi
 
 if has serve; then
