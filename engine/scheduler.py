@@ -22,6 +22,7 @@ from engine.cache.prefix_cache import PrefixCache, PrefixHit
 from engine.sequence import Sequence
 
 Scheduled = list[tuple[Sequence, int]]  # (request, tokens to run this step)
+PROMPT_LOGPROB_CHUNK = 512  # prompt tokens per step of a request that asks for their logprobs
 
 
 class QueueFull(RuntimeError):
@@ -94,9 +95,12 @@ class Scheduler:
         return list(plan.items())
 
     def _chunk(self, seq: Sequence, budget: int) -> int:
-        """Tokens of `seq` to run now: what it has pending, within the budget, up to its next snapshot stop."""
+        """Tokens of `seq` to run now: what it has pending, within the budget, up to its next snapshot stop;
+        a request scoring its prompt (prompt logprobs) at most PROMPT_LOGPROB_CHUNK, as each of its tokens
+        brings a row of logits (0.6 GB per 1,000 tokens at the release's vocabulary)."""
         limit = self.prefix.chunk_limit(seq) if self.prefix else None
-        return min(seq.pending, budget, limit or seq.pending)
+        scored = PROMPT_LOGPROB_CHUNK if seq.params.prompt_logprobs is not None else seq.pending
+        return min(seq.pending, budget, limit or seq.pending, scored)
 
     def try_admit(self, seq: Sequence, hit: PrefixHit | None = None) -> bool:
         """Reserve a slot and the request's pages and mark it running, if both are free. `hit` (from the

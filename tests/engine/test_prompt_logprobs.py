@@ -67,6 +67,27 @@ def test_a_cached_prompt_is_computed_again_for_its_logprobs(tiny_dir, reference,
     assert scored.output_token_ids == cached.output_token_ids == first.output_token_ids
 
 
+def test_a_scored_prompt_runs_in_bounded_chunks(tiny_dir, prompt, monkeypatch):
+    """Each prompt token scored brings a row of logits: such a prompt is prefilled PROMPT_LOGPROB_CHUNK tokens at
+    a time whatever the step's budget, with the same logprobs."""
+    from engine import scheduler
+
+    snapshot, ids = tiny_dir("bf16"), prompt(45, seed=5)
+    whole = run_together(core(snapshot), [Sequence("whole", ids, params(1))])[0]
+    monkeypatch.setattr(scheduler, "PROMPT_LOGPROB_CHUNK", 16)
+    engine, chunks = core(snapshot), []
+    seq = Sequence("chunked", ids, params(1))
+    engine.add(seq)
+    while engine.has_work:
+        before = seq.cached
+        engine.step()
+        chunks.append(seq.cached - before)
+    assert chunks[0] == max(chunks) == 16 and sum(chunks) == len(ids) + 3  # 4 tokens out: 3 of them run again
+    assert [lp.logprob for lp in seq.prompt_logprobs] == pytest.approx([lp.logprob for lp in whole.prompt_logprobs],
+                                                                       abs=1e-4)
+    assert seq.output_token_ids == whole.output_token_ids
+
+
 def test_a_one_token_prompt_has_no_prompt_logprobs(tiny_dir):
     seq = run_together(core(tiny_dir("bf16")), [Sequence("one", [5], params(2))])[0]
     assert seq.prompt_logprobs == [] and len(seq.output_token_ids) == 4
