@@ -87,7 +87,7 @@ def _down_gemv(h_ptr, ids_ptr, rw_ptr, dw_ptr, ds_ptr, out_ptr, D,
     tl.store(out_ptr + token.to(tl.int64) * stride_out + rows, acc.to(out_ptr.dtype.element_ty), mask=row_ok)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["pairs", "experts"])  # per-step counts: one build for all
 def _gate_up_grouped(a_ptr, a_s_ptr, rows_ptr, block_expert_ptr, gw_ptr, gs_ptr, uw_ptr, us_ptr, h_ptr, h_s_ptr,
                      I, pairs, experts, limit,
                      stride_a, stride_as, stride_we, stride_wn, stride_se, stride_sn, stride_h, stride_hs,
@@ -133,7 +133,7 @@ def _gate_up_grouped(a_ptr, a_s_ptr, rows_ptr, block_expert_ptr, gw_ptr, gs_ptr,
         tl.store(h_ptr + h_rows[:, None] * stride_h + cols[None, :], h.to(h_ptr.dtype.element_ty), mask=out_ok)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["pairs", "experts"])  # per-step counts: one build for all
 def _down_grouped(h_ptr, h_s_ptr, rows_ptr, block_expert_ptr, dw_ptr, ds_ptr, rw_ptr, y_ptr, D, pairs, experts,
                   stride_h, stride_hs, stride_we, stride_wn, stride_se, stride_sn, stride_y,
                   I: tl.constexpr, A_FP8: tl.constexpr, DOT_F32: tl.constexpr,

@@ -87,7 +87,7 @@ def sorted_block(rows_ptr, block_expert_ptr, block, pairs, BLOCK_M: tl.constexpr
     return expert, pair, pair < pairs
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["pairs", "experts"])  # per-step counts: one build for all
 def _gate_up_kernel(x_ptr, rows_ptr, block_expert_ptr, h_ptr, gw_ptr, gs_ptr, gg_ptr, uw_ptr, us_ptr, ug_ptr,
                     pairs, experts, stride_xt, stride_hp,
                     stride_we, stride_wn, stride_se, stride_sn, stride_ge, stride_gn, limit,
@@ -119,7 +119,7 @@ def _gate_up_kernel(x_ptr, rows_ptr, block_expert_ptr, h_ptr, gw_ptr, gs_ptr, gg
     tl.store(h_ptr + pair[:, None] * stride_hp + h_cols[None, :], h.to(h_ptr.dtype.element_ty), mask=live[:, None])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["pairs", "experts"])  # per-step counts: one build for all
 def _down_kernel(h_ptr, rows_ptr, block_expert_ptr, route_ptr, y_ptr, w_ptr, s_ptr, g_ptr,
                  pairs, experts, stride_hp, stride_yp,
                  stride_we, stride_wn, stride_se, stride_sn, stride_ge, stride_gn,

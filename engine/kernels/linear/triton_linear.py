@@ -87,7 +87,7 @@ def fp8_block_step(acc, a, a_scale_ptrs, a_ok, b, b_scale, A_FP8: tl.constexpr, 
     return acc
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M"])  # per-step counts: one build for all
 def _quantize_kernel(x_ptr, q_ptr, s_ptr, M, K, stride_x, stride_q, stride_s, BR: tl.constexpr):
     """Program (row tile, 128-column group): quantize it and write its per-row multipliers."""
     rows = tl.program_id(0) * BR + tl.arange(0, BR)
@@ -110,7 +110,7 @@ def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q, s
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M"])  # per-step counts: one build for all
 def _fp8_linear_kernel(a_ptr, a_s_ptr, w_ptr, w_s_ptr, out_ptr, M, N,
                        stride_a, stride_as, stride_w, stride_ws, stride_split, stride_out,
                        K: tl.constexpr, K_SPLIT: tl.constexpr, A_FP8: tl.constexpr, DOT_F32: tl.constexpr,
