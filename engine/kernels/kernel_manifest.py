@@ -20,12 +20,14 @@ import logging
 import os
 import threading
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
 import torch
+
+from engine.kernels.background import OncePerKey
 
 log = logging.getLogger("glmflash.engine")
 
@@ -74,6 +76,13 @@ class CompileLog:
         if self.serving:
             log.info("event=kernel_compile kernel=%s seconds=%.2f", name, seconds)
 
+    def keep(self, file: Path | None, key: dict[str, str]) -> None:
+        """From now on the manifest lives in `file` under `key` (written at once if compiles came before)."""
+        with self._lock:
+            self.key, self.file = key, file
+            if file is not None and self.entries:
+                self._write()
+
     def summary(self, slowest: int = 5) -> str:
         top = sorted(self.by_kernel.items(), key=lambda item: -item[1])[:slowest]
         names = ",".join(f"{name.rsplit('.', 1)[-1]}:{seconds:.1f}" for name, seconds in top) or "none"
@@ -106,10 +115,7 @@ def record_compiles(file: Path | None, key: dict[str, str]) -> CompileLog:
         knobs.runtime.jit_cache_hook = _chained(knobs.runtime.jit_cache_hook, COMPILES.before)
         knobs.runtime.jit_post_compile_hook = _chained(knobs.runtime.jit_post_compile_hook, COMPILES.after)
         _installed = True
-    COMPILES.key, COMPILES.file = key, file
-    if file is not None and COMPILES.entries:
-        with COMPILES._lock:
-            COMPILES._write()
+    COMPILES.keep(file, key)
     return COMPILES
 
 
@@ -171,9 +177,8 @@ def start_preload(file: Path | None, device: torch.device, dtype: torch.dtype) -
         done: Future = Future()
         done.set_result((0, 0.0))
         return done
-    with _preloads_lock:
-        if file in _preloads:
-            return _preloads[file]
+    if (started := _preloads.started(file)) is not None:
+        return started
     key = manifest_key(device, dtype)
     entries = read_manifest(file, key)
     record_compiles(file, key)
@@ -188,13 +193,7 @@ def start_preload(file: Path | None, device: torch.device, dtype: torch.dtype) -
         log.info("event=kernel_preload kernels=%d of=%d seconds=%.1f", result[0], len(entries), result[1])
         return result
 
-    with _preloads_lock:
-        if file not in _preloads:
-            pool = ThreadPoolExecutor(1, thread_name_prefix="kernel-preload")
-            _preloads[file] = pool.submit(run)
-            pool.shutdown(wait=False)  # the thread ends with its one job
-        return _preloads[file]
+    return _preloads.start(file, run)
 
 
-_preloads: dict[Path, Future] = {}  # one preload per manifest and process: loader and engine share it
-_preloads_lock = threading.Lock()
+_preloads = OncePerKey("kernel-preload")  # by manifest file: the loader's and the engine's call share one

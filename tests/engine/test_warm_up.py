@@ -8,6 +8,7 @@ import torch
 
 from engine.config import ModelConfig
 from engine.engine_core import EngineCore
+from engine.kernels.background import OncePerKey
 from engine.kernels.kda import fla_prefill
 from engine.tiny.factory import tiny_config
 
@@ -20,7 +21,7 @@ def test_the_kda_warm_up_runs_on_its_own_thread_once_per_shapes(monkeypatch):
         assert release.wait(10)
 
     monkeypatch.setattr(fla_prefill, "warm_up_kda_prefill", tune)
-    monkeypatch.setattr(fla_prefill, "_warm_ups", {})
+    monkeypatch.setattr(fla_prefill, "_warm_ups", OncePerKey("kda-warm-up"))
     first = fla_prefill.start_kda_warm_up("cpu", 3, 32, torch.bfloat16)
     assert not first.done()  # the caller goes on (reads weights) while it tunes
     assert fla_prefill.start_kda_warm_up("cpu", 3, 32, torch.bfloat16) is first
@@ -43,7 +44,7 @@ def test_the_kda_warm_up_waits_for_the_kernel_preload_whatever_its_outcome(monke
 
     calls = []
     monkeypatch.setattr(fla_prefill, "warm_up_kda_prefill", lambda *args: calls.append(args))
-    monkeypatch.setattr(fla_prefill, "_warm_ups", {})
+    monkeypatch.setattr(fla_prefill, "_warm_ups", OncePerKey("kda-warm-up"))
     preload: Future = Future()
     tuning = fla_prefill.start_kda_warm_up("cpu", 3, 32, torch.bfloat16, after=preload)
     assert not tuning.done() and not calls

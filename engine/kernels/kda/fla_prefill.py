@@ -16,15 +16,14 @@ buffer refilled in place.
 
 from __future__ import annotations
 
-import threading
-from concurrent.futures import Future, ThreadPoolExecutor, wait
+from concurrent.futures import Future, wait
 
 import torch
 
+from engine.kernels.background import OncePerKey
 from engine.kernels.dispatch import register
 
-_warm_ups: dict[tuple[str, int, int, torch.dtype], Future] = {}
-_warm_ups_lock = threading.Lock()
+_warm_ups = OncePerKey("kda-warm-up")  # by (device, heads, dim, dtype)
 
 
 @register("kda_prefill", "triton")
@@ -77,9 +76,4 @@ def start_kda_warm_up(device: torch.device | str, heads: int, dim: int, dtype: t
             wait([after])
         warm_up_kda_prefill(device, heads, dim, dtype)
 
-    with _warm_ups_lock:
-        if key not in _warm_ups:
-            pool = ThreadPoolExecutor(1, thread_name_prefix="kda-warm-up")
-            _warm_ups[key] = pool.submit(run)
-            pool.shutdown(wait=False)  # the thread ends with its one job
-        return _warm_ups[key]
+    return _warm_ups.start(key, run)
