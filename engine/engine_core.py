@@ -143,8 +143,7 @@ class EngineCore:
             self._warm_up(options)
         self._report_decode_rate()
         if dev.type == "cuda":  # what the start compiled; from here on each compile is logged on its own
-            log.info("event=kernel_compiles %s", COMPILES.summary())
-            COMPILES.serving = True
+            log.info("event=kernel_compiles %s", COMPILES.started())
 
     def _wait_for_warm_up(self, kernels_file: Path | None, device: torch.device, dtype: torch.dtype) -> None:
         """Before the engine's first kernel: the kernels an earlier start compiled are compiled again (or read

@@ -6,8 +6,8 @@ Triton compiles a kernel the first time a call meets a new specialization (argum
 are 1 or multiples of 16, the constexprs). With an empty Triton cache that took ~90 s of this model's start
 on an H200 (ops/BENCHMARKS.md), after the reads, and a new prefill shape can still cost seconds after ready.
 `CompileLog` hooks Triton's compiler (`knobs.runtime.jit_cache_hook` before each compile and
-`jit_post_compile_hook` after it, chained to hooks already set): it times every compile, keeps each one's
-specialization data and rewrites the manifest as the list grows. A later start on the same GPU architecture,
+`jit_post_compile_hook` after it, chained to hooks already set): it times every compile and keeps each one's
+specialization data, written to the manifest once the engine has started and at each compile after that. A later start on the same GPU architecture,
 Triton and dtype calls each kernel's `preload` with it (compile, or read Triton's cache, without running anything) on
 a thread of its own, started with the weight reads; the engine waits for it before its first kernel runs.
 """
@@ -46,8 +46,8 @@ class CompileLog:
     """Compiles seen in this process: count, seconds and the slowest kernels, and the manifest's entries."""
 
     key: dict[str, str] = field(default_factory=dict)
-    file: Path | None = None  # the manifest, rewritten whenever a new specialization compiles
-    serving: bool = False  # after the engine's warm-up each compile is logged on its own (a latency hit)
+    file: Path | None = None  # the manifest: written once the engine has started, then at each new compile
+    serving: bool = False  # after the engine's start each compile is logged on its own (a latency hit)
     count: int = 0
     seconds: float = 0.0
     by_kernel: dict[str, float] = field(default_factory=dict)
@@ -71,17 +71,24 @@ class CompileLog:
             if new:
                 self.entries[data] = {"module": str(fn.module), "name": fn.name, "data": data,
                                       "source": fn.jit_function.cache_key}
-            if new and self.file is not None:
+            if new and self.serving and self.file is not None:  # rare by then: one write each
                 self._write()
         if self.serving:
             log.info("event=kernel_compile kernel=%s seconds=%.2f", name, seconds)
 
     def keep(self, file: Path | None, key: dict[str, str]) -> None:
-        """From now on the manifest lives in `file` under `key` (written at once if compiles came before)."""
+        """The manifest lives in `file` under `key` (none is written while `file` is None)."""
         with self._lock:
             self.key, self.file = key, file
-            if file is not None and self.entries:
+
+    def started(self) -> str:
+        """The engine has started: write the manifest of what its start compiled (not at every compile of
+        the start, whose writes would compete with the reads) -> a summary for the log."""
+        with self._lock:
+            self.serving = True
+            if self.file is not None and self.entries:
                 self._write()
+        return self.summary()
 
     def summary(self, slowest: int = 5) -> str:
         top = sorted(self.by_kernel.items(), key=lambda item: -item[1])[:slowest]

@@ -31,7 +31,9 @@ def test_a_compile_is_timed_and_its_specialization_kept(tmp_path):
         compiles.after(**compile_kwargs("engine.kernels.norm", "_rms", data))
     assert compiles.count == 3 and compiles.seconds >= 0
     assert list(compiles.by_kernel) == ["engine.kernels.norm._rms"]
-    assert "count=3" in compiles.summary() and "slowest=_rms:" in compiles.summary()
+    assert not (tmp_path / "kernels.json").exists()  # not while the start reads weights
+    summary = compiles.started()
+    assert "count=3" in summary and "slowest=_rms:" in summary
     kept = read_manifest(tmp_path / "kernels.json", KEY)
     assert [(e["module"], e["name"], e["data"], e["source"]) for e in kept] == [
         ("engine.kernels.norm", "_rms", "a", "src"), ("engine.kernels.norm", "_rms", "b", "src")]
@@ -42,6 +44,7 @@ def test_a_manifest_for_another_architecture_triton_or_dtype_or_torn_is_not_read
     file = tmp_path / "kernels.json"
     compiles = CompileLog(key=KEY, file=file)
     compiles.after(**compile_kwargs("m", "k", "a"))
+    compiles.started()
     assert len(read_manifest(file, KEY)) == 1
     for change in ({"capability": "10.0"}, {"triton": "3.7.0"}, {"dtype": "float32"}):
         assert read_manifest(file, {**KEY, **change}) == []
@@ -56,18 +59,20 @@ def test_an_unwritable_manifest_is_a_warning_and_compiles_go_on(tmp_path, caplog
     compiles = CompileLog(key=KEY, file=blocker / "kernels.json")  # its folder is a file
     with caplog.at_level("WARNING", logger="glmflash.engine"):
         compiles.after(**compile_kwargs("m", "k", "a"))
+        compiles.started()
         compiles.after(**compile_kwargs("m", "k", "b"))
     assert compiles.count == 2 and compiles.file is None
     assert caplog.text.count("event=kernel_manifest_unwritable") == 1
 
 
-def test_compiles_while_serving_are_logged_one_by_one(caplog):
-    compiles = CompileLog()
+def test_compiles_after_the_start_are_logged_one_by_one_and_kept_at_once(caplog, tmp_path):
+    compiles = CompileLog(key=KEY, file=tmp_path / "kernels.json")
     with caplog.at_level("INFO", logger="glmflash.engine"):
         compiles.after(**compile_kwargs("m", "during_start", "a"))
-        compiles.serving = True
+        compiles.started()
         compiles.after(**compile_kwargs("m", "late", "b"))
     assert "kernel=m.late" in caplog.text and "during_start" not in caplog.text
+    assert [e["data"] for e in read_manifest(tmp_path / "kernels.json", KEY)] == ["a", "b"]
 
 
 def test_the_hooks_are_installed_once_and_chain_hooks_set_before(monkeypatch, tmp_path):
@@ -82,6 +87,7 @@ def test_the_hooks_are_installed_once_and_chain_hooks_set_before(monkeypatch, tm
     assert knobs.runtime.jit_cache_hook(**kwargs) is True  # the earlier hook's answer (skip) still counts
     knobs.runtime.jit_post_compile_hook(**kwargs)
     assert seen == [("pre", "k"), ("post", "k")] and compiles.count == 1
+    compiles.started()
     assert read_manifest(tmp_path / "kernels.json", KEY)[0]["data"] == "a"
 
 
