@@ -6,10 +6,11 @@ Triton compiles a kernel the first time a call meets a new specialization (argum
 are 1 or multiples of 16, the constexprs). With an empty Triton cache that took ~90 s of this model's start
 on an H200 (ops/BENCHMARKS.md), after the reads, and a new prefill shape can still cost seconds after ready.
 `CompileLog` hooks Triton's compiler (`knobs.runtime.jit_cache_hook` before each compile and
-`jit_post_compile_hook` after it, chained to hooks already set): it times every compile and keeps each one's
-specialization data, written to the manifest once the engine has started and at each compile after that. A later start on the same GPU architecture,
-Triton and dtype calls each kernel's `preload` with it (compile, or read Triton's cache, without running anything) on
-a thread of its own, started with the weight reads; the engine waits for it before its first kernel runs.
+`jit_post_compile_hook` after it, chained to hooks already set): it times every compile and keeps each
+one's specialization data, written to the manifest once the engine has started and at each compile after
+that. A later start on the same GPU architecture, Triton and dtype calls each kernel's `preload` with it
+(compile, or read Triton's cache, without running anything) on a thread of its own, started with the
+weight reads; the engine waits for it before its first kernel runs.
 """
 
 from __future__ import annotations
