@@ -92,6 +92,11 @@ class EngineOptions:
     prefix_cache_host_bytes: int = 0  # host RAM for prefixes evicted from the device (0: none, evictions drop)
 
 
+# Prompt lengths the start prefills once: 2,048 tokens take 64-row expert tiles (more than 32 pairs per
+# expert of 288 at top-8), 1,024 take 32, 320 and 40 take 16; FP8 linears tile 128 rows above 64, 64 below.
+WARM_UP_PREFILLS = (2048, 1024, 320, 40)
+
+
 def graph_sizes(max_num_seqs: int) -> tuple[int, ...]:
     """Powers of two up to the slot count, and the slot count itself: a step pads to the next size."""
     sizes = {1 << i for i in range(max_num_seqs.bit_length()) if 1 << i <= max_num_seqs}
@@ -142,6 +147,8 @@ class EngineCore:
         if dev.type == "cuda" and fast_kernels_enabled():
             self._warm_up(options)
         self._report_decode_rate()
+        if dev.type == "cuda" and fast_kernels_enabled() and self.pending is None:
+            self.warm_up_prefills()
         if dev.type == "cuda":  # what the start compiled; from here on each compile is logged on its own
             log.info("event=kernel_compiles %s", COMPILES.started())
 
@@ -159,6 +166,24 @@ class EngineCore:
             log.info("event=decode_graphs deferred=experts_loading")  # missing experts are loaded inside steps
         elif options.cuda_graphs and self._graphs_allowed():
             self._capture_graphs()
+
+    def warm_up_prefills(self) -> None:
+        """One prefill of each size whose kernels differ (routed-expert tiles of 64, 32 and 16 rows, FP8 tiles
+        of 128 and 64 rows), of random tokens, so the compiles those sizes need happen in the start, not in
+        the first requests; the engine is idle after, its slots and pages free."""
+        if self.has_work:
+            raise RuntimeError("the prefill warm-up needs an idle engine")
+        start = time.perf_counter()
+        longest = min(self.options.max_num_batched_tokens, self.options.max_model_len - 1)
+        lengths = sorted({min(n, longest) for n in WARM_UP_PREFILLS}, reverse=True)
+        g = torch.Generator().manual_seed(0)
+        for index, length in enumerate(lengths):
+            prompt = torch.randint(self.config.vocab_size, (length,), generator=g).tolist()
+            self.add(Sequence(f"warm-up-prefill-{index}", prompt, SamplingParams(max_tokens=1)))
+            while self.has_work:
+                self.step()
+        log.info("event=prefill_warm_up lengths=%s seconds=%.1f", ",".join(map(str, lengths)),
+                 time.perf_counter() - start)
 
     def _report_decode_rate(self, steps: int = 8) -> None:
         """The boot log's expected tok/s: batch-1 decode steps timed as requests run them, with a GPU or with

@@ -51,3 +51,26 @@ def test_the_kda_warm_up_waits_for_the_kernel_preload_whatever_its_outcome(monke
     preload.set_exception(RuntimeError("no driver"))
     tuning.result(10)
     assert calls == [("cpu", 3, 32, torch.bfloat16)]
+
+
+def test_the_prefill_warm_up_leaves_an_idle_engine_that_answers_as_a_fresh_one(tiny_dir, prompt, caplog):
+    """On a GPU the start prefills one prompt of each tile size (their compiles happen then); the engine is
+    idle after, every slot free, and a request gets the tokens a fresh engine gives."""
+    from engine.engine_core import EngineOptions
+    from engine.sampling_params import SamplingParams
+    from engine.sequence import Sequence
+    from tests.engine.conftest import run_together
+
+    def engine() -> EngineCore:
+        return EngineCore.from_snapshot(tiny_dir("nvfp4-ct"), dtype="float32",
+                                        options=EngineOptions(max_num_batched_tokens=128))
+
+    warmed, ids = engine(), prompt(30, seed=7)
+    with caplog.at_level("INFO", logger="glmflash.engine"):
+        warmed.warm_up_prefills()
+    assert "event=prefill_warm_up lengths=128,40 " in caplog.text
+    assert not warmed.has_work and warmed.stats().slots_used == 0
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    got = run_together(warmed, [Sequence("after", ids, params)])[0]
+    assert got.cached_prompt_tokens == 0  # random warm-up prompts share nothing with requests
+    assert got.output_token_ids == run_together(engine(), [Sequence("fresh", ids, params)])[0].output_token_ids
