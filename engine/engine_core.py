@@ -170,7 +170,7 @@ class EngineCore:
     def warm_up_prefills(self) -> None:
         """One prefill of each size whose kernels differ (routed-expert tiles of 64, 32 and 16 rows, FP8 tiles
         of 128 and 64 rows), of random tokens, so the compiles those sizes need happen in the start, not in
-        the first requests; the engine is idle after, its slots and pages free."""
+        the first requests; the engine is idle after, its slots free."""
         if self.has_work:
             raise RuntimeError("the prefill warm-up needs an idle engine")
         start = time.perf_counter()
