@@ -46,6 +46,7 @@ from collections import Counter
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
+from pathlib import Path
 from typing import Any, AsyncIterator, Iterator
 
 import aiohttp
@@ -118,6 +119,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     serve.add_argument("--serve-env", action="append", default=[], metavar="KEY=VALUE",
                        help="more settings for the started server, e.g. GLMFLASH_PREFIX_CACHE_GIB=8")
     serve.add_argument("--ready-timeout", type=float, default=900.0)
+    serve.add_argument("--server-log", type=Path, metavar="DIR", help="keep each started server's output (at INFO) "
+                       "in DIR/serve-cache-on.log and serve-cache-off.log")
     args = p.parse_args(argv)
     if not (args.base_url or args.serve):
         p.error("one of --base-url or --serve is required")
@@ -382,7 +385,13 @@ def started_server(args: argparse.Namespace, prefix_cache: bool) -> Iterator[str
     cmd += ["--max-num-seqs", str(args.max_num_seqs)] if args.max_num_seqs else []
     env = {**os.environ, "GLMFLASH_PREFIX_CACHE": "on" if prefix_cache else "off", "GLMFLASH_LOG_LEVEL": "WARNING",
            **dict(kv.split("=", 1) for kv in args.serve_env)}
-    with tempfile.TemporaryFile("w+") as log:
+    if args.server_log:  # kept, at INFO: the start's stages and each kernel compile the requests waited on
+        args.server_log.mkdir(parents=True, exist_ok=True)
+        env["GLMFLASH_LOG_LEVEL"] = "INFO"
+        opened = (args.server_log / f"serve-cache-{'on' if prefix_cache else 'off'}.log").open("w+")
+    else:
+        opened = tempfile.TemporaryFile("w+")
+    with opened as log:
         proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, text=True)
         try:
             wait_ready(f"http://127.0.0.1:{port}", proc, args.ready_timeout, log)

@@ -25,7 +25,7 @@
 # DEVICE=cpu checks the script on a CPU machine (with SLICE_GIB=0.3: the smallest slice, 2.8 GiB; AGENT_ARGS,
 # STRUCTURED_ARGS to shrink the workloads). Wheels the machine lacks: see ops/gpu_env.sh. OUT_DIR gets run.log
 # (all that is printed), env.log, tests.log, boot.log, serve.log, agent.json, structured.json and
-# server-logs.tgz (the output of each server bench_boot started).
+# server-logs.tgz (the output of each server bench_boot and bench_serve started).
 set -uo pipefail
 out=${1:?output directory}; shift
 parts=${*:-tests boot serve}
@@ -78,6 +78,7 @@ fi
 work=${work:-/tmp/glmflash-serving}
 mkdir -p "$work"
 slice=$work/slice cache=$work/cache
+rm -rf "$work/logs"  # the servers' own logs of this run (server-logs.tgz)
 
 reserve_serve=$(has serve && echo 130 || echo 0)
 reserve_boot=$(has boot && echo 200 || echo 0)
@@ -108,7 +109,6 @@ if has boot; then
     step 120 $((160 + reserve_serve)) "$out/boot.log" python3 -m ops.slice_snapshot "$slice" --gib "$slice_gib" \
       && echo "$slice_gib" > "$work/slice.gib"
   fi
-  rm -rf "$work/logs"
   step 200 $((80 + reserve_serve)) "$out/boot.log" \
     python3 -m ops.bench_boot --cache-dir "$cache" --model "$slice" --log-dir "$work/logs" -- --device "$device"
   step 200 "$reserve_serve" "$out/boot.log" \
@@ -122,7 +122,8 @@ if has serve; then
   # GLMFLASH_CACHE_DIR: the servers start from the boot part's prepared snapshot (fast_resume), not a second copy.
   if [ -e "$slice/model.safetensors.index.json" ]; then
     step 240 50 "$out/serve.log" python3 ops/bench_serve.py --workload agent --serve "$slice" --device "$device" \
-      --serve-env "GLMFLASH_CACHE_DIR=$cache" $agent_args --json "$out/agent.json"
+      --serve-env "GLMFLASH_CACHE_DIR=$cache" --server-log "$work/logs" $agent_args --json "$out/agent.json"
+    tar czf "$out/server-logs.tgz" -C "$work" logs
   else
     echo "no slice in $slice: run the boot part first" | tee -a "$out/serve.log"
   fi
