@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Hybrid offload on a CUDA machine in time-boxed parts (each fits a 10-minute call), from the repo root:
-#   bash ops/gpu_hybrid.sh OUT_DIR checks|vnni|whole|skew|slice|threads
+#   bash ops/gpu_hybrid.sh OUT_DIR checks|vnni|whole|skew|slice|swaps|threads
 # checks: the compiled CPU kernels' tests, the release-shape hybrid tests (split, graphs, swaps, pinning,
 #         the kept miss split) and the cost of one GPU<->CPU handshake per layer (ops/bench_handshake.py);
 # vnni:   the AVX-512 VNNI NVFP4 path (the default where the CPU has it): the kernels' tests, its speed against
@@ -8,11 +8,13 @@
 # whole: scenario (b), all 45 layers, uniform routing, the miss split measured at load;
 # skew:  the same under a Zipf-like routing trace with swaps on;
 # slice: scenario (a), a 32 GB-class budget (18 slots per MoE layer) on an 8-layer slice;
+# swaps: the same slice without swaps and with its CPU threads unpinned, each against the default, in one run
+#        (what a swap costs the CPU pass, what pinning does with swaps running);
 # threads: an 8-layer slice with every miss on the CPU at 14, 15 and 16 CPU threads (the default is every
 #          core but one; more threads than cores should degrade, not stall), then the default unpinned.
 # Wheels the machine lacks: see ops/gpu_env.sh.
 set -uo pipefail
-out=${1:?output directory}; part=${2:?checks, vnni, whole, skew, slice or threads}
+out=${1:?output directory}; part=${2:?checks, vnni, whole, skew, slice, swaps or threads}
 mkdir -p "$out"
 exec > >(tee -a "$out/run.log") 2>&1  # kept in the output folder even when a caller's time limit cuts the run
 source ops/gpu_env.sh
@@ -30,6 +32,11 @@ case "$part" in
   whole) timeout 540 $decode --layers 45 --expert-slots auto --max-expert-swaps 0 --json "$out/whole.json" 2>&1 | tail -45 ;;
   skew) timeout 540 $decode --layers 45 --expert-slots auto --routing-skew 2 --json "$out/skew.json" 2>&1 | tail -45 ;;
   slice) timeout 540 $decode --layers 8 --expert-slots 18 --json "$out/slice.json" 2>&1 | tail -45 ;;
+  swaps) for flags in "" "--max-expert-swaps 0" "--no-cpu-pin"; do  # the first run also compiles: 180 s
+           echo "== 8 layers, 18 slots ${flags:-(4 swaps per step, pinned)}"
+           timeout 180 $decode --layers 8 --expert-slots 18 --prefills 512 $flags 2>&1 \
+             | grep -E "event=(cpu_experts|miss_split)|step_ms|cpu_GBps|hit_rate|swaps_per_step|extrapolated"
+         done ;;
   threads) for t in 14 15 16; do
              echo "== $t threads"
              timeout 120 $decode --layers 8 --expert-slots 197 --pcie-percent 0 --max-expert-swaps 0 --prefills 512 \
