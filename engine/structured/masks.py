@@ -3,7 +3,8 @@ to the logits where they are.
 
 `start()` hands the constrained rows to a helper thread before the forward is launched; llguidance
 computes the grammar rows in its own thread pool with the GIL released, so the masks are ready, or
-nearly, when the logits are. `apply()` waits for them, copies the one bitmask and the rows' index
+nearly, when the logits are. (Its executor is called directly, as `llguidance.torch` does: importing that
+module compiles a torch function, ~5 s of every process start.) `apply()` waits for them, copies the one bitmask and the rows' index
 (pinned on CUDA, so the copies queue behind the forward instead of waiting for it) to the logits'
 device, unpacks it there and sets the disallowed logits of those rows to -inf. Rows without a
 constraint are not touched, so they keep the sampler's on-device fast path.
@@ -15,7 +16,6 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 import llguidance
-import llguidance.torch
 import torch
 
 from engine.sequence import Sequence
@@ -55,7 +55,8 @@ class GrammarMasks:
         if matchers:
             if self._executor is None:
                 self._executor = llguidance.LLExecutor()
-            llguidance.torch.fill_next_token_bitmask_par(self._executor, matchers, self.bitmask[:len(seqs)])
+            rows = self.bitmask[:len(seqs)]  # whole rows of a contiguous int32 tensor in host memory
+            self._executor.unsafe_compute_mask_ptr(matchers, rows.data_ptr(), rows.shape[1] * 4, rows.shape[0])
 
     @torch.inference_mode()  # the logits are an inference tensor, updated in place
     def apply(self, logits: torch.Tensor, pending: PendingMasks) -> None:
