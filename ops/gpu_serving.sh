@@ -14,7 +14,8 @@
 #        330-word system prompt, ~2,000 tokens with the slice's byte-level tokenizer, plus tools; 16-token
 #        answers; the servers start from the prepared snapshot), then what grammar masks add to a decode step:
 #          python3 ops/bench_serve.py --workload agent --serve WORK_DIR/slice --device cuda $AGENT_ARGS
-#          python3 ops/bench_structured.py --device cuda --dtype bfloat16 --batch 1 16
+#          python3 ops/bench_structured.py --model WORK_DIR/slice --device cuda --dtype bfloat16 --batch 1 16
+#        (the release's vocabulary: the masks' size; the tiny model's without a slice)
 # SLICE_GIB is 12 by default (10.6 GiB: 2 MoE layers of 288 experts), what fits beside the other parts: each
 # boot run reads the slice six times and writes it once (~1.5 GB/s on an H200 machine's disk). The issue's
 # >= 20 GB (SLICE_GIB=20: 18.8 GiB, 4 layers, one of them DSA) fits a run without the tests:
@@ -127,7 +128,8 @@ if has serve; then
   else
     echo "no slice in $slice: run the boot part first" | tee -a "$out/serve.log"
   fi
-  step 120 0 "$out/serve.log" python3 ops/bench_structured.py --device "$device" --dtype "$dtype" $structured_args \
-    --json "$out/structured.json"
+  model_arg=$([ -e "$slice/model.safetensors.index.json" ] && echo "--model $slice")
+  step 120 0 "$out/serve.log" python3 ops/bench_structured.py $model_arg --device "$device" --dtype "$dtype" \
+    $structured_args --json "$out/structured.json"
 fi
 echo "### done in $(($(date +%s) - start))s"
