@@ -191,6 +191,15 @@ __attribute__((target("avx512f"))) static void nvfp4_row_avx512(const float *xs,
     ROWS_DISPATCH(rows, nvfp4_rows_avx512, xs, x_stride, half_k, codes, scales, fp8_table, global, out, out_stride)
 }
 
+/* 16 e4m3 bytes widened to floats at once (as e4m3_scaled8 does 8), each 1/256 of its value: the e4m3
+ * bits shifted into an fp16's, whose exponent bias is 8 more. */
+__attribute__((target("avx512f,avx512bw"), always_inline)) static inline __m512 e4m3_scaled16(const uint8_t *p) {
+    __m256i v = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)p));
+    __m256i sign = _mm256_slli_epi16(_mm256_and_si256(v, _mm256_set1_epi16(0x80)), 8);
+    __m256i rest = _mm256_slli_epi16(_mm256_and_si256(v, _mm256_set1_epi16(0x7F)), 7);
+    return _mm512_cvtph_ps(_mm256_or_si256(sign, rest));
+}
+
 /* AVX-512 VNNI reads x as 16-bit integers: per group of 16 columns a float scale (the group's largest |x|
  * over 32767) and the columns rounded to it, so the products of the int8 weights (x2) and x add up exactly
  * in int32, 32 of them per vpdpwssd, where the float path needs a permute and an FMA per 16. The rounding
@@ -243,8 +252,8 @@ nvfp4_step_x16(const int rows, const float *xs, int64_t x_stride, int64_t half_k
     }
 }
 
-/* The weight row's group scales are widened 16 at a time (as e4m3_scaled16 does, the /256 folded into
- * the global) into a block on the stack before its steps; the last few one by one from the table. */
+/* The weight row's group scales are widened 16 at a time (e4m3_scaled16, the /256 folded into the global)
+ * into a block on the stack before its steps; the last few one by one from the table. */
 #define SCALE_BLOCK 64
 __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni"), always_inline)) static inline void
 nvfp4_rows_x16(const int rows, const float *xs, int64_t x_stride, int64_t half_k, const uint8_t *codes,
@@ -256,12 +265,7 @@ nvfp4_rows_x16(const int rows, const float *xs, int64_t x_stride, int64_t half_k
     for (int64_t b0 = 0; b0 < groups; b0 += SCALE_BLOCK) {
         const int64_t b1 = b0 + SCALE_BLOCK < groups ? b0 + SCALE_BLOCK : groups;
         int64_t g = b0;
-        for (; g + 16 <= b1; g += 16) {
-            const __m256i v = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(scales + g)));
-            const __m256i sign = _mm256_slli_epi16(_mm256_and_si256(v, _mm256_set1_epi16(0x80)), 8);
-            const __m256i rest = _mm256_slli_epi16(_mm256_and_si256(v, _mm256_set1_epi16(0x7F)), 7);
-            _mm512_storeu_ps(wscale + (g - b0), _mm512_cvtph_ps(_mm256_or_si256(sign, rest)));
-        }
+        for (; g + 16 <= b1; g += 16) _mm512_storeu_ps(wscale + (g - b0), e4m3_scaled16(scales + g));
         for (; g < b1; g++) wscale[g - b0] = fp8_table[scales[g]] / 256.0f;
         for (g = b0; g < b1; g += 4)
             nvfp4_step_x16(rows, xs, x_stride, half_k, codes, wscale + (g - b0), g, b1, acc);
@@ -335,15 +339,8 @@ __attribute__((target("avx2,fma,f16c"))) static void fp8_row_avx2(const float *x
     ROWS_DISPATCH(rows, fp8_rows_avx2, x, x_stride, k, w, block_scales, bk, out, out_stride)
 }
 
-/* AVX-512: 16 e4m3 bytes widened at a time (as in e4m3_scaled8), consecutive steps into two
- * accumulators per row. Needs k and bk multiples of 16. */
-__attribute__((target("avx512f,avx512bw"), always_inline)) static inline __m512 e4m3_scaled16(const uint8_t *p) {
-    __m256i v = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)p));
-    __m256i sign = _mm256_slli_epi16(_mm256_and_si256(v, _mm256_set1_epi16(0x80)), 8);
-    __m256i rest = _mm256_slli_epi16(_mm256_and_si256(v, _mm256_set1_epi16(0x7F)), 7);
-    return _mm512_cvtph_ps(_mm256_or_si256(sign, rest));
-}
-
+/* AVX-512: 16 e4m3 bytes widened at a time (e4m3_scaled16), consecutive steps into two accumulators per
+ * row. Needs k and bk multiples of 16. */
 __attribute__((target("avx512f,avx512bw"), always_inline)) static inline void
 fp8_rows_avx512(const int rows, const float *x, int64_t x_stride, int64_t k, const uint8_t *w,
                 const float *block_scales, int64_t bk, float *out, int64_t out_stride) {
