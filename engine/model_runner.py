@@ -113,13 +113,8 @@ class ModelRunner:
         return logits[torch.tensor(sampled, dtype=torch.long, device=device)]
 
 
-PROMPT_LOGPROB_ROWS = 256  # rows per log-softmax: bounds the fp32 copies a long prefill chunk makes at once
-
-
 def _record_prompt_logprobs(seq: Sequence, logits: torch.Tensor) -> None:
-    """Logits of the rows at positions seq.cached.. -> the logprobs of the prompt tokens after them."""
-    first = seq.cached + 1
-    for at in range(0, logits.shape[0], PROMPT_LOGPROB_ROWS):
-        block = logits[at:at + PROMPT_LOGPROB_ROWS]
-        targets = seq.prompt_token_ids[first + at:first + at + block.shape[0]]
-        seq.prompt_logprobs.extend(token_logprobs(block, targets, seq.params.prompt_logprobs))
+    """Logits of the rows at positions seq.cached.. -> the logprobs of the prompt tokens after them (the
+    scheduler keeps such a request's chunks to PROMPT_LOGPROB_CHUNK rows)."""
+    targets = seq.prompt_token_ids[seq.cached + 1:seq.cached + 1 + logits.shape[0]]
+    seq.prompt_logprobs.extend(token_logprobs(logits, targets, seq.params.prompt_logprobs))
