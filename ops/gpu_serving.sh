@@ -25,8 +25,9 @@
 # Each step is cut at the time left less what later steps keep, and its figures are printed as measured.
 # DEVICE=cpu checks the script on a CPU machine (with SLICE_GIB=0.3: the smallest slice, 2.8 GiB; AGENT_ARGS,
 # STRUCTURED_ARGS to shrink the workloads). Wheels the machine lacks: see ops/gpu_env.sh. OUT_DIR gets run.log
-# (all that is printed), env.log, tests.log, boot.log, serve.log, agent.json, structured.json and
-# server-logs.tgz (the output of each server bench_boot and bench_serve started).
+# (all that is printed), env.log, tests.log, boot.log, serve.log, agent.json, structured.json, server-logs.tgz
+# (the output of each server bench_boot and bench_serve started) and kernels.tgz (the boot's kernel manifest,
+# Triton's autotuning results and a list of its cache's files).
 set -uo pipefail
 out=${1:?output directory}; shift
 parts=${*:-tests boot serve}
@@ -116,6 +117,10 @@ if has boot; then
     python3 -m ops.bench_boot --cache-dir "$cache" --model "$slice" --ready-at partial --log-dir "$work/logs" \
       -- --device "$device"
   tar czf "$out/server-logs.tgz" -C "$work" logs  # each start's own log: its stages, event= lines, compiles
+  # What the starts compiled: the kernel manifest, Triton's autotuning choices and its cache's files by kernel.
+  (cd "$cache" && find models -name kernels.json; find triton -name '*.autotune.json') > "$work/kernel-files"
+  find "$cache/triton" -type f -printf '%f %s\n' | sort > "$cache/triton-files.txt"
+  tar czf "$out/kernels.tgz" -C "$cache" triton-files.txt $(cat "$work/kernel-files")
 fi
 
 if has serve; then
