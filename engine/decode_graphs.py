@@ -54,7 +54,9 @@ class DecodeGraphs:
                 model.forward(batch, slots, cache, rows)
         torch.cuda.current_stream().wait_stream(side)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=pool):
+        # thread_local: CUDA work other threads do meanwhile (a prepared snapshot written after ready, a
+        # capture deferred until experts are loaded while requests run) neither breaks nor is broken by it.
+        with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
             self._logits[size] = model.forward(batch, slots, cache, rows)
         self._graphs[size] = graph
 

@@ -22,6 +22,7 @@ from engine.cache.state_rows import state_bytes
 from engine.checkpoint.loader import LoadedWeights, checkpoint_sizes, load_weights
 from engine.kernels.dispatch import fast_kernels_enabled
 from engine.kernels.kda.fla_prefill import start_kda_warm_up
+from engine.kernels.kda.fla_tuning import use_tuned_configs
 from engine.kernels.kernel_manifest import COMPILES, start_preload
 from engine.config import ModelConfig
 from engine.checkpoint.availability import ExpertAvailability
@@ -203,6 +204,9 @@ class EngineCore:
         first kernel; a second call returns the same work. On the CPU (or with the fast kernels off) there is
         nothing to warm: a finished future."""
         if device.type == "cuda" and fast_kernels_enabled():
+            if device.index is None:  # one warm-up for "cuda" (a loader's) and "cuda:0" (the weights')
+                device = torch.device("cuda", torch.cuda.current_device())
+            use_tuned_configs(torch.cuda.get_device_capability(device))  # before the preload imports fla
             preload = start_preload(kernels_file, device, dtype)
             return start_kda_warm_up(device, config.linear_num_heads, config.linear_head_dim, dtype, after=preload)
         done: Future = Future()

@@ -22,6 +22,7 @@ import torch
 
 from engine.kernels.background import OncePerKey
 from engine.kernels.dispatch import register
+from engine.kernels.kda.fla_tuning import use_tuned_configs
 
 _warm_ups = OncePerKey("kda-warm-up")  # by (device, heads, dim, dtype)
 
@@ -30,6 +31,7 @@ _warm_ups = OncePerKey("kda-warm-up")  # by (device, heads, dim, dtype)
 def kda_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
                 rec_state: torch.Tensor, slots: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
     """Same contract as the torch reference `kda_prefill`."""
+    use_tuned_configs(torch.cuda.get_device_capability(q.device))  # before fla's import reads the mode
     from fla.ops.kda import chunk_kda  # here, not at import: importing fla.ops loads every fla op (slow)
 
     assert rec_state.dtype == torch.float32
@@ -49,7 +51,8 @@ def warm_up_kda_prefill(device: torch.device | str, heads: int, dim: int, dtype:
     BV, IS_VARLEN), fwd_h (H, HV, K, V, BT, STATE_V_FIRST) and fwd_o (BT, HV, K, V, STATE_V_FIRST);
     Triton adds the dtype of every tensor argument. So one small ragged batch per (heads, dim, dtype)
     tunes every prefill under 65,536 tokens; a larger step would tune l2norm once more. Results also
-    persist in Triton's cache directory (fla sets cache_results), so a restart skips the search.
+    persist in Triton's cache directory (fla sets cache_results), so a restart skips the search; where
+    configs are shipped for the GPU (fla_tuning) there is no search, one compile per kernel.
     """
     lengths = torch.tensor([0, 1, 64, 65], device=device)  # a lone token, a full chunk, a chunk and one
     n = int(lengths.sum())

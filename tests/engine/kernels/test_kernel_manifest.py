@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import sys
 import textwrap
+import threading
 from types import SimpleNamespace
 
 import pytest
@@ -119,7 +120,8 @@ def fake_kernels(tmp_path, monkeypatch):
     sys.modules.pop("fake_triton_kernels", None)
 
 
-def test_preload_compiles_what_the_manifest_lists(fake_kernels, caplog):
+@pytest.mark.parametrize("workers", [1, 3])
+def test_preload_compiles_what_the_manifest_lists(fake_kernels, caplog, workers):
     def entry(name: str, data: str, source: str) -> dict:
         return {"module": "fake_triton_kernels", "name": name, "data": data, "source": source}
 
@@ -128,9 +130,10 @@ def test_preload_compiles_what_the_manifest_lists(fake_kernels, caplog):
                entry("plain", "stale", "src-before"),  # the kernel's source changed since: not its specialization
                entry("gone", "g1", "src"), entry("not_a_kernel", "n1", "src")]
     with caplog.at_level("WARNING", logger="glmflash.engine"):
-        done, seconds = preload(entries)
-    assert done == 4 and seconds >= 0
-    assert fake_kernels.plain.loaded == ["p1", "p2"]
+        prepared = []  # the threads the initializer ran on (it sets each one's CUDA device)
+        done, seconds = preload(entries, workers, initializer=lambda: prepared.append(threading.get_ident()))
+    assert done == 4 and seconds >= 0 and 1 <= len(set(prepared)) <= workers
+    assert sorted(fake_kernels.plain.loaded) == ["p1", "p2"]
     assert fake_kernels.tuned.fn.fn.loaded == ["t1"] and fake_kernels.Holder.inner.loaded == ["i1"]
     assert caplog.text.count("event=kernel_preload_failed") == 2
     assert "fake_triton_kernels.gone" in caplog.text and "not a Triton JIT function" in caplog.text
