@@ -29,8 +29,11 @@ from typing import Any, Callable
 import torch
 
 from engine.kernels.background import OncePerKey
+from engine.kernels.precompile import localized, precompile
 
 log = logging.getLogger("glmflash.engine")
+
+MANIFESTS = Path(__file__).with_name("manifests")
 
 
 def manifest_key(device: torch.device, dtype: torch.dtype) -> dict[str, str]:
@@ -171,7 +174,7 @@ def preload(entries: list[dict[str, str]], workers: int = 1,
             kernel = resolve(entry["module"], entry["name"])
             if kernel.cache_key != entry["source"]:
                 return False
-            kernel.preload(entry["data"])
+            kernel.preload(json.dumps(localized(entry["data"])))
             return True
         except Exception as exc:  # noqa: BLE001 - any failure leaves the kernel to its first call
             log.warning("event=kernel_preload_failed kernel=%s.%s error=%r", entry["module"], entry["name"], exc)
@@ -193,9 +196,28 @@ def preload_workers() -> int:
     return max(1, min(8, (os.cpu_count() or 2) // 2))
 
 
+def precompile_processes() -> int:
+    """A quarter of the cores, at most 4: each child first imports torch and the kernels' modules."""
+    return max(1, min(4, (os.cpu_count() or 2) // 4))
+
+
+def packaged_manifest(key: dict[str, str]) -> Path:
+    """The manifest shipped for a GPU architecture and dtype (written by a start at the release's shapes:
+    a first start on a fresh volume preloads it); valid only for the Triton it names."""
+    return MANIFESTS / f"sm{key['capability'].replace('.', '')}-{key['dtype']}.json"
+
+
+def manifest_entries(file: Path, key: dict[str, str]) -> tuple[list[dict[str, str]], list[dict[str, str]]]:
+    """(what an earlier start recorded in `file`, that and what the package ships besides)."""
+    recorded = read_manifest(file, key)
+    known = {entry["data"] for entry in recorded}
+    return recorded, recorded + [e for e in read_manifest(packaged_manifest(key), key) if e["data"] not in known]
+
+
 def start_preload(file: Path | None, device: torch.device, dtype: torch.dtype) -> Future:
-    """Record this process's compiles into `file` and preload what an earlier start recorded there, on a
-    thread of its own -> a future of (kernels preloaded, seconds). Without a file compiles are only counted."""
+    """Record this process's compiles into `file` and preload what an earlier start recorded there and what
+    the package ships for this GPU, in the background: compiled into Triton's cache by child processes, then
+    loaded from it -> a future of (kernels preloaded, seconds). Without a file compiles are only counted."""
     if file is None:
         record_compiles(None, {})
         done: Future = Future()
@@ -204,17 +226,23 @@ def start_preload(file: Path | None, device: torch.device, dtype: torch.dtype) -
     if (started := _preloads.started(file)) is not None:
         return started
     key = manifest_key(device, dtype)
-    entries = read_manifest(file, key)
+    recorded, entries = manifest_entries(file, key)
     record_compiles(file, key)
+    major, minor = torch.cuda.get_device_capability(device)
 
     def run() -> tuple[int, float]:
-        try:  # Triton compiles for the thread's current device
-            result = preload(entries, preload_workers(), lambda: torch.cuda.set_device(device))
+        start = time.perf_counter()
+        try:
+            compiled, _ = precompile(entries, major * 10 + minor, precompile_processes()) if entries else (0, 0.0)
+            # Triton compiles for the thread's current device; these are reads of what the children compiled.
+            done, _ = preload(entries, preload_workers(), lambda: torch.cuda.set_device(device))
         except Exception as exc:  # noqa: BLE001 - the kernels then compile at their first call, as without a file
             log.warning("event=kernel_preload_failed error=%r", exc)
             return 0, 0.0
-        log.info("event=kernel_preload kernels=%d of=%d seconds=%.1f", result[0], len(entries), result[1])
-        return result
+        seconds = time.perf_counter() - start
+        log.info("event=kernel_preload kernels=%d of=%d recorded=%d precompiled=%d seconds=%.1f", done, len(entries),
+                 len(recorded), compiled, seconds)
+        return done, seconds
 
     return _preloads.start(file, run)
 

@@ -67,7 +67,7 @@ print(json.dumps({"used": str(used) if used else None, "config": load_cached_con
 def lookup(order: str, key: list) -> dict:
     env = {k: v for k, v in os.environ.items() if not k.startswith("FLA_")}
     done = subprocess.run([sys.executable, "-c", LOOKUP, order, json.dumps(key)], capture_output=True, text=True,
-                          env={**env, "PYTHONPATH": os.getcwd()}, timeout=300)
+                          env={**env, "PYTHONPATH": os.pathsep.join([os.getcwd(), os.environ.get("PYTHONPATH", "")])}, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
     return json.loads(done.stdout.strip().splitlines()[-1])
 

@@ -6,6 +6,7 @@ here Triton's side is played by objects of the same shape."""
 from __future__ import annotations
 
 import sys
+import json
 import textwrap
 import threading
 from types import SimpleNamespace
@@ -96,12 +97,14 @@ def test_the_hooks_are_installed_once_and_chain_hooks_set_before(monkeypatch, tm
 def fake_kernels(tmp_path, monkeypatch):
     """A module of objects shaped like Triton's: a JIT function, one inside an autotuner, one in a class."""
     (tmp_path / "fake_triton_kernels.py").write_text(textwrap.dedent("""
+        import json
+
         class Jit:
             def __init__(self, source):
                 self.cache_key, self.loaded = source, []
 
             def preload(self, data):
-                self.loaded.append(data)
+                self.loaded.append(json.loads(data)["id"])
 
         class Autotuner:
             def __init__(self, fn):
@@ -123,7 +126,8 @@ def fake_kernels(tmp_path, monkeypatch):
 @pytest.mark.parametrize("workers", [1, 3])
 def test_preload_compiles_what_the_manifest_lists(fake_kernels, caplog, workers):
     def entry(name: str, data: str, source: str) -> dict:
-        return {"module": "fake_triton_kernels", "name": name, "data": data, "source": source}
+        return {"module": "fake_triton_kernels", "name": name, "data": json.dumps({"id": data, "options": {}}),
+                "source": source}
 
     entries = [entry("plain", "p1", "src-plain"), entry("plain", "p2", "src-plain"), entry("tuned", "t1", "src-tuned"),
                entry("Holder.inner", "i1", "src-inner"),

@@ -1,0 +1,103 @@
+"""Compile kernel-manifest entries into Triton's cache in processes of their own, while the weights load.
+
+A compile inside the serving process shares its GIL with the loader's conversion: on a cold H200 start the
+KDA kernels' seven compiles took 36 s beside the reads instead of 6.5 s alone, and the engine's own ~50 took
+another 26 s after them (ops/BENCHMARKS.md). Child processes need no GPU (a compile targets an architecture,
+not a device) and share nothing with the loader but cores; the cache they fill (TRITON_CACHE_DIR, inherited)
+turns every later compile of the same specialization, the preload's or a kernel's first call, into a read.
+A child gets a file of entries and the architecture (90 for sm_90) and prints how many it compiled.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger("glmflash.engine")
+
+CHILD = "from engine.kernels.precompile import main; main()"  # not `-m`: the package imports this module first
+
+
+def localized(data: str) -> dict[str, Any]:
+    """Specialization data recorded elsewhere (a manifest shipped with the package) for this installation:
+    a library path that does not exist here (libdevice under another Triton install) is left to Triton's
+    default, which is the same file (compiles hash its content, not its path)."""
+    spec = json.loads(data)
+    libs = spec["options"].get("extern_libs")
+    if libs:
+        kept = [[name, path] for name, path in libs if os.path.exists(path)]
+        spec["options"]["extern_libs"] = kept or None
+    return spec
+
+
+def compile_offline(kernel: Any, spec: dict[str, Any], capability: int) -> None:
+    """What `JITFunction.preload` compiles for `spec`, for a target instead of the current device."""
+    import triton
+    import triton.language as tl
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    from triton.compiler.compiler import make_backend
+    from triton.runtime.jit import convert_to_tuple_if_list
+
+    def constant(value: Any) -> Any:
+        if tl.dtype.is_dtype(value):
+            return tl.dtype(value)
+        return tl.constexpr(value["constexpr"]) if isinstance(value, dict) and "constexpr" in value else value
+
+    constexprs = {tuple(key): constant(value) for key, value in zip(spec["constant_keys"], spec["constant_vals"])}
+    attrs = {tuple(key): value for key, value in zip(spec["attrs_keys"], spec["attrs_vals"])}
+    signature = {key: convert_to_tuple_if_list(value) for key, value in spec["signature"].items()}
+    target = GPUTarget("cuda", capability, spec["options"].get("warp_size") or 32)
+    options = make_backend(target).parse_options(
+        {key: tuple(value) if isinstance(value, list) else value for key, value in spec["options"].items()})
+    triton.compile(ASTSource(kernel, signature, constexprs, attrs), target=target, options=options.__dict__)
+
+
+def precompile(entries: list[dict[str, str]], capability: int, processes: int) -> tuple[int, float]:
+    """The entries compiled into Triton's cache by `processes` children, each a share (the costly kernels
+    spread by position) -> (entries compiled, seconds). A child that fails only costs its share."""
+    start = time.perf_counter()
+    shares = [entries[i::processes] for i in range(processes) if entries[i::processes]]
+    with tempfile.TemporaryDirectory(prefix="glmflash-precompile-") as scratch:
+        children = []
+        for index, share in enumerate(shares):
+            file = Path(scratch) / f"share-{index}.json"
+            file.write_text(json.dumps(share))
+            children.append(subprocess.Popen([sys.executable, "-c", CHILD, str(file), str(capability)],
+                                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+        compiled = 0
+        for child in children:
+            out, err = child.communicate()
+            for line in err.splitlines():  # the kernels a child could not compile, one line each
+                if line.startswith("event="):
+                    log.warning(line)
+            if child.returncode == 0:
+                compiled += int(out.strip().splitlines()[-1])
+            else:
+                log.warning("event=kernel_precompile_failed error=%r", err.strip().splitlines()[-1:])
+    return compiled, time.perf_counter() - start
+
+
+def main() -> None:
+    from engine.kernels.kernel_manifest import resolve
+
+    entries, capability = json.loads(Path(sys.argv[1]).read_text()), int(sys.argv[2])
+    compiled = 0
+    for entry in entries:
+        try:
+            kernel = resolve(entry["module"], entry["name"])
+            if kernel.cache_key == entry["source"]:
+                compile_offline(kernel, localized(entry["data"]), capability)
+                compiled += 1
+        except Exception as exc:  # noqa: BLE001 - that kernel compiles at its first call instead
+            print(f"event=kernel_precompile_failed kernel={entry['module']}.{entry['name']} error={exc!r}",
+                  file=sys.stderr)
+    print(compiled)
+

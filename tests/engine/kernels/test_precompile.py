@@ -1,0 +1,111 @@
+"""Kernel-manifest entries compiled into Triton's cache by child processes, without a GPU (a compile targets
+an architecture): a real kernel of ours for sm_90, a second pass that only reads the cache, entries from
+another installation and the package's manifest merged with the recorded one."""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+from triton.backends.compiler import GPUTarget
+from triton.compiler.compiler import make_backend
+from triton.runtime.jit import serialize_specialization_data
+
+from engine.kernels import kernel_manifest
+from engine.kernels.kernel_manifest import manifest_entries, packaged_manifest
+from engine.kernels.precompile import localized, precompile
+
+KEY = {"capability": "9.0", "triton": "3.6.0", "dtype": "bfloat16"}
+
+
+@functools.cache
+def compiled_env() -> dict[str, str]:
+    """The children compile (the tests' own Triton kernels run in its interpreter)."""
+    return {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+
+
+@functools.cache
+def rms_norm_source() -> str:
+    """`_rms_norm_kernel`'s source hash as a serving process sees it (compiled, not interpreted)."""
+    code = "from engine.kernels.norm.triton_norm import _rms_norm_kernel as k; print(k.cache_key)"
+    done = subprocess.run([sys.executable, "-c", code], env={**compiled_env(), "PYTHONPATH": os.pathsep.join([os.getcwd(), os.environ.get("PYTHONPATH", "")])},
+                          capture_output=True, text=True, check=True)
+    return done.stdout.split()[-1]
+
+
+def rms_norm_entry(block: int) -> dict[str, str]:
+    """The entry a GPU start records for `_rms_norm_kernel` on bf16 rows of `block` columns."""
+    signature = {"x_ptr": "*bf16", "w_ptr": "*bf16", "out_ptr": "*bf16", "D": "i32", "stride_x": "i32",
+                 "stride_out": "i32", "eps": "fp32", "BD": "constexpr"}
+    attrs = {(i,): [["tt.divisibility", 16]] for i in range(6)}
+    options = make_backend(GPUTarget("cuda", 90, 32)).parse_options({"num_warps": 4})
+    data = serialize_specialization_data("engine.kernels.norm.triton_norm._rms_norm_kernel", signature,
+                                         {(7,): block}, attrs, options, f"rms-{block}")
+    return {"module": "engine.kernels.norm.triton_norm", "name": "_rms_norm_kernel", "data": data,
+            "source": rms_norm_source()}
+
+
+def cache_files(cache) -> set[str]:
+    return {str(path.relative_to(cache)) for path in cache.rglob("*") if path.is_file()}
+
+
+def test_children_compile_into_the_cache_and_a_second_pass_only_reads(tmp_path, monkeypatch):
+    cache = tmp_path / "triton"
+    monkeypatch.delenv("TRITON_INTERPRET")
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(cache))
+    entries = [rms_norm_entry(1024), rms_norm_entry(4096),
+               {**rms_norm_entry(2048), "source": "an older source"},  # skipped: not this kernel's specialization
+               {"module": "engine.kernels.norm.triton_norm", "name": "gone", "data": "{}", "source": "x"}]
+    compiled, seconds = precompile(entries, 90, processes=2)
+    files = cache_files(cache)
+    assert compiled == 2 and seconds > 0
+    assert sum(name.endswith(".cubin") for name in files) == 2
+    assert all("_rms_norm_kernel" in name for name in files if name.endswith(".cubin"))
+    assert precompile(entries[:2], 90, processes=1)[0] == 2
+    assert cache_files(cache) == files  # the same cache keys: read back, nothing compiled again
+
+
+def test_library_paths_from_another_installation_fall_back_to_tritons_own():
+    spec = json.loads(rms_norm_entry(1024)["data"])
+    here = spec["options"]["extern_libs"]
+    assert localized(json.dumps(spec))["options"]["extern_libs"] == here  # this installation's: kept
+    spec["options"]["extern_libs"] = [["libdevice", "/elsewhere/triton/lib/libdevice.10.bc"]]
+    assert localized(json.dumps(spec))["options"]["extern_libs"] is None
+    options = make_backend(GPUTarget("cuda", 90, 32)).parse_options({"num_warps": 4})
+    assert [list(lib) for lib in options.extern_libs] == here  # Triton's default: the file the path named
+
+
+def test_the_packaged_manifest_joins_the_recorded_one(tmp_path, monkeypatch):
+    monkeypatch.setattr(kernel_manifest, "MANIFESTS", tmp_path / "manifests")
+    packaged = packaged_manifest(KEY)
+    assert packaged == tmp_path / "manifests" / "sm90-bfloat16.json"
+    a, b, c = rms_norm_entry(1024), rms_norm_entry(2048), rms_norm_entry(4096)
+    packaged.parent.mkdir()
+    packaged.write_text(json.dumps({"key": KEY, "kernels": [a, b]}))
+    recorded = tmp_path / "kernels.json"
+    assert manifest_entries(recorded, KEY) == ([], [a, b])  # a first start on a fresh volume
+    recorded.write_text(json.dumps({"key": KEY, "kernels": [b, c]}))
+    assert manifest_entries(recorded, KEY) == ([b, c], [b, c, a])
+    assert manifest_entries(recorded, {**KEY, "triton": "9.9"}) == ([], [])  # another Triton: neither
+
+
+@pytest.mark.parametrize("capability", ["9.0", "10.0"])
+def test_packaged_manifests_name_their_architecture(capability, tmp_path, monkeypatch):
+    monkeypatch.setattr(kernel_manifest, "MANIFESTS", tmp_path)
+    assert packaged_manifest({**KEY, "capability": capability}).name == f"sm{capability.replace('.', '')}-bfloat16.json"
+
+
+def test_shipping_merges_recorded_manifests_into_the_package(tmp_path, monkeypatch):
+    from ops.ship_kernel_manifest import ship
+
+    monkeypatch.setattr(kernel_manifest, "MANIFESTS", tmp_path / "manifests")
+    a, b, c = rms_norm_entry(1024), rms_norm_entry(2048), rms_norm_entry(4096)
+    for name, kernels in (("one.json", [a, b]), ("two.json", [b, c])):
+        (tmp_path / name).write_text(json.dumps({"key": KEY, "kernels": kernels}))
+    assert ship([tmp_path / "one.json", tmp_path / "two.json"]) == [packaged_manifest(KEY)] * 2
+    shipped = json.loads(packaged_manifest(KEY).read_text())
+    assert shipped["key"] == KEY and sorted(e["data"] for e in shipped["kernels"]) == sorted(e["data"] for e in (a, b, c))
