@@ -216,8 +216,9 @@ def manifest_entries(file: Path, key: dict[str, str]) -> tuple[list[dict[str, st
 
 def start_preload(file: Path | None, device: torch.device, dtype: torch.dtype) -> Future:
     """Record this process's compiles into `file` and preload what an earlier start recorded there and what
-    the package ships for this GPU, in the background: compiled into Triton's cache by child processes, then
-    loaded from it -> a future of (kernels preloaded, seconds). Without a file compiles are only counted."""
+    the package ships for this GPU, in the background: the shipped ones that start did not record compiled
+    into Triton's cache by child processes, then all loaded from it (or compiled here, when the cache was
+    emptied) -> a future of (kernels preloaded, seconds). Without a file compiles are only counted."""
     if file is None:
         record_compiles(None, {})
         done: Future = Future()
@@ -227,13 +228,15 @@ def start_preload(file: Path | None, device: torch.device, dtype: torch.dtype) -
         return started
     key = manifest_key(device, dtype)
     recorded, entries = manifest_entries(file, key)
+    new = entries[len(recorded):]
     record_compiles(file, key)
     major, minor = torch.cuda.get_device_capability(device)
 
     def run() -> tuple[int, float]:
         start = time.perf_counter()
         try:
-            compiled, _ = precompile(entries, major * 10 + minor, precompile_processes()) if entries else (0, 0.0)
+            # What an earlier start on this volume recorded is in its Triton cache already: only the rest.
+            compiled, _ = precompile(new, major * 10 + minor, precompile_processes()) if new else (0, 0.0)
             # Triton compiles for the thread's current device; these are reads of what the children compiled.
             done, _ = preload(entries, preload_workers(), lambda: torch.cuda.set_device(device))
         except Exception as exc:  # noqa: BLE001 - the kernels then compile at their first call, as without a file

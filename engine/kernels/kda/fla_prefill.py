@@ -2,9 +2,9 @@
 
 `chunk_kda` with `cu_seqlens` (varlen: tensors [1, N, H, d], one initial/final state per sequence)
 does the reference's math: g is taken as the natural-log decay we already computed (it cumsums it
-per chunk and rescales by 1/ln 2 for exp2 itself), `use_qk_l2norm_in_kernel` applies fla's
-`l2norm_fwd`, x / sqrt(sum x^2 + 1e-6), the same eps inside the root as ours, and q is scaled by
-d^-0.5 after it. What differs is rounding: fla stores the normalised q/k, the WY factors and the
+per chunk and rescales by 1/ln 2 for exp2 itself), q and k come L2-normalised as fla's
+`use_qk_l2norm_in_kernel` would (x / sqrt(sum x^2 + 1e-6), the same eps inside the root as the
+reference; `l2_normalized` says why not fla's), and q is scaled by d^-0.5 after it. What differs is rounding: fla stores the normalised q/k, the WY factors and the
 per-chunk states in the input dtype (bf16 when serving) where the reference keeps fp32, and its
 fp32-input matmuls may run in TF32. The exact-fp32 intra-chunk path is used (`safe_gate` off), so
 any g is valid, not only gates bounded below by -5.
@@ -35,22 +35,29 @@ def kda_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tens
     from fla.ops.kda import chunk_kda  # here, not at import: importing fla.ops loads every fla op (slow)
 
     assert rec_state.dtype == torch.float32
+    q, k = l2_normalized(q), l2_normalized(k)
     out, final = chunk_kda(q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), g.unsqueeze(0), beta.unsqueeze(0),
-                           initial_state=rec_state[slots], output_final_state=True,
-                           use_qk_l2norm_in_kernel=True, cu_seqlens=cu_seqlens)
+                           initial_state=rec_state[slots], output_final_state=True, cu_seqlens=cu_seqlens)
     rec_state[slots] = final
     return out[0]
+
+
+def l2_normalized(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """x / sqrt(sum x^2 + eps) over the head dim in fp32, stored in x's dtype: what fla's in-kernel q/k norm
+    computes. Ours because fla's autotunes per bucket of rows (tokens x heads / 65,536, a constexpr): each
+    new prefill size class would tune 25 configs in a request."""
+    x32 = x.float()
+    return (x32 * torch.rsqrt(x32.square().sum(-1, keepdim=True) + eps)).to(x.dtype)
 
 
 def warm_up_kda_prefill(device: torch.device | str, heads: int, dim: int, dtype: torch.dtype) -> None:
     """Run fla's autotuners now (seconds per kernel) so the first request does not wait for them.
 
-    The autotune keys never include the token count or the number of sequences: l2norm_fwd (D, and
-    NB = ceil(tokens / 65536)), chunk_local_cumsum (H, S=d, BT, IS_VARLEN), the token-parallel intra
-    kernel (K, H, HV), inter_solve_fused (H, HV, K, BT, BC, NC), recompute_w_u (H, HV, K, V, BT, BK,
-    BV, IS_VARLEN), fwd_h (H, HV, K, V, BT, STATE_V_FIRST) and fwd_o (BT, HV, K, V, STATE_V_FIRST);
-    Triton adds the dtype of every tensor argument. So one small ragged batch per (heads, dim, dtype)
-    tunes every prefill under 65,536 tokens; a larger step would tune l2norm once more. Results also
+    The autotune keys never include the token count or the number of sequences: chunk_local_cumsum (H,
+    S=d, BT, IS_VARLEN), the token-parallel intra kernel (K, H, HV), inter_solve_fused (H, HV, K, BT, BC,
+    NC), recompute_w_u (H, HV, K, V, BT, BK, BV, IS_VARLEN), fwd_h (H, HV, K, V, BT, STATE_V_FIRST) and
+    fwd_o (BT, HV, K, V, STATE_V_FIRST); Triton adds the dtype of every tensor argument. So one small
+    ragged batch per (heads, dim, dtype) tunes every prefill. Results also
     persist in Triton's cache directory (fla sets cache_results), so a restart skips the search; where
     configs are shipped for the GPU (fla_tuning) there is no search, one compile per kernel.
     """

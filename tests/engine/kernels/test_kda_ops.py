@@ -132,3 +132,18 @@ def test_prefill_reference_equals_token_steps():
             o, s = kda_step(q[t:t + 1], k[t:t + 1], v[t:t + 1], g[t:t + 1], beta[t:t + 1], s)
             assert torch.allclose(out[t], o[0], rtol=1e-4, atol=1e-5)
         assert torch.allclose(rec[slot], s[0], rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_l2_normalized_matches_float64(dtype):
+    """The q/k norm the CUDA prefill hands fla: x / sqrt(sum x^2 + 1e-6) per head, stored in x's dtype."""
+    from engine.kernels.kda.fla_prefill import l2_normalized
+
+    x = (torch.randn(37, 4, 128, generator=torch.Generator().manual_seed(0)) * 3).to(dtype)
+    x[0, 0] = 0  # an all-zero head: eps keeps it finite (zero)
+    x64 = x.double()
+    want = x64 / torch.sqrt(x64.square().sum(-1, keepdim=True) + 1e-6)
+    got = l2_normalized(x)
+    assert got.dtype == dtype and torch.equal(got[0, 0], torch.zeros(128, dtype=dtype))
+    tol = 1e-6 if dtype == torch.float32 else 2 ** -8
+    torch.testing.assert_close(got.double(), want, rtol=tol, atol=tol)
