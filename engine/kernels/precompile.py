@@ -60,14 +60,26 @@ def compile_offline(kernel: Any, spec: dict[str, Any], capability: int) -> None:
     triton.compile(ASTSource(kernel, signature, constexprs, attrs), target=target, options=options.__dict__)
 
 
+def split_by_package(entries: list[dict[str, str]], processes: int) -> list[list[dict[str, str]]]:
+    """Shares for `processes` children: each smaller package's kernels (fla's: its import alone takes seconds)
+    in one share, the largest package's spread over the processes left (at least one), alternating so costly
+    tiles mix."""
+    packages: dict[str, list[dict[str, str]]] = {}
+    for entry in entries:
+        packages.setdefault(entry["module"].split(".")[0], []).append(entry)
+    groups = sorted(packages.values(), key=len)
+    shares = []
+    for index, group in enumerate(groups):
+        n = 1 if index < len(groups) - 1 else max(1, processes - len(shares))
+        shares += [group[i::n] for i in range(n) if group[i::n]]
+    return shares
+
+
 def precompile(entries: list[dict[str, str]], capability: int, processes: int) -> tuple[int, float]:
-    """The entries compiled into Triton's cache by `processes` children, each a run of them by module (so few
-    children import fla, whose import is the slowest) -> (entries compiled, seconds). A child that fails only
-    costs its share."""
+    """The entries compiled into Triton's cache by `processes` children -> (entries compiled, seconds). A
+    child that fails only costs its share."""
     start = time.perf_counter()
-    ordered = sorted(entries, key=lambda entry: entry["module"])
-    bounds = [len(ordered) * i // processes for i in range(processes + 1)]
-    shares = [ordered[a:b] for a, b in zip(bounds, bounds[1:]) if b > a]
+    shares = split_by_package(entries, processes)
     with tempfile.TemporaryDirectory(prefix="glmflash-precompile-") as scratch:
         children = []
         for index, share in enumerate(shares):

@@ -109,3 +109,17 @@ def test_shipping_merges_recorded_manifests_into_the_package(tmp_path, monkeypat
     assert ship([tmp_path / "one.json", tmp_path / "two.json"]) == [packaged_manifest(KEY)] * 2
     shipped = json.loads(packaged_manifest(KEY).read_text())
     assert shipped["key"] == KEY and sorted(e["data"] for e in shipped["kernels"]) == sorted(e["data"] for e in (a, b, c))
+
+
+@pytest.mark.parametrize("processes", [1, 2, 4])
+def test_shares_keep_a_small_package_together_and_spread_the_largest(processes):
+    from engine.kernels.precompile import split_by_package
+
+    entries = [{"module": f"engine.kernels.k{i}", "data": str(i)} for i in range(9)]
+    entries += [{"module": f"fla.ops.f{i}", "data": f"f{i}"} for i in range(3)]
+    shares = split_by_package(entries, processes)
+    assert sorted(e["data"] for share in shares for e in share) == sorted(e["data"] for e in entries)
+    assert len(shares) == max(2, processes)  # fla's own share, then the rest
+    fla_shares = [share for share in shares if any(e["module"].startswith("fla.") for e in share)]
+    assert len(fla_shares) == 1 and all(e["module"].startswith("fla.") for e in fla_shares[0])
+    assert split_by_package(entries[:9], processes) == [entries[i:9:processes] for i in range(processes)]
