@@ -29,6 +29,7 @@ from typing import Any, Callable
 import torch
 
 from engine.kernels.background import OncePerKey
+from engine.kernels.cache_keys import settle_kernel_keys
 from engine.kernels.precompile import localized, precompile
 
 log = logging.getLogger("glmflash.engine")
@@ -235,6 +236,7 @@ def start_preload(file: Path | None, device: torch.device, dtype: torch.dtype) -
     def run() -> tuple[int, float]:
         start = time.perf_counter()
         try:
+            settle_kernel_keys()  # the keys the entries' sources were recorded under, whatever runs first
             # What an earlier start on this volume recorded is in its Triton cache already: only the rest.
             compiled, _ = precompile(new, major * 10 + minor, precompile_processes()) if new else (0, 0.0)
             # Triton compiles for the thread's current device; these are reads of what the children compiled.

@@ -101,13 +101,22 @@ def precompile(entries: list[dict[str, str]], capability: int, processes: int) -
 
 
 def main() -> None:
+    from engine.kernels.cache_keys import settle_loaded
     from engine.kernels.kernel_manifest import resolve
 
     entries, capability = json.loads(Path(sys.argv[1]).read_text()), int(sys.argv[2])
-    compiled = 0
+    kernels = []
     for entry in entries:
         try:
-            kernel = resolve(entry["module"], entry["name"])
+            kernels.append(resolve(entry["module"], entry["name"]))
+        except Exception as exc:  # noqa: BLE001 - reported below
+            kernels.append(exc)
+    settle_loaded()  # the keys the serving process gives the same kernels: its cache finds these binaries
+    compiled = 0
+    for entry, kernel in zip(entries, kernels):
+        try:
+            if isinstance(kernel, Exception):
+                raise kernel
             if kernel.cache_key == entry["source"]:
                 compile_offline(kernel, localized(entry["data"]), capability)
                 compiled += 1

@@ -21,6 +21,7 @@ from concurrent.futures import Future, wait
 import torch
 
 from engine.kernels.background import OncePerKey
+from engine.kernels.cache_keys import settle_kernel_keys
 from engine.kernels.dispatch import register
 from engine.kernels.kda.fla_tuning import use_tuned_configs
 
@@ -32,6 +33,7 @@ def kda_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tens
                 rec_state: torch.Tensor, slots: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
     """Same contract as the torch reference `kda_prefill`."""
     use_tuned_configs(torch.cuda.get_device_capability(q.device))  # before fla's import reads the mode
+    settle_kernel_keys()  # imports fla's kernels and gives them keys that do not depend on the call order
     from fla.ops.kda import chunk_kda  # here, not at import: importing fla.ops loads every fla op (slow)
 
     assert rec_state.dtype == torch.float32
@@ -84,6 +86,7 @@ def start_kda_warm_up(device: torch.device | str, heads: int, dim: int, dtype: t
     def run() -> None:
         if after is not None:
             wait([after])
+        settle_kernel_keys()
         warm_up_kda_prefill(device, heads, dim, dtype)
 
     return _warm_ups.start(key, run)

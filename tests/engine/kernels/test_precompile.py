@@ -31,7 +31,8 @@ def compiled_env() -> dict[str, str]:
 @functools.cache
 def rms_norm_source() -> str:
     """`_rms_norm_kernel`'s source hash as a serving process sees it (compiled, not interpreted)."""
-    code = "from engine.kernels.norm.triton_norm import _rms_norm_kernel as k; print(k.cache_key)"
+    code = ("from engine.kernels.norm.triton_norm import _rms_norm_kernel as k\n"
+            "from engine.kernels.cache_keys import settle_loaded\nsettle_loaded()\nprint(k.cache_key)")
     done = subprocess.run([sys.executable, "-c", code], env={**compiled_env(), "PYTHONPATH": os.pathsep.join([os.getcwd(), os.environ.get("PYTHONPATH", "")])},
                           capture_output=True, text=True, check=True)
     return done.stdout.split()[-1]
@@ -123,3 +124,15 @@ def test_shares_keep_a_small_package_together_and_spread_the_largest(processes):
     fla_shares = [share for share in shares if any(e["module"].startswith("fla.") for e in share)]
     assert len(fla_shares) == 1 and all(e["module"].startswith("fla.") for e in fla_shares[0])
     assert split_by_package(entries[:9], processes) == [entries[i:9:processes] for i in range(processes)]
+
+
+def test_resettle_rewrites_sources_as_this_installation_hashes_them(tmp_path):
+    good = rms_norm_entry(1024)
+    manifest = tmp_path / "sm90-bfloat16.json"
+    manifest.write_text(json.dumps({"key": KEY, "kernels": [{**good, "source": "recorded unsettled"}, good]}))
+    done = subprocess.run([sys.executable, "-m", "ops.ship_kernel_manifest", "--resettle", str(manifest)],
+                          env={**compiled_env(), "PYTHONPATH": os.pathsep.join([os.getcwd(), os.environ.get("PYTHONPATH", "")])},
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "sources_changed=1" in done.stdout
+    assert [e["source"] for e in json.loads(manifest.read_text())["kernels"]] == [good["source"]] * 2
