@@ -5,13 +5,13 @@ Triton cache compiles one specialization per kernel instead of timing every cand
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 
 import pytest
 import torch
 
+from tests.child_env import child_env
 from engine.kernels.kda.fla_tuning import tuned_dir
 
 pytestmark = [pytest.mark.gpu,
@@ -50,8 +50,7 @@ def test_shipped_configs_are_this_gpus_candidates(shipped):
 
 
 def test_warm_up_compiles_one_config_per_kernel(shipped, tmp_path):
-    env = {k: v for k, v in os.environ.items() if not k.startswith("FLA_")}
-    env.update(TRITON_CACHE_DIR=str(tmp_path / "triton"), PYTHONPATH=os.pathsep.join([os.getcwd(), os.environ.get("PYTHONPATH", "")]))
+    env = child_env("FLA_", TRITON_CACHE_DIR=str(tmp_path / "triton"))
     done = subprocess.run([sys.executable, "-c", WARM_UP], env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     result = json.loads(done.stdout.strip().splitlines()[-1])

@@ -5,7 +5,6 @@ for the same work, with the same tokens (runs only where a GPU is)."""
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -13,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.child_env import child_env
 from engine.tiny.factory import write_tiny_model
 
 pytestmark = [pytest.mark.gpu,
@@ -33,8 +33,8 @@ print(json.dumps({"at_ready": at_ready, "total": COMPILES.count, "tokens": [o.to
 
 
 def start(snapshot: Path, manifest: Path, triton_cache: Path) -> dict:
-    env = {**os.environ, "TRITON_CACHE_DIR": str(triton_cache), "PYTHONPATH": os.pathsep.join([os.getcwd(), os.environ.get("PYTHONPATH", "")])}
-    done = subprocess.run([sys.executable, "-c", CHILD, str(snapshot), str(manifest)], env=env, capture_output=True,
+    done = subprocess.run([sys.executable, "-c", CHILD, str(snapshot), str(manifest)],
+                          env=child_env(TRITON_CACHE_DIR=str(triton_cache)), capture_output=True,
                           text=True, timeout=900)
     assert done.returncode == 0, done.stderr[-3000:]
     return json.loads(done.stdout.strip().splitlines()[-1])

@@ -5,7 +5,6 @@ whichever helper was hashed before them."""
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 
@@ -13,6 +12,7 @@ import pytest
 
 KEYS = """
 import json, sys
+from tests.child_env import child_env
 from engine.kernels.experts import decode, dequant, prefill
 from engine.kernels.cache_keys import jit_functions, settle_cache_keys
 if sys.argv[1] != "none":
@@ -27,9 +27,8 @@ print(json.dumps({"unsettled": unsettled, "rounds": rounds, "names": names,
 
 
 def keys_after(first: str) -> dict:
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = os.pathsep.join([os.getcwd(), env.get("PYTHONPATH", "")])
-    done = subprocess.run([sys.executable, "-c", KEYS, first], env=env, capture_output=True, text=True, timeout=300)
+    done = subprocess.run([sys.executable, "-c", KEYS, first], env=child_env("TRITON_INTERPRET"), capture_output=True,
+                          text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
     return json.loads(done.stdout.strip().splitlines()[-1])
 

@@ -5,13 +5,12 @@ each is one of its kernel's candidates, which fla picks by the GPU, is checked o
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
+from tests.child_env import child_env
 from engine.kernels.kda.fla_tuning import TUNED, tuned_dir
 from ops.fla_tuned_configs import convert
 
@@ -68,9 +67,8 @@ KERNEL = "chunk_local_cumsum_vector_kernel"
 
 
 def lookup(order: str, key: list) -> dict:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("FLA_")}
     done = subprocess.run([sys.executable, "-c", LOOKUP, order, json.dumps(key), KERNEL], capture_output=True, text=True,
-                          env={**env, "PYTHONPATH": os.pathsep.join([os.getcwd(), os.environ.get("PYTHONPATH", "")])}, timeout=300)
+                          env=child_env("FLA_"), timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
     return json.loads(done.stdout.strip().splitlines()[-1])
 

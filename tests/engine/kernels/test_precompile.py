@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import functools
 import json
-import os
 import subprocess
 import sys
 
@@ -15,6 +14,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler.compiler import make_backend
 from triton.runtime.jit import serialize_specialization_data
 
+from tests.child_env import child_env
 from engine.kernels import kernel_manifest
 from engine.kernels.kernel_manifest import manifest_entries, packaged_manifest
 from engine.kernels.precompile import localized, precompile
@@ -23,17 +23,11 @@ KEY = {"capability": "9.0", "triton": "3.6.0", "dtype": "bfloat16"}
 
 
 @functools.cache
-def compiled_env() -> dict[str, str]:
-    """The children compile (the tests' own Triton kernels run in its interpreter)."""
-    return {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-
-
-@functools.cache
 def rms_norm_source() -> str:
     """`_rms_norm_kernel`'s source hash as a serving process sees it (compiled, not interpreted)."""
     code = ("from engine.kernels.norm.triton_norm import _rms_norm_kernel as k\n"
             "from engine.kernels.cache_keys import settle_loaded\nsettle_loaded()\nprint(k.cache_key)")
-    done = subprocess.run([sys.executable, "-c", code], env={**compiled_env(), "PYTHONPATH": os.pathsep.join([os.getcwd(), os.environ.get("PYTHONPATH", "")])},
+    done = subprocess.run([sys.executable, "-c", code], env=child_env("TRITON_INTERPRET"),
                           capture_output=True, text=True, check=True)
     return done.stdout.split()[-1]
 
@@ -131,7 +125,7 @@ def test_resettle_rewrites_sources_as_this_installation_hashes_them(tmp_path):
     manifest = tmp_path / "sm90-bfloat16.json"
     manifest.write_text(json.dumps({"key": KEY, "kernels": [{**good, "source": "recorded unsettled"}, good]}))
     done = subprocess.run([sys.executable, "-m", "ops.ship_kernel_manifest", "--resettle", str(manifest)],
-                          env={**compiled_env(), "PYTHONPATH": os.pathsep.join([os.getcwd(), os.environ.get("PYTHONPATH", "")])},
+                          env=child_env("TRITON_INTERPRET"),  # compiled, not the tests' interpreter
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
     assert "sources_changed=1" in done.stdout
