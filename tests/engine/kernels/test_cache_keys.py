@@ -10,9 +10,10 @@ import sys
 
 import pytest
 
+from tests.child_env import child_env
+
 KEYS = """
 import json, sys
-from tests.child_env import child_env
 from engine.kernels.experts import decode, dequant, prefill
 from engine.kernels.cache_keys import jit_functions, settle_cache_keys
 if sys.argv[1] != "none":
