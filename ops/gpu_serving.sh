@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # The serving figures measured on a CUDA machine, in one run cut at BUDGET_S seconds (default 540), from the
 # repository root:  bash ops/gpu_serving.sh OUT_DIR [tests] [boot] [serve]   (default: all three, in this order)
-# tests: the prefix cache, structured output and the compiled-kernel manifest on CUDA:
+# tests: the prefix cache, structured output, the compiled-kernel manifest, fla's shipped configs and the KDA
+#        kernels on CUDA:
 #          python3 -m pytest -q tests/gpu/test_prefix_cache_cuda.py tests/gpu/test_structured_cuda.py \
-#              tests/gpu/test_kernel_manifest_cuda.py
+#              tests/gpu/test_kernel_manifest_cuda.py tests/gpu/test_fla_tuning_cuda.py tests/gpu/test_kda_kernels.py
 # boot:  process start to /ready and to the first token, cold and fast_resume, against raw reads of the same
 #        bytes with the page cache dropped; then the same with early readiness (tok/s while experts fill in).
 #        On a full-width NVFP4 slice on the local disk, its prepared snapshot beside it in WORK_DIR/cache:
@@ -89,7 +90,7 @@ if has tests; then
   echo "### tests"
   step 150 $((reserve_boot + reserve_serve)) "$out/tests.log" \
     python3 -m pytest -q tests/gpu/test_prefix_cache_cuda.py tests/gpu/test_structured_cuda.py \
-      tests/gpu/test_kernel_manifest_cuda.py >/dev/null
+      tests/gpu/test_kernel_manifest_cuda.py tests/gpu/test_fla_tuning_cuda.py tests/gpu/test_kda_kernels.py >/dev/null
   tail -15 "$out/tests.log"
 fi
 
