@@ -21,8 +21,8 @@
 # boot run reads the slice six times and writes it once (~1.5 GB/s on an H200 machine's disk). The issue's
 # >= 20 GB (SLICE_GIB=20: 18.8 GiB, 4 layers, one of them DSA) fits a run without the tests:
 #          SLICE_GIB=20 bash ops/gpu_serving.sh OUT_DIR boot serve
-# The first cold start also compiles and autotunes the full-width Triton kernels (inside its load stage: ~80 s on
-# an H200); later starts on the same cache read them back (<cache>/triton).
+# Each cold start also compiles the full-width Triton kernels (beside its reads: 30-50 s on an H200, fla's tuning
+# shipped); later starts on the same cache read them back (<cache>/triton).
 # Each step is cut at the time left less what later steps keep, and its figures are printed as measured.
 # DEVICE=cpu checks the script on a CPU machine (with SLICE_GIB=0.3: the smallest slice, 2.8 GiB; AGENT_ARGS,
 # STRUCTURED_ARGS to shrink the workloads). Wheels the machine lacks: see ops/gpu_env.sh. OUT_DIR gets run.log
