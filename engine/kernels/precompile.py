@@ -23,6 +23,7 @@ from typing import Any
 log = logging.getLogger("glmflash.engine")
 
 CHILD = "from engine.kernels.precompile import main; main()"  # not `-m`: the package imports this module first
+CHILD_TIMEOUT_S = 240  # all children together; far above the ~30 s a 20 GB start's took
 
 
 def localized(data: str) -> dict[str, Any]:
@@ -88,8 +89,15 @@ def precompile(entries: list[dict[str, str]], capability: int, processes: int) -
             children.append(subprocess.Popen([sys.executable, "-c", CHILD, str(file), str(capability)],
                                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
         compiled = 0
+        deadline = time.monotonic() + CHILD_TIMEOUT_S
         for child in children:
-            out, err = child.communicate()
+            try:
+                out, err = child.communicate(timeout=max(1.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:  # the engine waits on this: a stuck child only loses its share
+                child.kill()
+                child.communicate()
+                log.warning("event=kernel_precompile_failed error=timeout seconds=%d", CHILD_TIMEOUT_S)
+                continue
             for line in err.splitlines():  # the kernels a child could not compile, one line each
                 if line.startswith("event="):
                     log.warning(line)

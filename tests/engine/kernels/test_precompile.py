@@ -130,3 +130,14 @@ def test_resettle_rewrites_sources_as_this_installation_hashes_them(tmp_path):
     assert done.returncode == 0, done.stderr[-2000:]
     assert "sources_changed=1" in done.stdout
     assert [e["source"] for e in json.loads(manifest.read_text())["kernels"]] == [good["source"]] * 2
+
+
+def test_a_stuck_child_is_stopped_and_costs_only_its_share(monkeypatch, caplog):
+    from engine.kernels import precompile as module
+
+    monkeypatch.setattr(module, "CHILD", "import time; time.sleep(60)")
+    monkeypatch.setattr(module, "CHILD_TIMEOUT_S", 2)
+    with caplog.at_level("WARNING", logger="glmflash.engine"):
+        compiled, seconds = precompile([rms_norm_entry(1024), rms_norm_entry(2048)], 90, processes=2)
+    assert compiled == 0 and seconds < 20
+    assert caplog.text.count("event=kernel_precompile_failed error=timeout") == 2
