@@ -8,6 +8,8 @@ first (measured: `experts.prefill._down_kernel`, three keys in three H200 starts
 warm Triton cache misses, a recorded manifest's entries look stale and binaries another process compiled
 are not found. Hashing every function again until no key changes gives each the key that holds all its
 callees' constexprs, in any order: `settle_cache_keys` does that before a process hashes for a launch.
+Triton fixed the order upstream (triton-lang/triton#10494, after 3.6); with such a Triton the first round
+already agrees and the settling costs one more hashing pass.
 """
 
 from __future__ import annotations
