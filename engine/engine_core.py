@@ -88,6 +88,7 @@ class EngineOptions:
     pcie_expert_percent: int | None = None
     miss_split_file: Path | None = None  # where the measured CPU and PCIe rates are kept between starts
     kernels_file: Path | None = None  # the Triton specializations compiled, preloaded by the next start
+    precompile_processes: int | None = None  # children compiling them meanwhile (0: none; None: by the cores)
     prefix_cache: bool = True  # start requests from the saved state of their longest cached prefix
     prefix_cache_bytes: int = 4 << 30  # device memory for cached prefixes (snapshots and extra pages)
     prefix_cache_host_bytes: int = 0  # host RAM for prefixes evicted from the device (0: none, evictions drop)
@@ -129,7 +130,7 @@ class EngineCore:
         embed = weights["embed_tokens.weight"]
         dev, dtype = embed.device, embed.dtype
         if dev.type == "cuda" and fast_kernels_enabled():
-            self._wait_for_warm_up(options.kernels_file, dev, dtype)
+            self._wait_for_warm_up(options, dev, dtype)
         # Caches first: an automatic expert budget is the device memory they leave.
         pages, tier = _cache_pages(config, options, dtype)
         self.slots, self.cache = _caches(config, options, dev, dtype)  # the prefix cache's device pages join
@@ -153,12 +154,12 @@ class EngineCore:
         if dev.type == "cuda":  # what the start compiled; from here on each compile is logged on its own
             log.info("event=kernel_compiles %s", COMPILES.started())
 
-    def _wait_for_warm_up(self, kernels_file: Path | None, device: torch.device, dtype: torch.dtype) -> None:
+    def _wait_for_warm_up(self, options: EngineOptions, device: torch.device, dtype: torch.dtype) -> None:
         """Before the engine's first kernel: the kernels an earlier start compiled are compiled again (or read
         from Triton's cache) and fla's prefill kernels tuned, both started with the reads; neither then
         competes with the engine's own GPU work (placement timings, graph capture)."""
         start = time.perf_counter()
-        self.start_warm_up(self.config, device, dtype, kernels_file).result()
+        self.start_warm_up(self.config, device, dtype, options.kernels_file, options.precompile_processes).result()
         log.info("event=warm_up_wait waited_s=%.2f", time.perf_counter() - start)
 
     def _warm_up(self, options: EngineOptions) -> None:
@@ -197,7 +198,7 @@ class EngineCore:
 
     @staticmethod
     def start_warm_up(config: ModelConfig, device: torch.device, dtype: torch.dtype,
-                      kernels_file: Path | None = None) -> Future:
+                      kernels_file: Path | None = None, precompile_processes: int | None = None) -> Future:
         """Start the warm-up that needs only the config in the background: the preload of the Triton kernels
         an earlier start recorded in `kernels_file` (this one records its own there) and fla's KDA-prefill
         autotuning, after it. A loader calls it before reading the weights, the engine waits on it before its
@@ -207,7 +208,7 @@ class EngineCore:
             if device.index is None:  # one warm-up for "cuda" (a loader's) and "cuda:0" (the weights')
                 device = torch.device("cuda", torch.cuda.current_device())
             use_tuned_configs(torch.cuda.get_device_capability(device))  # before the preload imports fla
-            preload = start_preload(kernels_file, device, dtype)
+            preload = start_preload(kernels_file, device, dtype, precompile_processes)
             return start_kda_warm_up(device, config.linear_num_heads, config.linear_head_dim, dtype, after=preload)
         done: Future = Future()
         done.set_result(None)
@@ -269,7 +270,7 @@ class EngineCore:
             raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
         config = ModelConfig.from_dir(model)
         device = torch.device(device)
-        cls.start_warm_up(config, device, DTYPES[dtype], options.kernels_file)
+        cls.start_warm_up(config, device, DTYPES[dtype], options.kernels_file, options.precompile_processes)
         budget, slots = plan_load(options.moe_vram_budget, device, checkpoint_sizes(Path(model), config),
                                   len(config.moe_layers), config.n_routed_experts,
                                   cls.cache_bytes(config, options, DTYPES[dtype]))

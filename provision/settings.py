@@ -93,6 +93,10 @@ class Settings(BaseSettings):
                                         description="Endpoint of an S3-compatible store (MinIO, R2, ...)")
     download_workers: int = Field(8, ge=1, validation_alias=_env("DOWNLOAD_WORKERS"),
                                   description="Parallel downloads / ranged GETs")
+    kernel_precompile_processes: int | None = Field(
+        None, ge=0, validation_alias=_env("KERNEL_PRECOMPILE_PROCESSES"),
+        description="Child processes compiling the shipped GPU kernels the volume's cache lacks while the weights "
+                    "load (0: none, they compile in the server; default: a quarter of the cores, at most 4)")
     ready_at: Literal["loaded", "partial"] = Field(
         "loaded", validation_alias=_env("READY_AT"),
         description="When /ready turns 200: loaded (every weight in place) or partial (the non-expert weights in "

@@ -15,6 +15,6 @@ def engine_options(settings: Settings, moe_vram_budget: int | str | None = None,
                          moe_vram_budget=moe_vram_budget, cpu_expert_threads=settings.cpu_expert_threads,
                          cpu_expert_pin=settings.cpu_expert_pin,
                          pcie_expert_percent=settings.pcie_expert_percent, miss_split_file=miss_split_file,
-                         kernels_file=kernels_file,
+                         kernels_file=kernels_file, precompile_processes=settings.kernel_precompile_processes,
                          prefix_cache=settings.prefix_cache, prefix_cache_bytes=settings.prefix_cache_bytes,
                          prefix_cache_host_bytes=settings.prefix_cache_host_bytes)

@@ -177,7 +177,8 @@ def provision_and_load(settings: Settings, clock: StageClock) -> LoadedModel:
         clock.stage("load", path=str(prepared))
         try:
             config = ModelConfig.from_dir(files)
-            EngineCore.start_warm_up(config, device, DTYPES[dtype], home / KERNELS_FILE)  # while the reads run
+            EngineCore.start_warm_up(config, device, DTYPES[dtype], home / KERNELS_FILE,  # while the reads run
+                                     settings.kernel_precompile_processes)
             budget, slots = _placement(settings, config, device, prepared_sizes(read_plan(prepared).meta))
             experts = None
             if settings.ready_at == "partial":
@@ -197,7 +198,8 @@ def provision_and_load(settings: Settings, clock: StageClock) -> LoadedModel:
     identity = _fetch(source, files, settings, clock)
     clock.stage("prepare", path=str(prepared), written="after_ready")
     config = ModelConfig.from_dir(files)
-    EngineCore.start_warm_up(config, device, DTYPES[dtype], home / KERNELS_FILE)
+    EngineCore.start_warm_up(config, device, DTYPES[dtype], home / KERNELS_FILE,
+                             settings.kernel_precompile_processes)
     budget, slots = _placement(settings, config, device, checkpoint_sizes(files, config))
     start, read = time.perf_counter(), [0]
 

@@ -215,11 +215,13 @@ def manifest_entries(file: Path, key: dict[str, str]) -> tuple[list[dict[str, st
     return recorded, recorded + [e for e in read_manifest(packaged_manifest(key), key) if e["data"] not in known]
 
 
-def start_preload(file: Path | None, device: torch.device, dtype: torch.dtype) -> Future:
+def start_preload(file: Path | None, device: torch.device, dtype: torch.dtype,
+                  processes: int | None = None) -> Future:
     """Record this process's compiles into `file` and preload what an earlier start recorded there and what
     the package ships for this GPU, in the background: the shipped ones that start did not record compiled
     into Triton's cache by child processes, then all loaded from it (or compiled here, when the cache was
-    emptied) -> a future of (kernels preloaded, seconds). Without a file compiles are only counted."""
+    emptied) -> a future of (kernels preloaded, seconds). `processes`: children (0: none, None:
+    `precompile_processes()`). Without a file compiles are only counted."""
     if file is None:
         record_compiles(None, {})
         done: Future = Future()
@@ -238,7 +240,8 @@ def start_preload(file: Path | None, device: torch.device, dtype: torch.dtype) -
         try:
             settle_kernel_keys()  # the keys the entries' sources were recorded under, whatever runs first
             # What an earlier start on this volume recorded is in its Triton cache already: only the rest.
-            compiled, _ = precompile(new, major * 10 + minor, precompile_processes()) if new else (0, 0.0)
+            children = precompile_processes() if processes is None else processes
+            compiled, _ = precompile(new, major * 10 + minor, children) if new and children else (0, 0.0)
             # Triton compiles for the thread's current device; these are reads of what the children compiled.
             done, _ = preload(entries, preload_workers(), lambda: torch.cuda.set_device(device))
         except Exception as exc:  # noqa: BLE001 - the kernels then compile at their first call, as without a file

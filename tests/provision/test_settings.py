@@ -64,3 +64,15 @@ def test_offload_settings_are_checked(monkeypatch, tmp_path):
     monkeypatch.setenv("GLMFLASH_PCIE_EXPERT_PERCENT", "40")
     settings = Settings()
     assert settings.pcie_expert_percent == 40 and settings.expert_calibration == tmp_path / "prompts.txt"
+
+
+def test_kernel_precompile_processes_reach_the_engine(monkeypatch):
+    from worker.engine_options import engine_options
+
+    monkeypatch.delenv("GLMFLASH_KERNEL_PRECOMPILE_PROCESSES", raising=False)
+    assert engine_options(Settings()).precompile_processes is None  # by the cores
+    monkeypatch.setenv("GLMFLASH_KERNEL_PRECOMPILE_PROCESSES", "0")
+    assert engine_options(Settings()).precompile_processes == 0  # compile in the server
+    monkeypatch.setenv("GLMFLASH_KERNEL_PRECOMPILE_PROCESSES", "-1")
+    with pytest.raises(ValidationError):
+        Settings()
