@@ -23,7 +23,7 @@ from engine.checkpoint.loader import LoadedWeights, checkpoint_sizes, load_weigh
 from engine.kernels.dispatch import fast_kernels_enabled
 from engine.kernels.kda.fla_prefill import start_kda_warm_up
 from engine.kernels.kda.fla_tuning import use_tuned_configs
-from engine.kernels.kernel_manifest import COMPILES, start_preload
+from engine.kernels.kernel_manifest import COMPILES, model_shapes, start_preload
 from engine.config import ModelConfig
 from engine.checkpoint.availability import ExpertAvailability
 from engine.experts import default_executor, executor_class
@@ -208,7 +208,7 @@ class EngineCore:
             if device.index is None:  # one warm-up for "cuda" (a loader's) and "cuda:0" (the weights')
                 device = torch.device("cuda", torch.cuda.current_device())
             use_tuned_configs(torch.cuda.get_device_capability(device))  # before the preload imports fla
-            preload = start_preload(kernels_file, device, dtype, precompile_processes)
+            preload = start_preload(kernels_file, device, dtype, model_shapes(config), precompile_processes)
             return start_kda_warm_up(device, config.linear_num_heads, config.linear_head_dim, dtype, after=preload)
         done: Future = Future()
         done.set_result(None)

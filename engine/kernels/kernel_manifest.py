@@ -28,6 +28,7 @@ from typing import Any, Callable
 
 import torch
 
+from engine.config import ModelConfig
 from engine.kernels.background import OncePerKey
 from engine.kernels.cache_keys import settle_kernel_keys
 from engine.kernels.precompile import localized, precompile
@@ -37,13 +38,21 @@ log = logging.getLogger("glmflash.engine")
 MANIFESTS = Path(__file__).with_name("manifests")
 
 
-def manifest_key(device: torch.device, dtype: torch.dtype) -> dict[str, str]:
-    """What a manifest is valid for: its specializations name dtypes, its binaries a GPU architecture (an H100's
-    serve an H200) and a Triton."""
+def manifest_key(device: torch.device, dtype: torch.dtype, shapes: str) -> dict[str, str]:
+    """What a manifest is valid for: its specializations name dtypes and a model's dimensions (`model_shapes`),
+    its binaries a GPU architecture (an H100's serve an H200) and a Triton."""
     import triton
 
     major, minor = torch.cuda.get_device_capability(device)
-    return {"capability": f"{major}.{minor}", "triton": triton.__version__, "dtype": str(dtype).removeprefix("torch.")}
+    return {"capability": f"{major}.{minor}", "triton": triton.__version__, "dtype": str(dtype).removeprefix("torch."),
+            "shapes": shapes}
+
+
+def model_shapes(config: ModelConfig) -> str:
+    """The dimensions the kernels specialize on (not the layer count: a slice of the release compiles what the
+    release does), so a manifest shipped for the release is not preloaded for another model."""
+    return (f"hidden={config.hidden_size},experts={config.n_routed_experts},moe={config.moe_intermediate_size},"
+            f"kda={config.linear_num_heads}x{config.linear_head_dim},vocab={config.vocab_size}")
 
 
 @dataclass
@@ -215,7 +224,7 @@ def manifest_entries(file: Path, key: dict[str, str]) -> tuple[list[dict[str, st
     return recorded, recorded + [e for e in read_manifest(packaged_manifest(key), key) if e["data"] not in known]
 
 
-def start_preload(file: Path | None, device: torch.device, dtype: torch.dtype,
+def start_preload(file: Path | None, device: torch.device, dtype: torch.dtype, shapes: str = "",
                   processes: int | None = None) -> Future:
     """Record this process's compiles into `file` and preload what an earlier start recorded there and what
     the package ships for this GPU, in the background: the shipped ones that start did not record compiled
@@ -229,7 +238,7 @@ def start_preload(file: Path | None, device: torch.device, dtype: torch.dtype,
         return done
     if (started := _preloads.started(file)) is not None:
         return started
-    key = manifest_key(device, dtype)
+    key = manifest_key(device, dtype, shapes)
     recorded, entries = manifest_entries(file, key)
     new = entries[len(recorded):]
     record_compiles(file, key)

@@ -17,7 +17,7 @@ from triton import knobs
 from engine.kernels import kernel_manifest
 from engine.kernels.kernel_manifest import CompileLog, preload, read_manifest, record_compiles
 
-KEY = {"capability": "9.0", "triton": "3.6.0", "dtype": "bfloat16"}
+KEY = {"capability": "9.0", "triton": "3.6.0", "dtype": "bfloat16", "shapes": "hidden=4096,experts=288"}
 
 
 def compile_kwargs(module: str, name: str, data: str, source: str = "src") -> dict:
@@ -42,13 +42,13 @@ def test_a_compile_is_timed_and_its_specialization_kept(tmp_path):
     assert not list(tmp_path.glob(".*.part"))  # written through a temporary file, renamed into place
 
 
-def test_a_manifest_for_another_architecture_triton_or_dtype_or_torn_is_not_read(tmp_path):
+def test_a_manifest_for_another_architecture_triton_dtype_or_model_or_torn_is_not_read(tmp_path):
     file = tmp_path / "kernels.json"
     compiles = CompileLog(key=KEY, file=file)
     compiles.after(**compile_kwargs("m", "k", "a"))
     compiles.started()
     assert len(read_manifest(file, KEY)) == 1
-    for change in ({"capability": "10.0"}, {"triton": "3.7.0"}, {"dtype": "float32"}):
+    for change in ({"capability": "10.0"}, {"triton": "3.7.0"}, {"dtype": "float32"}, {"shapes": "hidden=64"}):
         assert read_manifest(file, {**KEY, **change}) == []
     file.write_text(file.read_text()[:20])
     assert read_manifest(file, KEY) == []
@@ -154,3 +154,17 @@ def test_without_a_file_compiles_are_counted_and_nothing_is_preloaded(monkeypatc
     knobs.runtime.jit_post_compile_hook(**compile_kwargs("m", "k", "a"))
     assert kernel_manifest.COMPILES.count == 1 and kernel_manifest.COMPILES.file is None
 
+
+
+def test_model_shapes_leave_out_the_layer_count():
+    from engine.config import ModelConfig
+    from engine.kernels.kernel_manifest import model_shapes
+    from engine.tiny.factory import tiny_config
+    from ops.bench_engine import slice_text_config
+
+    release = model_shapes(ModelConfig.from_dict(slice_text_config(4)))
+    assert release == model_shapes(ModelConfig.from_dict(slice_text_config(45)))  # a slice compiles what all do
+    assert release == "hidden=4096,experts=288,moe=2048,kda=64x128,vocab=154880"
+    assert model_shapes(ModelConfig.from_dict(tiny_config())) != release  # the shipped manifest is not the tiny's
+    for shipped in kernel_manifest.MANIFESTS.glob("*.json"):  # what the package ships is for the release
+        assert json.loads(shipped.read_text())["key"]["shapes"] == release

@@ -19,7 +19,8 @@ from engine.kernels import kernel_manifest
 from engine.kernels.kernel_manifest import manifest_entries, packaged_manifest
 from engine.kernels.precompile import localized, precompile
 
-KEY = {"capability": "9.0", "triton": "3.6.0", "dtype": "bfloat16"}
+KEY = {"capability": "9.0", "triton": "3.6.0", "dtype": "bfloat16",
+       "shapes": "hidden=4096,experts=288,moe=2048,kda=64x128,vocab=154880"}
 
 
 @functools.cache
