@@ -8,9 +8,9 @@ on an H200 (ops/BENCHMARKS.md), after the reads, and a new prefill shape can sti
 `CompileLog` hooks Triton's compiler (`knobs.runtime.jit_cache_hook` before each compile and
 `jit_post_compile_hook` after it, chained to hooks already set): it times every compile and keeps each
 one's specialization data, written to the manifest once the engine has started and at each compile after
-that. A later start on the same GPU architecture, Triton, dtype and model dimensions calls each kernel's `preload` with it
-(compile, or read Triton's cache, without running anything) on threads of their own, started with the
-weight reads; the engine waits for them before its first kernel runs.
+that. A later start on the same GPU architecture, Triton, dtype and model dimensions calls each kernel's
+`preload` with it (compile, or read Triton's cache, without running anything) on threads of their own,
+started with the weight reads; the engine waits for them before its first kernel runs.
 """
 
 from __future__ import annotations
