@@ -8,6 +8,6 @@ import os
 
 def child_env(*drop_prefixes: str, **overrides: str) -> dict[str, str]:
     """os.environ less the variables starting with any of `drop_prefixes`, plus `overrides`."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith(drop_prefixes)} if drop_prefixes else dict(os.environ)
+    env = {k: v for k, v in os.environ.items() if not (drop_prefixes and k.startswith(drop_prefixes))}
     env["PYTHONPATH"] = os.pathsep.join([os.getcwd(), os.environ.get("PYTHONPATH", "")])
     return {**env, **overrides}

@@ -4,9 +4,9 @@
 does the reference's math: g is taken as the natural-log decay we already computed (it cumsums it
 per chunk and rescales by 1/ln 2 for exp2 itself), q and k come L2-normalised as fla's
 `use_qk_l2norm_in_kernel` would (x / sqrt(sum x^2 + 1e-6), the same eps inside the root as the
-reference; `l2_normalized` says why not fla's), and q is scaled by d^-0.5 after it. What differs is rounding: fla stores the normalised q/k, the WY factors and the
-per-chunk states in the input dtype (bf16 when serving) where the reference keeps fp32, and its
-fp32-input matmuls may run in TF32. The exact-fp32 intra-chunk path is used (`safe_gate` off), so
+reference; `l2_normalized` says why not fla's), and q is scaled by d^-0.5 after it. What differs is
+rounding: fla stores the normalised q/k, the WY factors and the per-chunk states in the input dtype (bf16
+when serving) where the reference keeps fp32, and its fp32-input matmuls may run in TF32. The exact-fp32 intra-chunk path is used (`safe_gate` off), so
 any g is valid, not only gates bounded below by -5.
 
 Not for CUDA graphs: fla sizes its chunk list from cu_seqlens with a host sync (repeat_interleave)

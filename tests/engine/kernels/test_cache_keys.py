@@ -23,7 +23,8 @@ unsettled = prefill._down_kernel.cache_key
 rounds = settle_cache_keys([decode, prefill])
 names = sorted(f"{fn.__module__}.{fn.__name__}" for fn in jit_functions([decode]))
 print(json.dumps({"unsettled": unsettled, "rounds": rounds, "names": names,
-                  "keys": [prefill._down_kernel.cache_key, decode._down_kernel.cache_key, dequant.gemv_partial.cache_key]}))
+                  "keys": [prefill._down_kernel.cache_key, decode._down_kernel.cache_key,
+                           dequant.gemv_partial.cache_key]}))
 """
 
 

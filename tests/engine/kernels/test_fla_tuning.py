@@ -67,8 +67,8 @@ KERNEL = "chunk_local_cumsum_vector_kernel"
 
 
 def lookup(order: str, key: list) -> dict:
-    done = subprocess.run([sys.executable, "-c", LOOKUP, order, json.dumps(key), KERNEL], capture_output=True, text=True,
-                          env=child_env("FLA_"), timeout=300)
+    done = subprocess.run([sys.executable, "-c", LOOKUP, order, json.dumps(key), KERNEL], capture_output=True,
+                          text=True, env=child_env("FLA_"), timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
     return json.loads(done.stdout.strip().splitlines()[-1])
 

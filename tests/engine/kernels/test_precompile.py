@@ -104,7 +104,8 @@ def test_shipping_merges_recorded_manifests_into_the_package(tmp_path, monkeypat
         (tmp_path / name).write_text(json.dumps({"key": KEY, "kernels": kernels}))
     assert ship([tmp_path / "one.json", tmp_path / "two.json"]) == [packaged_manifest(KEY)] * 2
     shipped = json.loads(packaged_manifest(KEY).read_text())
-    assert shipped["key"] == KEY and sorted(e["data"] for e in shipped["kernels"]) == sorted(e["data"] for e in (a, b, c))
+    assert shipped["key"] == KEY
+    assert sorted(e["data"] for e in shipped["kernels"]) == sorted(e["data"] for e in (a, b, c))
 
 
 @pytest.mark.parametrize("processes", [1, 2, 4])
