@@ -15,11 +15,14 @@ already agrees and the settling costs one more hashing pass.
 from __future__ import annotations
 
 import importlib
+import logging
 import pkgutil
 import sys
 import threading
 from types import ModuleType
 from typing import Any, Iterable
+
+log = logging.getLogger("glmflash.engine")
 
 MAX_ROUNDS = 16  # one per level of calls; kernels here nest three or four deep
 
@@ -92,6 +95,7 @@ def settle_kernel_keys() -> None:
     with _settled:
         if _done:
             return
+        _done = True
         import engine.kernels
 
         for info in pkgutil.walk_packages(engine.kernels.__path__, "engine.kernels."):
@@ -99,6 +103,8 @@ def settle_kernel_keys() -> None:
                 importlib.import_module(info.name)
             except ImportError:  # the CPU kernels' library sits beside them: loaded by ctypes, not imported
                 continue
-        importlib.import_module("fla.ops.kda")
-        settle_loaded()
-        _done = True
+        try:
+            importlib.import_module("fla.ops.kda")
+            settle_loaded()
+        except Exception as exc:  # noqa: BLE001 - keys then depend on the order, as without settling: slower, not wrong
+            log.warning("event=kernel_keys_unsettled error=%r", exc)
