@@ -218,7 +218,8 @@ def main() -> None:
         files = [prepared / name for name in read_plan(prepared).files]
         before = raw_read(files, args.workers)
         evict(shards)
-        fast = one_start(args.cache_dir, flags, wait_prepared=False, partial=partial, log_file=log_file("fast_resume", n))
+        fast = one_start(args.cache_dir, flags, wait_prepared=False, partial=partial,
+                         log_file=log_file("fast_resume", n))
         report("fast_resume", faster(before, raw_read(files, args.workers)), fast)
 
 

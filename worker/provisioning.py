@@ -166,7 +166,7 @@ def provision_and_load(settings: Settings, clock: StageClock) -> LoadedModel:
     spec, name = model_spec(settings)
     device, dtype = torch.device(settings.resolved_device()), settings.resolved_dtype()
     home = settings.cache_dir / "models" / _slug(spec, settings.model_revision)
-    prepared = home / "prepared"
+    prepared, kernels_file = home / "prepared", home / KERNELS_FILE
     source = source_for(spec, settings)
     files = source.root if isinstance(source, LocalSource) else home / "snapshot"
     wanted = {"spec": spec, "revision": settings.model_revision, "dtype": dtype}
@@ -177,7 +177,7 @@ def provision_and_load(settings: Settings, clock: StageClock) -> LoadedModel:
         clock.stage("load", path=str(prepared))
         try:
             config = ModelConfig.from_dir(files)
-            EngineCore.start_warm_up(config, device, DTYPES[dtype], home / KERNELS_FILE,  # while the reads run
+            EngineCore.start_warm_up(config, device, DTYPES[dtype], kernels_file,  # while the reads run
                                      settings.kernel_precompile_processes)
             budget, slots = _placement(settings, config, device, prepared_sizes(read_plan(prepared).meta))
             experts = None
@@ -189,7 +189,7 @@ def provision_and_load(settings: Settings, clock: StageClock) -> LoadedModel:
                 weights, stats = load_prepared(prepared, device, settings.download_workers, expert_slots=slots)
             clock.progress(read_gb_s=round(stats.gb_per_s, 3), bytes=stats.bytes, **_host_memory(rss_before))
             return LoadedModel(config, weights, files, name, budget, experts=experts,
-                               miss_split_file=home / MISS_SPLIT_FILE, kernels_file=home / KERNELS_FILE)
+                               miss_split_file=home / MISS_SPLIT_FILE, kernels_file=kernels_file)
         except PreparedSnapshotError as exc:
             clock.stage("repair", reason=_quote(str(exc)))
             problems = [str(exc)]
@@ -198,8 +198,7 @@ def provision_and_load(settings: Settings, clock: StageClock) -> LoadedModel:
     identity = _fetch(source, files, settings, clock)
     clock.stage("prepare", path=str(prepared), written="after_ready")
     config = ModelConfig.from_dir(files)
-    EngineCore.start_warm_up(config, device, DTYPES[dtype], home / KERNELS_FILE,
-                             settings.kernel_precompile_processes)
+    EngineCore.start_warm_up(config, device, DTYPES[dtype], kernels_file, settings.kernel_precompile_processes)
     budget, slots = _placement(settings, config, device, checkpoint_sizes(files, config))
     start, read = time.perf_counter(), [0]
 
@@ -216,8 +215,7 @@ def provision_and_load(settings: Settings, clock: StageClock) -> LoadedModel:
     clock.stage("load", path="in-memory (converted)", bytes=read[0], read_gb_s=round(read[0] / seconds / 1e9, 3),
                 **_host_memory(rss_before), **({"experts": "deferred"} if experts is not None else {}))
     job = PreparedWrite(prepared, {"source": {**wanted, "files": identity.to_dict()}}, weights)
-    return LoadedModel(config, weights, files, name, budget, job, experts, home / MISS_SPLIT_FILE,
-                       home / KERNELS_FILE)
+    return LoadedModel(config, weights, files, name, budget, job, experts, home / MISS_SPLIT_FILE, kernels_file)
 
 
 def _rss_gib() -> float:

@@ -4,10 +4,10 @@ to the logits where they are.
 `start()` hands the constrained rows to a helper thread before the forward is launched; llguidance
 computes the grammar rows in its own thread pool with the GIL released, so the masks are ready, or
 nearly, when the logits are. (Its executor is called directly, as `llguidance.torch` does: importing that
-module compiles a torch function, ~5 s of every process start.) `apply()` waits for them, copies the one bitmask and the rows' index
-(pinned on CUDA, so the copies queue behind the forward instead of waiting for it) to the logits'
-device, unpacks it there and sets the disallowed logits of those rows to -inf. Rows without a
-constraint are not touched, so they keep the sampler's on-device fast path.
+module compiles a torch function, ~5 s of every process start.) `apply()` waits for them, copies the one
+bitmask and the rows' index (pinned on CUDA, so the copies queue behind the forward instead of waiting
+for it) to the logits' device, unpacks it there and sets the disallowed logits of those rows to -inf.
+Rows without a constraint are not touched, so they keep the sampler's on-device fast path.
 """
 
 from __future__ import annotations

@@ -6,8 +6,8 @@ per chunk and rescales by 1/ln 2 for exp2 itself), q and k come L2-normalised as
 `use_qk_l2norm_in_kernel` would (x / sqrt(sum x^2 + 1e-6), the same eps inside the root as the
 reference; `l2_normalized` says why not fla's), and q is scaled by d^-0.5 after it. What differs is
 rounding: fla stores the normalised q/k, the WY factors and the per-chunk states in the input dtype (bf16
-when serving) where the reference keeps fp32, and its fp32-input matmuls may run in TF32. The exact-fp32 intra-chunk path is used (`safe_gate` off), so
-any g is valid, not only gates bounded below by -5.
+when serving) where the reference keeps fp32, and its fp32-input matmuls may run in TF32. The exact-fp32
+intra-chunk path is used (`safe_gate` off), so any g is valid, not only gates bounded below by -5.
 
 Not for CUDA graphs: fla sizes its chunk list from cu_seqlens with a host sync (repeat_interleave)
 and memoises the list by cu_seqlens tensor identity, so pass a fresh cu_seqlens per batch, never a
@@ -16,7 +16,9 @@ buffer refilled in place.
 
 from __future__ import annotations
 
+import functools
 from concurrent.futures import Future, wait
+from typing import Callable
 
 import torch
 
@@ -32,16 +34,25 @@ _warm_ups = OncePerKey("kda-warm-up")  # by (device, heads, dim, dtype)
 def kda_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
                 rec_state: torch.Tensor, slots: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
     """Same contract as the torch reference `kda_prefill`."""
-    use_tuned_configs(torch.cuda.get_device_capability(q.device))  # before fla's import reads the mode
-    settle_kernel_keys()  # imports fla's kernels and gives them keys that do not depend on the call order
-    from fla.ops.kda import chunk_kda  # here, not at import: importing fla.ops loads every fla op (slow)
-
+    chunk_kda = _fla_chunk_kda(torch.cuda.get_device_capability(q.device))
     assert rec_state.dtype == torch.float32
     q, k = l2_normalized(q), l2_normalized(k)
     out, final = chunk_kda(q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), g.unsqueeze(0), beta.unsqueeze(0),
                            initial_state=rec_state[slots], output_final_state=True, cu_seqlens=cu_seqlens)
     rec_state[slots] = final
     return out[0]
+
+
+@functools.cache
+def _fla_chunk_kda(capability: tuple[int, int]) -> Callable[..., tuple[torch.Tensor, torch.Tensor]]:
+    """fla's chunked KDA, imported at first use (importing fla.ops loads every fla op: seconds), after its
+    tuned configs are offered (fla reads the mode at import) and with kernel keys that do not depend on
+    the call order."""
+    use_tuned_configs(capability)
+    settle_kernel_keys()
+    from fla.ops.kda import chunk_kda
+
+    return chunk_kda
 
 
 def l2_normalized(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
@@ -86,7 +97,6 @@ def start_kda_warm_up(device: torch.device | str, heads: int, dim: int, dtype: t
     def run() -> None:
         if after is not None:
             wait([after])
-        settle_kernel_keys()
         warm_up_kda_prefill(device, heads, dim, dtype)
 
     return _warm_ups.start(key, run)
