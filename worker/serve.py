@@ -54,13 +54,13 @@ async def serve(settings: Settings, stop: asyncio.Event | None = None,
     after_fill: asyncio.Task | None = None
     try:
         loaded = await asyncio.to_thread(provision_and_load, settings, state.clock)
+        if loaded.experts is not None:  # ready_at=partial: the routed experts fill in from now, while the engine
+            fill = ExpertFill(loaded.experts, settings.download_workers, settings.expert_fill_gbps)  # is built
+            fill.start()
         model = build_served_model(loaded, settings)
         model.logits_processors = tuple(logits_processors)
         state.model = model
         model.engine.start()
-        if loaded.experts is not None:  # ready_at=partial: the routed experts fill in while serving
-            fill = ExpertFill(loaded.experts, settings.download_workers, settings.expert_fill_gbps)
-            fill.start()
         state.clock.stage("warmup")
         await warm_up(model)
         max_perf = None

@@ -95,6 +95,25 @@ def test_rebalance_moves_hot_experts_in_and_keeps_outputs():
     assert hybrid.stats.device_pairs > 0
 
 
+def test_rebalance_needs_a_margin_and_takes_the_hottest_first():
+    """An outside expert routed only a little more than a resident stays outside (counts near the cut trade
+    places all the time); well above the margin it moves in, the hottest outside one for the coldest resident."""
+    from engine.experts.hybrid import SWAP_MARGIN
+
+    stacks = {0: layer_stacks("nvfp4", 5), 3: layer_stacks("nvfp4", 6)}
+    hybrid = HybridExperts.place(stacks, {0: [0, 1, 2], 3: [0, 1, 2]}, torch.device("cpu"), LIMIT)
+    hybrid.decay = 1.0
+    counts = torch.zeros(2, E)
+    counts[:, :3] = torch.tensor([10.0, 4.0, 8.0])
+    counts[0, 5] = 4.0 * SWAP_MARGIN  # ties the margin: not enough
+    counts[1, 7], counts[1, 6] = 4.0 * SWAP_MARGIN + 0.5, 4.0 * SWAP_MARGIN + 0.25
+    hybrid.counts.copy_(counts)
+    assert hybrid.rebalance(max_swaps=4) == 1
+    assert hybrid.resident[0] == [0, 1, 2] and sorted(hybrid.resident[3]) == [0, 2, 7]
+    assert hybrid.rebalance(max_swaps=4) == 0  # the three hottest are resident
+    assert sorted(hybrid.resident[3] + hybrid.hosted[3]) == list(range(E))
+
+
 def test_from_weights_moves_stacks_out_of_the_dict():
     w = {f"layers.2.mlp.experts.{p}": s for p, s in zip(("gate_proj", "up_proj", "down_proj"), layer_stacks("fp8", 9))}
     per_expert = expert_nbytes(tuple(w.values()))

@@ -6,13 +6,16 @@ the next start cold."""
 from __future__ import annotations
 
 import json
+import threading
 from pathlib import Path
 
 import engine.checkpoint.prepared_store as prepared_store
 from engine.checkpoint.prepared import FORMAT_VERSION, engine_version
 from engine.checkpoint.prepared_store import PLAN_NAME, Region, check_prepared, piece_regions, read_plan
 from server_helpers import MODEL_NAME, free_port, make_settings, start_server, stop_server, wait_until
+import worker.serve
 from worker.partial_ready import MIN_SHARE, reduced_max_perf
+from worker.served_model import build_served_model
 
 # The 15.5 MB of experts (conftest.many_experts) in about 10 s, while the warm-up and the requests below route to
 # at most 2 x 12 experts per layer.
@@ -33,12 +36,20 @@ def greedy(server, prompt: str) -> list[str]:
     return json.loads(body)["choices"][0]["logprobs"]["tokens"]
 
 
-def test_partial_serves_before_the_experts_are_in_with_the_loaded_tokens(many_experts, tmp_path):
+def test_partial_serves_before_the_experts_are_in_with_the_loaded_tokens(many_experts, tmp_path, monkeypatch):
     loaded = start_server(make_settings(many_experts, tmp_path / "loaded"))
+    filling_while_built = []  # the fill starts with the load's end, not after the engine's build (its compiles)
+
+    def build(loaded_model, settings):
+        filling_while_built.append(any(t.name == "glmflash-expert-fill" for t in threading.enumerate()))
+        return build_served_model(loaded_model, settings)
+
+    monkeypatch.setattr(worker.serve, "build_served_model", build)
     partial = start_server(make_settings(many_experts, tmp_path / "partial", ready_at="partial",
                                          expert_fill_gbps=FILL_GBPS))
     try:
         assert "experts_loaded" not in ready(loaded)
+        assert filling_while_built == [True]
         before = ready(partial)
         assert 0 < before["experts_loaded"] < 1 and before["prepared_snapshot"] == "after_experts"
         assert greedy(partial, "Hi") == greedy(loaded, "Hi")
