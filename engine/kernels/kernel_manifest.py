@@ -244,15 +244,22 @@ def start_preload(file: Path | None, device: torch.device, dtype: torch.dtype, s
     record_compiles(file, key)
     major, minor = torch.cuda.get_device_capability(device)
 
+    def on_device() -> None:  # Triton compiles for the thread's current device
+        torch.cuda.set_device(device)
+
     def run() -> tuple[int, float]:
         start = time.perf_counter()
         try:
-            settle_kernel_keys()  # the keys the entries' sources were recorded under, whatever runs first
-            # What an earlier start on this volume recorded is in its Triton cache already: only the rest.
+            # What an earlier start on this volume recorded is in its Triton cache already: only the rest, by
+            # children started before this process settles its keys (fla's import takes seconds).
             children = precompile_processes() if processes is None else processes
-            compiled, _ = precompile(new, major * 10 + minor, children) if new and children else (0, 0.0)
-            # Triton compiles for the thread's current device; these are reads of what the children compiled.
-            done, _ = preload(entries, preload_workers(), lambda: torch.cuda.set_device(device))
+            finished = precompile(new, major * 10 + minor, children) if new and children else iter([(new, 0)])
+            settle_kernel_keys()  # the keys the entries' sources were recorded under, whatever runs first
+            done, _ = preload(recorded, preload_workers(), on_device)
+            compiled = 0
+            for share, count in finished:  # each share once its child ends: reads of what it compiled
+                compiled += count
+                done += preload(share, preload_workers(), on_device)[0]
         except Exception as exc:  # noqa: BLE001 - the kernels then compile at their first call, as without a file
             log.warning("event=kernel_preload_failed error=%r", exc)
             return 0, 0.0

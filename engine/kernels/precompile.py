@@ -5,7 +5,8 @@ KDA kernels' seven compiles took 36 s beside the reads instead of 6.5 s alone, a
 another 26 s after them (ops/BENCHMARKS.md). Child processes need no GPU (a compile targets an architecture,
 not a device) and share nothing with the loader but cores; the cache they fill (TRITON_CACHE_DIR, inherited)
 turns every later compile of the same specialization, the preload's or a kernel's first call, into a read.
-A child gets a file of entries and the architecture (90 for sm_90) and prints how many it compiled.
+A child reads its entries on stdin, gets the architecture (90 for sm_90) as its argument and prints how many
+it compiled.
 """
 
 from __future__ import annotations
@@ -15,10 +16,9 @@ import logging
 import os
 import subprocess
 import sys
-import tempfile
 import time
-from pathlib import Path
-from typing import Any
+from concurrent.futures import ThreadPoolExecutor, as_completed
+from typing import Any, Iterator
 
 log = logging.getLogger("glmflash.engine")
 
@@ -76,43 +76,54 @@ def split_by_package(entries: list[dict[str, str]], processes: int) -> list[list
     return shares
 
 
-def precompile(entries: list[dict[str, str]], capability: int, processes: int) -> tuple[int, float]:
-    """The entries compiled into Triton's cache by `processes` children -> (entries compiled, seconds). A
-    child that fails only costs its share."""
+def _compile_share(index: int, share: list[dict[str, str]], capability: int, deadline: float) -> int:
+    """One child compiling `share` (handed over on its stdin) -> entries it compiled; a child that fails or
+    outlives `deadline` only costs its share."""
     start = time.perf_counter()
+    child = subprocess.Popen([sys.executable, "-c", CHILD, str(capability)], stdin=subprocess.PIPE,
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        out, err = child.communicate(json.dumps(share), timeout=max(1.0, deadline - time.monotonic()))
+    except subprocess.TimeoutExpired:  # the engine waits on this: a stuck child only loses its share
+        child.kill()
+        child.communicate()
+        log.warning("event=kernel_precompile_failed error=timeout seconds=%d", CHILD_TIMEOUT_S)
+        return 0
+    for line in err.splitlines():  # the kernels a child could not compile, one line each
+        if line.startswith("event="):
+            log.warning(line)
+    if child.returncode != 0:
+        log.warning("event=kernel_precompile_failed error=%r", err.strip().splitlines()[-1:])
+        return 0
+    compiled = int(out.strip().splitlines()[-1])
+    log.info("event=kernel_precompile child=%d package=%s kernels=%d compiled=%d seconds=%.1f", index,
+             share[0]["module"].split(".")[0], len(share), compiled, time.perf_counter() - start)
+    return compiled
+
+
+def precompile(entries: list[dict[str, str]], capability: int,
+               processes: int) -> Iterator[tuple[list[dict[str, str]], int]]:
+    """Start `processes` children compiling the entries into Triton's cache, now -> an iterator of (share,
+    entries of it compiled) in the order the children finish, so a share can be loaded while the others
+    still compile."""
     shares = split_by_package(entries, processes)
-    with tempfile.TemporaryDirectory(prefix="glmflash-precompile-") as scratch:
-        children = []
-        for index, share in enumerate(shares):
-            file = Path(scratch) / f"share-{index}.json"
-            file.write_text(json.dumps(share))
-            children.append(subprocess.Popen([sys.executable, "-c", CHILD, str(file), str(capability)],
-                                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
-        compiled = 0
-        deadline = time.monotonic() + CHILD_TIMEOUT_S
-        for child in children:
-            try:
-                out, err = child.communicate(timeout=max(1.0, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:  # the engine waits on this: a stuck child only loses its share
-                child.kill()
-                child.communicate()
-                log.warning("event=kernel_precompile_failed error=timeout seconds=%d", CHILD_TIMEOUT_S)
-                continue
-            for line in err.splitlines():  # the kernels a child could not compile, one line each
-                if line.startswith("event="):
-                    log.warning(line)
-            if child.returncode == 0:
-                compiled += int(out.strip().splitlines()[-1])
-            else:
-                log.warning("event=kernel_precompile_failed error=%r", err.strip().splitlines()[-1:])
-    return compiled, time.perf_counter() - start
+    deadline = time.monotonic() + CHILD_TIMEOUT_S
+    pool = ThreadPoolExecutor(max(1, len(shares)), thread_name_prefix="kernel-precompile")
+    running = {pool.submit(_compile_share, i, share, capability, deadline): share for i, share in enumerate(shares)}
+    pool.shutdown(wait=False)
+
+    def finished() -> Iterator[tuple[list[dict[str, str]], int]]:
+        for future in as_completed(running):
+            yield running[future], future.result()
+
+    return finished()
 
 
 def main() -> None:
     from engine.kernels.cache_keys import settle_loaded
     from engine.kernels.kernel_manifest import resolve
 
-    entries, capability = json.loads(Path(sys.argv[1]).read_text()), int(sys.argv[2])
+    entries, capability = json.loads(sys.stdin.read()), int(sys.argv[1])
     kernels = []
     for entry in entries:
         try:

@@ -8,6 +8,7 @@ import functools
 import json
 import subprocess
 import sys
+import time
 
 import pytest
 from triton.backends.compiler import GPUTarget
@@ -56,12 +57,12 @@ def test_children_compile_into_the_cache_and_a_second_pass_only_reads(tmp_path, 
     entries = [rms_norm_entry(1024), rms_norm_entry(4096),
                {**rms_norm_entry(2048), "source": "an older source"},  # skipped: not this kernel's specialization
                {"module": "engine.kernels.norm.triton_norm", "name": "gone", "data": "{}", "source": "x"}]
-    compiled, seconds = precompile(entries, 90, processes=2)
+    finished = list(precompile(entries, 90, processes=2))
     files = cache_files(cache)
-    assert compiled == 2 and seconds > 0
+    assert sorted(len(share) for share, _ in finished) == [2, 2] and sum(n for _, n in finished) == 2
     assert sum(name.endswith(".cubin") for name in files) == 2
     assert all("_rms_norm_kernel" in name for name in files if name.endswith(".cubin"))
-    assert precompile(entries[:2], 90, processes=1)[0] == 2
+    assert [n for _, n in precompile(entries[:2], 90, processes=1)] == [2]
     assert cache_files(cache) == files  # the same cache keys: read back, nothing compiled again
 
 
@@ -139,7 +140,27 @@ def test_a_stuck_child_is_stopped_and_costs_only_its_share(monkeypatch, caplog):
 
     monkeypatch.setattr(module, "CHILD", "import time; time.sleep(60)")
     monkeypatch.setattr(module, "CHILD_TIMEOUT_S", 2)
+    start = time.monotonic()
     with caplog.at_level("WARNING", logger="glmflash.engine"):
-        compiled, seconds = precompile([rms_norm_entry(1024), rms_norm_entry(2048)], 90, processes=2)
-    assert compiled == 0 and seconds < 20
+        finished = list(precompile([rms_norm_entry(1024), rms_norm_entry(2048)], 90, processes=2))
+    assert [n for _, n in finished] == [0, 0] and time.monotonic() - start < 20
     assert caplog.text.count("event=kernel_precompile_failed error=timeout") == 2
+
+
+def test_shares_come_back_as_their_children_finish(monkeypatch, caplog):
+    """The caller loads a share as soon as its child is done, while slower children still compile; a child
+    reads its share on stdin (here one that sleeps as long as its share says, then counts it)."""
+    from engine.kernels import precompile as module
+
+    monkeypatch.setattr(module, "CHILD", "import json, sys, time; e = json.load(sys.stdin); "
+                                         "time.sleep(float(e[0]['data'])); print(len(e))")
+    slow = [{"module": "engine.kernels.a", "name": "k", "data": "3"}, {"module": "engine.kernels.b", "name": "k",
+                                                                     "data": "3"}]
+    fast = [{"module": "fla.ops.x", "name": "k", "data": "0"}]
+    start = time.monotonic()
+    with caplog.at_level("INFO", logger="glmflash.engine"):
+        finished = precompile(slow + fast, 90, processes=2)
+        first = next(finished)
+        assert first == (fast, 1) and time.monotonic() - start < 2.5  # before the slow child is done
+        assert list(finished) == [(slow, 2)]
+    assert "event=kernel_precompile child=0 package=fla kernels=1 compiled=1" in caplog.text
