@@ -83,7 +83,15 @@ RUN set -eux; \
     rm -rf build ./*.egg-info; \
     glmflash --help
 
-ENV GLMFLASH_CACHE_DIR=/workspace/glmflash
+# 5. The GPU kernels of the manifests the package ships (engine/kernels/manifests/), compiled now: a compile
+#    targets an architecture, no GPU needed. A first start on a fresh volume copies them into its Triton
+#    cache instead of compiling them (engine/kernels/prebuilt.py). Without Triton (a CPU-only torch) there is
+#    nothing to compile and the build goes on.
+RUN python -m engine.kernels.prebuilt /opt/glmflash/prebuilt-kernels \
+    || echo "no prebuilt kernels: a first start compiles them"
+
+ENV GLMFLASH_CACHE_DIR=/workspace/glmflash \
+    GLMFLASH_PREBUILT_KERNELS=/opt/glmflash/prebuilt-kernels
 WORKDIR /workspace
 EXPOSE 3000
 

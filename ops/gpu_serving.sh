@@ -22,7 +22,9 @@
 # >= 20 GB (SLICE_GIB=20: 18.8 GiB, 4 layers, one of them DSA) fits a run without the tests:
 #          SLICE_GIB=20 bash ops/gpu_serving.sh OUT_DIR boot serve
 # Each cold start also compiles the full-width Triton kernels (beside its reads: 30-50 s on an H200, fla's tuning
-# shipped); later starts on the same cache read them back (<cache>/triton).
+# shipped), less what the image's build compiled: as the Docker image does, the boot part first compiles the
+# package's manifests into WORK_DIR/prebuilt (`python -m engine.kernels.prebuilt`, timed; PREBUILT=0 leaves it
+# out) and the servers copy them in (GLMFLASH_PREBUILT_KERNELS); later starts on the same cache read them back.
 # Each step is cut at the time left less what later steps keep, and its figures are printed as measured.
 # DEVICE=cpu checks the script on a CPU machine (with SLICE_GIB=0.3: the smallest slice, 2.8 GiB; AGENT_ARGS,
 # STRUCTURED_ARGS to shrink the workloads). Wheels the machine lacks: see ops/gpu_env.sh. OUT_DIR gets run.log
@@ -111,6 +113,11 @@ if has boot; then
   if [ ! -e "$slice/model.safetensors.index.json" ]; then
     step 120 $((160 + reserve_serve)) "$out/boot.log" python3 -m ops.slice_snapshot "$slice" --gib "$slice_gib" \
       && echo "$slice_gib" > "$work/slice.gib"
+  fi
+  if [ "${PREBUILT:-1}" = 1 ]; then  # what the image's build compiles (no GPU needed), timed; PREBUILT=0: not
+    rm -rf "$work/prebuilt"
+    step 90 $((200 + reserve_serve)) "$out/boot.log" python3 -m engine.kernels.prebuilt "$work/prebuilt" \
+      && export GLMFLASH_PREBUILT_KERNELS=$work/prebuilt
   fi
   step 200 $((80 + reserve_serve)) "$out/boot.log" \
     python3 -m ops.bench_boot --cache-dir "$cache" --model "$slice" --log-dir "$work/logs" -- --device "$device"

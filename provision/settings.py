@@ -97,6 +97,11 @@ class Settings(BaseSettings):
         None, ge=0, validation_alias=_env("KERNEL_PRECOMPILE_PROCESSES"),
         description="Child processes compiling the shipped GPU kernels the volume's cache lacks while the weights "
                     "load (0: none, they compile in the server; default: a quarter of the cores, at most 4)")
+    prebuilt_kernels: Path | None = Field(
+        None, validation_alias=_env("PREBUILT_KERNELS"),
+        description="A directory of GPU kernels compiled when the image was built (`python -m "
+                    "engine.kernels.prebuilt DIR`; the Docker image sets it): copied into the volume's Triton "
+                    "cache at start, so a first start compiles only what it lacks")
     ready_at: Literal["loaded", "partial"] = Field(
         "loaded", validation_alias=_env("READY_AT"),
         description="When /ready turns 200: loaded (every weight in place) or partial (the non-expert weights in "

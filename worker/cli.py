@@ -7,7 +7,7 @@ import asyncio
 import logging
 import os
 
-from provision.compile_cache import use_compile_cache
+from provision.compile_cache import seed_prebuilt_kernels, use_compile_cache
 from provision.settings import Settings
 
 
@@ -36,8 +36,10 @@ def main(argv: list[str] | None = None) -> None:
     settings = Settings(**overrides)
     logging.basicConfig(level=settings.log_level, format="%(asctime)s level=%(levelname)s logger=%(name)s %(message)s")
     triton_dir = use_compile_cache(settings.cache_dir)  # before the engine's kernels are defined
-    logging.getLogger("glmflash.cli").info("event=compile_cache dir=%s autotuning=%s", triton_dir,
-                                           os.environ["TRITON_CACHE_AUTOTUNING"])
+    seeded = seed_prebuilt_kernels(settings.prebuilt_kernels, triton_dir)
+    logging.getLogger("glmflash.cli").info("event=compile_cache dir=%s autotuning=%s prebuilt=%s seeded=%d",
+                                           triton_dir, os.environ["TRITON_CACHE_AUTOTUNING"],
+                                           settings.prebuilt_kernels, seeded)
     from engine.offload.cpu_cores import cap_torch_threads, quota_cores
 
     before, after = cap_torch_threads()

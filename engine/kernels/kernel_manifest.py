@@ -32,6 +32,7 @@ from engine.config import ModelConfig
 from engine.kernels.background import OncePerKey
 from engine.kernels.cache_keys import settle_kernel_keys
 from engine.kernels.precompile import localized, precompile
+from engine.kernels.prebuilt import seeded_manifest
 
 log = logging.getLogger("glmflash.engine")
 
@@ -218,18 +219,25 @@ def packaged_manifest(key: dict[str, str]) -> Path:
 
 
 def manifest_entries(file: Path, key: dict[str, str]) -> tuple[list[dict[str, str]], list[dict[str, str]]]:
-    """(what an earlier start recorded in `file`, that and what the package ships besides)."""
-    recorded = read_manifest(file, key)
-    known = {entry["data"] for entry in recorded}
-    return recorded, recorded + [e for e in read_manifest(packaged_manifest(key), key) if e["data"] not in known]
+    """(what Triton's cache holds already: what an earlier start recorded in `file` and what the cache was
+    seeded with by an image (engine/kernels/prebuilt.py); that and what the package ships besides)."""
+    from triton import knobs
+
+    cached = _merged(read_manifest(file, key), seeded_manifest(Path(knobs.cache.dir), key))
+    return cached, _merged(cached, read_manifest(packaged_manifest(key), key))
+
+
+def _merged(first: list[dict[str, str]], then: list[dict[str, str]]) -> list[dict[str, str]]:
+    known = {entry["data"] for entry in first}
+    return first + [entry for entry in then if entry["data"] not in known]
 
 
 def start_preload(file: Path | None, device: torch.device, dtype: torch.dtype, shapes: str = "",
                   processes: int | None = None) -> Future:
-    """Record this process's compiles into `file` and preload what an earlier start recorded there and what
-    the package ships for this GPU, in the background: the shipped ones that start did not record compiled
-    into Triton's cache by child processes, then all loaded from it (or compiled here, when the cache was
-    emptied) -> a future of (kernels preloaded, seconds). `processes`: children (0: none, None:
+    """Record this process's compiles into `file` and preload what an earlier start recorded there, what an
+    image seeded Triton's cache with and what the package ships for this GPU, in the background: the shipped
+    ones the cache lacks compiled into it by child processes, then all loaded from it (or compiled here, when
+    the cache was emptied) -> a future of (kernels preloaded, seconds). `processes`: children (0: none, None:
     `precompile_processes()`). Without a file compiles are only counted."""
     if file is None:
         record_compiles(None, {})
@@ -239,8 +247,8 @@ def start_preload(file: Path | None, device: torch.device, dtype: torch.dtype, s
     if (started := _preloads.started(file)) is not None:
         return started
     key = manifest_key(device, dtype, shapes)
-    recorded, entries = manifest_entries(file, key)
-    new = entries[len(recorded):]
+    cached, entries = manifest_entries(file, key)
+    new = entries[len(cached):]
     record_compiles(file, key)
     major, minor = torch.cuda.get_device_capability(device)
 
@@ -250,12 +258,12 @@ def start_preload(file: Path | None, device: torch.device, dtype: torch.dtype, s
     def run() -> tuple[int, float]:
         start = time.perf_counter()
         try:
-            # What an earlier start on this volume recorded is in its Triton cache already: only the rest, by
+            # What an earlier start recorded or an image seeded is in Triton's cache already: only the rest, by
             # children started before this process settles its keys (fla's import takes seconds).
             children = precompile_processes() if processes is None else processes
             finished = precompile(new, major * 10 + minor, children) if new and children else iter([(new, 0)])
             settle_kernel_keys()  # the keys the entries' sources were recorded under, whatever runs first
-            done, _ = preload(recorded, preload_workers(), on_device)
+            done, _ = preload(cached, preload_workers(), on_device)
             compiled = 0
             for share, count in finished:  # each share once its child ends: reads of what it compiled
                 compiled += count
@@ -264,8 +272,8 @@ def start_preload(file: Path | None, device: torch.device, dtype: torch.dtype, s
             log.warning("event=kernel_preload_failed error=%r", exc)
             return 0, 0.0
         seconds = time.perf_counter() - start
-        log.info("event=kernel_preload kernels=%d of=%d recorded=%d precompiled=%d seconds=%.1f", done, len(entries),
-                 len(recorded), compiled, seconds)
+        log.info("event=kernel_preload kernels=%d of=%d cached=%d precompiled=%d seconds=%.1f", done, len(entries),
+                 len(cached), compiled, seconds)
         return done, seconds
 
     return _preloads.start(file, run)

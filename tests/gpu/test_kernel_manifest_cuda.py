@@ -54,3 +54,25 @@ def test_a_second_start_preloads_what_the_first_compiled(tmp_path):
     assert len(binaries) <= len(kept) + 5, (len(binaries), len(kept))
     assert second["total"] - second["at_ready"] == 0, "requests compiled kernels the preload should have"
     assert second["at_ready"] <= len(kept) + 5  # the preload's compiles, and little besides
+
+
+def test_a_start_seeded_with_prebuilt_kernels_compiles_none_of_them(tmp_path):
+    """An image's build compiles a manifest offline (`python -m engine.kernels.prebuilt`); a start on a fresh
+    volume seeded from it reads those binaries and compiles nothing of them, with the same tokens."""
+    from engine.kernels.prebuilt import seed
+
+    snapshot = write_tiny_model(tmp_path / "tiny", "nvfp4-ct")
+    recorded = tmp_path / "kernels.json"
+    first = start(snapshot, recorded, tmp_path / "triton-first")
+    prebuilt = tmp_path / "prebuilt"
+    done = subprocess.run([sys.executable, "-m", "engine.kernels.prebuilt", str(prebuilt), "--manifest", str(recorded)],
+                          env=child_env("TRITON_CACHE_DIR"), capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    built = sorted(p.name for p in (prebuilt / "triton").rglob("*.cubin"))
+    assert built and "left_out=0" in done.stdout
+    volume = tmp_path / "triton-volume"
+    assert seed(prebuilt, volume) > 0
+    seeded = start(snapshot, tmp_path / "fresh-volume-kernels.json", volume)
+    assert seeded["tokens"] == first["tokens"]
+    assert seeded["total"] - seeded["at_ready"] == 0
+    assert sorted(p.name for p in volume.rglob("*.cubin")) == built  # every binary read, none compiled anew

@@ -228,6 +228,27 @@ def test_sigterm_drains_streaming_request_and_exits_zero(tmp_path):
     assert "PROVISION_STAGE=draining" in output and "PROVISION_STAGE=stopped" in output and "reason=signal" in output
 
 
+def test_boot_seeds_the_volume_with_an_images_prebuilt_kernels(tmp_path):
+    """GLMFLASH_PREBUILT_KERNELS (the Docker image sets it): its Triton cache entries are copied into the
+    volume's cache before the engine starts, and the log says how many."""
+    from engine.kernels.prebuilt import MANIFEST, TRITON
+
+    prebuilt = tmp_path / "image" / "prebuilt-kernels"
+    (prebuilt / TRITON / "a-cache-key").mkdir(parents=True)
+    (prebuilt / TRITON / "a-cache-key" / "kernel.cubin").write_bytes(b"compiled at build time")
+    (prebuilt / MANIFEST).write_text("[]")
+    port = free_port()
+    volume = tmp_path / "volume-triton"  # explicit: an earlier test of this process may have set it
+    proc = _boot_process(tmp_path, port, GLMFLASH_PREBUILT_KERNELS=str(prebuilt), TRITON_CACHE_DIR=str(volume))
+    try:
+        _wait_ready(proc, f"http://127.0.0.1:{port}")
+    finally:
+        proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=30) == 0
+    assert "event=compile_cache" in (output := proc.stdout.read()) and "seeded=1" in output
+    assert (volume / "a-cache-key" / "kernel.cubin").read_bytes() == b"compiled at build time"
+
+
 def test_idle_timeout_parks_and_reports(tmp_path):
     from aiohttp import web
     import asyncio
