@@ -32,7 +32,7 @@ from engine.config import ModelConfig
 from engine.kernels.background import OncePerKey
 from engine.kernels.cache_keys import settle_kernel_keys
 from engine.kernels.precompile import localized, precompile
-from engine.kernels.prebuilt import seeded_manifest
+from engine.kernels.prebuilt import merged_entries, seeded_manifest
 
 log = logging.getLogger("glmflash.engine")
 
@@ -223,13 +223,8 @@ def manifest_entries(file: Path, key: dict[str, str]) -> tuple[list[dict[str, st
     seeded with by an image (engine/kernels/prebuilt.py); that and what the package ships besides)."""
     from triton import knobs
 
-    cached = _merged(read_manifest(file, key), seeded_manifest(Path(knobs.cache.dir), key))
-    return cached, _merged(cached, read_manifest(packaged_manifest(key), key))
-
-
-def _merged(first: list[dict[str, str]], then: list[dict[str, str]]) -> list[dict[str, str]]:
-    known = {entry["data"] for entry in first}
-    return first + [entry for entry in then if entry["data"] not in known]
+    cached = merged_entries(read_manifest(file, key), seeded_manifest(Path(knobs.cache.dir), key))
+    return cached, merged_entries(cached, read_manifest(packaged_manifest(key), key))
 
 
 def start_preload(file: Path | None, device: torch.device, dtype: torch.dtype, shapes: str = "",

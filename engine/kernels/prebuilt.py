@@ -32,7 +32,6 @@ def build(directory: Path, manifests: list[Path], processes: int) -> tuple[int, 
     import triton
 
     from engine.kernels.cache_keys import settle_kernel_keys
-    from engine.kernels.kernel_manifest import resolve
     from engine.kernels.precompile import precompile
 
     os.environ["TRITON_CACHE_DIR"] = str(directory / TRITON)  # the children's cache
@@ -47,7 +46,7 @@ def build(directory: Path, manifests: list[Path], processes: int) -> tuple[int, 
                         triton.__version__)
             left_out += len(entries)
             continue
-        ours = [e for e in entries if _hashes_here(resolve, e)]
+        ours = [e for e in entries if _hashes_here(e)]
         capability = int(key["capability"].replace(".", ""))
         done = sum(count for _, count in precompile(ours, capability, processes))
         if done == len(ours):
@@ -60,7 +59,9 @@ def build(directory: Path, manifests: list[Path], processes: int) -> tuple[int, 
     return sum(len(m["kernels"]) for m in compiled), left_out
 
 
-def _hashes_here(resolve, entry: dict[str, str]) -> bool:
+def _hashes_here(entry: dict[str, str]) -> bool:
+    from engine.kernels.kernel_manifest import resolve
+
     try:
         return resolve(entry["module"], entry["name"]).cache_key == entry["source"]
     except Exception:  # noqa: BLE001 - a kernel renamed since: not prebuilt
@@ -88,16 +89,23 @@ def seed(prebuilt: Path, triton_dir: Path) -> int:
             copied += 1
         except OSError:  # another start seeded it first
             shutil.rmtree(part, ignore_errors=True)
-    manifests = {json.dumps(m["key"], sort_keys=True): m for m in seeded_manifests(triton_dir)}
+    manifests = seeded_manifests(triton_dir)
     for manifest in json.loads((prebuilt / MANIFEST).read_text()):
-        known = manifests.setdefault(json.dumps(manifest["key"], sort_keys=True), {"key": manifest["key"],
-                                                                                 "kernels": []})
-        data = {e["data"] for e in known["kernels"]}
-        known["kernels"] += [e for e in manifest["kernels"] if e["data"] not in data]
+        same = [m for m in manifests if m["key"] == manifest["key"]]
+        if same:
+            same[0]["kernels"] = merged_entries(same[0]["kernels"], manifest["kernels"])
+        else:
+            manifests.append(manifest)
     part = triton_dir / f".{MANIFEST}.{os.getpid()}.part"
-    part.write_text(json.dumps(list(manifests.values())))
+    part.write_text(json.dumps(manifests))
     os.replace(part, triton_dir / MANIFEST)
     return copied
+
+
+def merged_entries(first: list[dict[str, str]], then: list[dict[str, str]]) -> list[dict[str, str]]:
+    """`first`, then the entries of `then` for specializations `first` lacks."""
+    known = {entry["data"] for entry in first}
+    return first + [entry for entry in then if entry["data"] not in known]
 
 
 def seeded_manifests(triton_dir: Path) -> list[dict]:
