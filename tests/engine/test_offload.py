@@ -225,8 +225,21 @@ def test_host_steps_run_only_host_experts_of_live_rows(fmt):
     assert totals.pairs_run == 2 * hosted_pairs + int(torch.isin(ids[:4], torch.tensor(hosted)).sum())
 
 
+@pytest.mark.parametrize("percent", [0, 10, 41, 50, 67, 100])
+def test_the_pcie_share_of_a_layers_misses_is_rounded(percent):
+    """n misses send round(n * percent / 100) over PCIe (half up): at one to three misses a layer (batch 1)
+    a rounded-down share sent none at 41%; the picked ranks spread over the misses."""
+    from engine.experts.hybrid import to_pcie
+
+    for n in range(1, 25):
+        picked = to_pcie(torch.arange(n), percent)
+        assert int(picked.sum()) == (2 * n * percent + 100) // 200
+        for head in range(1, n):  # every prefix keeps the rounded share too: picks are spread, not bunched
+            assert int(picked[:head].sum()) == (2 * head * percent + 100) // 200
+
+
 @pytest.mark.parametrize("fmt", ["fp8", "nvfp4"])
-@pytest.mark.parametrize("percent", [50, 100])
+@pytest.mark.parametrize("percent", [41, 50, 100])
 def test_misses_split_between_pcie_and_cpu_equal_the_reference(fmt, percent):
     """A share of each step's misses runs on the device after a gather from the host bank, the rest on the
     CPU; each missed pair runs exactly once (equality), and the staging slots bound the device's share."""
