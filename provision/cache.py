@@ -38,6 +38,17 @@ __all__ = ["CacheStatus", "FileProblem", "FORMAT_VERSION", "MANIFEST_NAME", "Man
            "utc_now", "verify_hashes", "write_manifest"]
 
 
+PREPARED_DIRNAME = "prepared"  # the prepared snapshot, in a model's home
+
+
+def model_home(cache_dir: Path, spec: str, revision: str | None) -> Path:
+    """Where a model's files live in the cache (its downloaded snapshot, prepared snapshot, compiled-kernel
+    manifest): named after the source, keyed by source and revision."""
+    key = f"{spec}@{revision or ''}"
+    readable = "".join(c if c.isalnum() or c in "-_." else "-" for c in spec.rstrip("/").split("/")[-1])[:48]
+    return cache_dir / "models" / f"{readable}-{hashlib.sha256(key.encode()).hexdigest()[:12]}"
+
+
 def utc_now() -> str:
     return datetime.now(timezone.utc).isoformat(timespec="seconds")
 

@@ -7,7 +7,9 @@ import asyncio
 import logging
 import os
 
+from provision.cache import PREPARED_DIRNAME, model_home
 from provision.compile_cache import seed_prebuilt_kernels, use_compile_cache
+from provision.readahead import start_readahead
 from provision.settings import Settings
 
 
@@ -40,6 +42,11 @@ def main(argv: list[str] | None = None) -> None:
     logging.getLogger("glmflash.cli").info("event=compile_cache dir=%s autotuning=%s prebuilt=%s seeded=%d",
                                            triton_dir, os.environ["TRITON_CACHE_AUTOTUNING"],
                                            settings.prebuilt_kernels, seeded)
+    spec = settings.s3_uri or settings.model  # none: the embedded tiny model, nothing worth reading ahead
+    if spec:
+        prepared = model_home(settings.cache_dir, spec, settings.model_revision) / PREPARED_DIRNAME
+        logging.getLogger("glmflash.cli").info("event=readahead path=%s bytes=%d", prepared,
+                                               start_readahead(prepared))  # during the imports below
     from engine.offload.cpu_cores import cap_torch_threads, quota_cores
 
     before, after = cap_torch_threads()

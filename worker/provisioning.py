@@ -16,7 +16,6 @@ Blocking; runs in a worker thread while the server answers /health and /ready.
 from __future__ import annotations
 
 import functools
-import hashlib
 import logging
 import os
 import resource
@@ -40,7 +39,7 @@ from engine.engine_core import DTYPES, EngineCore
 from engine.offload.cpu_cores import usable_cores
 from engine.offload.placement import WeightBytes, plan_load
 from engine.tiny.factory import write_tiny_model
-from provision.cache import check_snapshot
+from provision.cache import PREPARED_DIRNAME, check_snapshot, model_home
 from provision.download import DownloadProgress, download_snapshot
 from provision.errors import ProvisionError
 from provision.settings import Settings
@@ -165,8 +164,8 @@ def model_spec(settings: Settings) -> tuple[str, str]:
 def provision_and_load(settings: Settings, clock: StageClock) -> LoadedModel:
     spec, name = model_spec(settings)
     device, dtype = torch.device(settings.resolved_device()), settings.resolved_dtype()
-    home = settings.cache_dir / "models" / _slug(spec, settings.model_revision)
-    prepared, kernels_file = home / "prepared", home / KERNELS_FILE
+    home = model_home(settings.cache_dir, spec, settings.model_revision)
+    prepared, kernels_file = home / PREPARED_DIRNAME, home / KERNELS_FILE
     source = source_for(spec, settings)
     files = source.root if isinstance(source, LocalSource) else home / "snapshot"
     wanted = {"spec": spec, "revision": settings.model_revision, "dtype": dtype}
@@ -290,12 +289,6 @@ def _progress(clock: StageClock):
                        total_files=p.total_files)
 
     return report
-
-
-def _slug(spec: str, revision: str | None) -> str:
-    key = f"{spec}@{revision or ''}"
-    readable = "".join(c if c.isalnum() or c in "-_." else "-" for c in spec.rstrip("/").split("/")[-1])[:48]
-    return f"{readable}-{hashlib.sha256(key.encode()).hexdigest()[:12]}"
 
 
 def _quote(text: str) -> str:

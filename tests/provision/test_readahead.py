@@ -1,0 +1,78 @@
+"""Reading a prepared snapshot ahead while the process imports: which files and how much, in the load's order;
+nothing without a whole snapshot; and the page cache really holds the bytes afterwards (Linux)."""
+
+from __future__ import annotations
+
+import ctypes
+import mmap
+import os
+import sys
+import time
+
+import pytest
+
+from engine.checkpoint.prepared_store import write_prepared
+from provision.readahead import readahead_plan, start_readahead
+
+SIZES = {"r0": 300_000, "r1": 5_000, "r2": 700_000}
+
+
+def prepared(directory):
+    data = {key: bytes([i + 1]) * n for i, (key, n) in enumerate(SIZES.items())}
+    files = [("b.bin", [("r0", SIZES["r0"])]), ("a.bin", [("r1", SIZES["r1"]), ("r2", SIZES["r2"])])]
+    return write_prepared(directory, files, lambda key, start, size, _: memoryview(data[key])[start:start + size],
+                          1, "v", {}, workers=2)
+
+
+def test_files_in_load_order_up_to_the_limit(tmp_path):
+    plan = prepared(tmp_path / "prepared")
+    sizes = list(plan.files.values())
+    assert list(plan.files) == ["b.bin", "a.bin"]  # the plan's load order, not the names'
+    whole = readahead_plan(tmp_path / "prepared", 1 << 30)
+    assert whole == [(tmp_path / "prepared" / "b.bin", sizes[0]), (tmp_path / "prepared" / "a.bin", sizes[1])]
+    assert readahead_plan(tmp_path / "prepared", sizes[0] + 10) == [(tmp_path / "prepared" / "b.bin", sizes[0]),
+                                                                     (tmp_path / "prepared" / "a.bin", 10)]
+    assert readahead_plan(tmp_path / "prepared", 0) == []
+
+
+def test_nothing_without_a_whole_prepared_snapshot(tmp_path):
+    assert readahead_plan(tmp_path / "absent", 1 << 30) == [] and start_readahead(tmp_path / "absent") == 0
+    (tmp_path / "torn").mkdir()
+    (tmp_path / "torn" / "plan.json").write_text("{not json")
+    assert readahead_plan(tmp_path / "torn", 1 << 30) == []
+
+
+def resident_pages(path) -> tuple[int, int]:
+    """(pages of `path` in the page cache, pages in all): mincore over a mapping of it, touching nothing."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mmap.restype, libc.mmap.argtypes = ctypes.c_void_p, [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int,
+                                                              ctypes.c_int, ctypes.c_int, ctypes.c_long]
+    libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+    libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+    size = os.path.getsize(path)
+    vec = (ctypes.c_ubyte * ((size + mmap.PAGESIZE - 1) // mmap.PAGESIZE))()
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        address = libc.mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
+        assert libc.mincore(address, size, vec) == 0, ctypes.get_errno()
+        libc.munmap(address, size)
+    finally:
+        os.close(fd)
+    return sum(v & 1 for v in vec), len(vec)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="mincore and posix_fadvise as Linux has them")
+def test_the_files_land_in_the_page_cache(tmp_path):
+    prepared(tmp_path / "prepared")
+    files = [tmp_path / "prepared" / name for name in ("b.bin", "a.bin")]
+    for path in files:
+        fd = os.open(path, os.O_RDONLY)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)  # written durably: clean pages, dropped
+        os.close(fd)
+    if any(resident_pages(path)[0] for path in files):
+        pytest.skip("this file system keeps the files in memory (tmpfs): nothing to read ahead")
+    assert start_readahead(tmp_path / "prepared") == sum(os.path.getsize(path) for path in files)
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline and any(r < n for r, n in map(resident_pages, files)):
+        time.sleep(0.05)
+    assert [r == n for r, n in map(resident_pages, files)] == [True, True]
