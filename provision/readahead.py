@@ -1,10 +1,11 @@
-"""A prepared snapshot's first files read into the page cache while the process imports torch and the engine.
+"""The first files a start will load, read into the page cache while the process imports torch and the engine.
 
-From process start to a fast_resume's first read, an H200 host spent 5-7 s importing torch, CUDA and the
-engine with the disk idle (boot logs: `event=compile_cache` to the load stage), and that load is disk-bound.
-posix_fadvise(WILLNEED) has the kernel read the files, in the plan's load order, meanwhile; the load's
-buffered reads then find those pages in memory. At most READAHEAD_BYTES and a quarter of the free memory;
-nothing for a cold start, whose reads convert as they go (CPU-bound, not disk-bound).
+From process start to the first read, an H200 host spent 5-7 s importing torch, CUDA and the engine with the
+disk idle (boot logs: `event=compile_cache` to the load stage). posix_fadvise(WILLNEED) has the kernel read
+the files meanwhile, in the order the load reads them: a prepared snapshot's (fast_resume), else a local
+source snapshot's safetensors (a cold start from the volume); the load's buffered reads then find those
+pages in memory. At most READAHEAD_BYTES and a quarter of the free memory. A snapshot still to be downloaded
+has nothing to read ahead.
 """
 
 from __future__ import annotations
@@ -19,22 +20,31 @@ READAHEAD_BYTES = 16 << 30
 STEP_BYTES = 256 << 20  # one WILLNEED call: the thread can be abandoned between two
 
 
-def readahead_plan(prepared: Path, limit: int) -> list[tuple[Path, int]]:
-    """(file, leading bytes to read ahead) in the load's order, `limit` bytes in all; [] without a whole
-    prepared snapshot there."""
+def prepared_files(prepared: Path) -> list[tuple[Path, int]]:
+    """A whole prepared snapshot's files and sizes in load order; [] without one."""
     try:
         plan = read_plan(prepared)
     except PreparedSnapshotError:
         return []
     if plan is None or not plan.complete:
         return []
-    files, left = [], limit
-    for name, size in plan.files.items():
+    return [(prepared / name, size) for name, size in plan.files.items()]
+
+
+def snapshot_files(directory: Path) -> list[tuple[Path, int]]:
+    """A local snapshot's safetensors files and sizes, in the loader's (name) order; [] for anything else."""
+    return [(path, path.stat().st_size) for path in sorted(directory.glob("*.safetensors"))] if directory.is_dir() else []
+
+
+def within(files: list[tuple[Path, int]], limit: int) -> list[tuple[Path, int]]:
+    """The leading bytes of `files` to read ahead, `limit` in all: (file, bytes)."""
+    taken, left = [], limit
+    for path, size in files:
         if left <= 0:
             break
-        files.append((prepared / name, min(size, left)))
+        taken.append((path, min(size, left)))
         left -= size
-    return files
+    return taken
 
 
 def free_memory() -> int:
@@ -44,10 +54,10 @@ def free_memory() -> int:
         return 0
 
 
-def start_readahead(prepared: Path, limit: int | None = None) -> int:
-    """Read ahead on a daemon thread -> bytes asked for (0: nothing to read, or no posix_fadvise here)."""
-    limit = min(READAHEAD_BYTES, free_memory() // 4) if limit is None else limit
-    files = readahead_plan(prepared, limit)
+def start_readahead(files: list[tuple[Path, int]], limit: int | None = None) -> int:
+    """Read `files` ahead (at most `limit` bytes; default READAHEAD_BYTES and a quarter of the free memory) on a
+    daemon thread -> bytes asked for (0: nothing to read, or no posix_fadvise here)."""
+    files = within(files, min(READAHEAD_BYTES, free_memory() // 4) if limit is None else limit)
     if not files or not hasattr(os, "posix_fadvise"):
         return 0
     threading.Thread(target=_advise, args=(files,), name="glmflash-readahead", daemon=True).start()

@@ -6,10 +6,11 @@ import argparse
 import asyncio
 import logging
 import os
+from pathlib import Path
 
 from provision.cache import PREPARED_DIRNAME, model_home
 from provision.compile_cache import seed_prebuilt_kernels, use_compile_cache
-from provision.readahead import start_readahead
+from provision.readahead import prepared_files, snapshot_files, start_readahead
 from provision.settings import Settings
 
 
@@ -43,10 +44,11 @@ def main(argv: list[str] | None = None) -> None:
                                            triton_dir, os.environ["TRITON_CACHE_AUTOTUNING"],
                                            settings.prebuilt_kernels, seeded)
     spec = settings.s3_uri or settings.model  # none: the embedded tiny model, nothing worth reading ahead
-    if spec:
-        prepared = model_home(settings.cache_dir, spec, settings.model_revision) / PREPARED_DIRNAME
-        logging.getLogger("glmflash.cli").info("event=readahead path=%s bytes=%d", prepared,
-                                               start_readahead(prepared))  # during the imports below
+    if spec:  # what the load will read first, during the imports below
+        files = (prepared_files(model_home(settings.cache_dir, spec, settings.model_revision) / PREPARED_DIRNAME)
+                 or snapshot_files(Path(spec)))
+        logging.getLogger("glmflash.cli").info("event=readahead files=%d bytes=%d", len(files),
+                                               start_readahead(files))
     from engine.offload.cpu_cores import cap_torch_threads, quota_cores
 
     before, after = cap_torch_threads()

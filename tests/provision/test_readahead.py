@@ -12,7 +12,7 @@ import time
 import pytest
 
 from engine.checkpoint.prepared_store import write_prepared
-from provision.readahead import readahead_plan, start_readahead
+from provision.readahead import prepared_files, snapshot_files, start_readahead, within
 
 SIZES = {"r0": 300_000, "r1": 5_000, "r2": 700_000}
 
@@ -24,22 +24,29 @@ def prepared(directory):
                           1, "v", {}, workers=2)
 
 
-def test_files_in_load_order_up_to_the_limit(tmp_path):
+def test_a_prepared_snapshots_files_in_load_order_up_to_the_limit(tmp_path):
     plan = prepared(tmp_path / "prepared")
-    sizes = list(plan.files.values())
-    assert list(plan.files) == ["b.bin", "a.bin"]  # the plan's load order, not the names'
-    whole = readahead_plan(tmp_path / "prepared", 1 << 30)
-    assert whole == [(tmp_path / "prepared" / "b.bin", sizes[0]), (tmp_path / "prepared" / "a.bin", sizes[1])]
-    assert readahead_plan(tmp_path / "prepared", sizes[0] + 10) == [(tmp_path / "prepared" / "b.bin", sizes[0]),
-                                                                     (tmp_path / "prepared" / "a.bin", 10)]
-    assert readahead_plan(tmp_path / "prepared", 0) == []
+    b, a = tmp_path / "prepared" / "b.bin", tmp_path / "prepared" / "a.bin"
+    files = prepared_files(tmp_path / "prepared")
+    assert files == [(b, plan.files["b.bin"]), (a, plan.files["a.bin"])]  # the plan's load order, not the names'
+    assert within(files, 1 << 30) == files
+    assert within(files, plan.files["b.bin"] + 10) == [(b, plan.files["b.bin"]), (a, 10)]
+    assert within(files, 0) == []
+
+
+def test_a_local_snapshots_shards_and_nothing_else(tmp_path):
+    for name, size in (("model-00002.safetensors", 7), ("model-00001.safetensors", 5), ("config.json", 3)):
+        (tmp_path / name).write_bytes(b"x" * size)
+    assert snapshot_files(tmp_path) == [(tmp_path / "model-00001.safetensors", 5),
+                                        (tmp_path / "model-00002.safetensors", 7)]
+    assert snapshot_files(tmp_path / "org" / "model") == []  # a hub id, not a directory here
 
 
 def test_nothing_without_a_whole_prepared_snapshot(tmp_path):
-    assert readahead_plan(tmp_path / "absent", 1 << 30) == [] and start_readahead(tmp_path / "absent") == 0
+    assert prepared_files(tmp_path / "absent") == [] and start_readahead([]) == 0
     (tmp_path / "torn").mkdir()
     (tmp_path / "torn" / "plan.json").write_text("{not json")
-    assert readahead_plan(tmp_path / "torn", 1 << 30) == []
+    assert prepared_files(tmp_path / "torn") == []
 
 
 def resident_pages(path) -> tuple[int, int]:
@@ -71,7 +78,7 @@ def test_the_files_land_in_the_page_cache(tmp_path):
         os.close(fd)
     if any(resident_pages(path)[0] for path in files):
         pytest.skip("this file system keeps the files in memory (tmpfs): nothing to read ahead")
-    assert start_readahead(tmp_path / "prepared") == sum(os.path.getsize(path) for path in files)
+    assert start_readahead(prepared_files(tmp_path / "prepared")) == sum(os.path.getsize(path) for path in files)
     deadline = time.monotonic() + 20
     while time.monotonic() < deadline and any(r < n for r, n in map(resident_pages, files)):
         time.sleep(0.05)
