@@ -30,7 +30,7 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from typing import Any, ClassVar, Literal, NamedTuple, TypeVar, Union
+from typing import Annotated, Any, ClassVar, Literal, NamedTuple, TypeVar, Union
 
 from pydantic import (
     BaseModel,
@@ -830,6 +830,30 @@ class CompletionRequest(_SamplingRequest):
 # ---------------------------------------------------------------------------
 
 
+class TokenizeRequest(_RequestModel):
+    """vLLM's /tokenize: a text `prompt`, or chat `messages` (with the chat completion's `tools` and
+    `chat_template_kwargs`, rendered as /v1/chat/completions renders them). By default the ids are those this
+    server's completions compute: no special tokens added beyond what the template writes."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[Any] | None = None  # validated as a chat completion's
+    add_generation_prompt: bool = True
+    add_special_tokens: bool = False
+    return_token_strs: bool = False
+
+    @model_validator(mode="after")
+    def _one_input(self) -> "TokenizeRequest":
+        if (self.prompt is None) == (self.messages is None):
+            raise _invalid("give either prompt or messages", "prompt", code="missing_required_parameter")
+        return self
+
+
+class DetokenizeRequest(_RequestModel):
+    model: str | None = None
+    tokens: list[Annotated[int, Field(ge=0)]]
+
+
 class _ResponseModel(BaseModel):
     """Serializes like ``exclude_none=True``, except fields in ``keep_none_fields``."""
 
@@ -1029,6 +1053,18 @@ class CompletionChunk(_ResponseModel):
 
 
 # --- models -------------------------------------------------------------------
+
+
+class TokenizeResponse(_ResponseModel):
+    keep_none_fields = frozenset({"token_strs"})
+    count: int
+    max_model_len: int
+    tokens: list[int]
+    token_strs: list[str] | None = None
+
+
+class DetokenizeResponse(_ResponseModel):
+    prompt: str
 
 
 class ModelCard(_ResponseModel):

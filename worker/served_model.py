@@ -33,8 +33,8 @@ class ServedModel:
     logits_processors: tuple[LogitsProcessor, ...] = ()
     experts: ExpertAvailability | None = None  # ready_at=partial: the expert fill, whose share /ready shows
 
-    def encode(self, text: str) -> list[int]:
-        return self.tokenizer.encode(text, add_special_tokens=False).ids
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        return self.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
 
     def token_text(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id], skip_special_tokens=False)

@@ -18,6 +18,7 @@ from worker.served_model import ServedModel
 from worker.serving import STATE, ClientGone
 from worker.serving_chat import chat_completions
 from worker.serving_completion import completions
+from worker.serving_tokenize import detokenize, tokenize
 from worker.vast import VAST_APP_KEY, VastWorker, vast_middleware, vast_verified
 
 log = logging.getLogger("glmflash.worker")
@@ -57,6 +58,8 @@ def build_app(state: ServerState) -> web.Application:
     app.router.add_get("/v1/models", models)
     app.router.add_post("/v1/chat/completions", chat_completions)
     app.router.add_post("/v1/completions", completions)
+    app.router.add_post("/tokenize", tokenize)
+    app.router.add_post("/detokenize", detokenize)
     return app
 
 

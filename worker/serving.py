@@ -31,17 +31,22 @@ class ClientGone(Exception):
     """The client closed the connection; its requests were aborted."""
 
 
-async def read_request(request: web.Request, cls: type) -> Any:
+async def read_payload(request: web.Request) -> Any:
+    """The request's JSON: a Vast-routed request's unwrapped payload, else the body."""
     try:
-        payload = await openai_body(request)  # a Vast-routed request's unwrapped payload, else the body
+        return await openai_body(request)
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise ProtocolError(f"request body is not valid JSON: {exc}") from exc
-    return parse_request(cls, payload)
 
 
-def check_model(body: _SamplingRequest, model: ServedModel) -> None:
-    if body.model is not None and body.model != model.name:
-        raise ProtocolError(f"The model '{body.model}' does not exist; this server serves '{model.name}'.",
+async def read_request(request: web.Request, cls: type) -> Any:
+    return parse_request(cls, await read_payload(request))
+
+
+def check_model(requested: str | None, model: ServedModel) -> None:
+    """A request's `model` names the served one, or none."""
+    if requested is not None and requested != model.name:
+        raise ProtocolError(f"The model '{requested}' does not exist; this server serves '{model.name}'.",
                             status=404, param="model", code="model_not_found")
 
 

@@ -7,7 +7,7 @@ from typing import AsyncIterator
 from aiohttp import web
 
 from engine.async_engine import GenerationDelta
-from worker.chat_template import TemplateError
+from worker.chat_template import RenderedPrompt, TemplateError
 from worker.parsers import (
     REASONING_PARSERS, TOOL_PARSERS, GlmReasoningParser, GlmToolParser, ReasoningDelta, ToolStreamDelta,
 )
@@ -80,18 +80,23 @@ def chat_logprobs(model: ServedModel, delta: GenerationDelta) -> ChatCompletionL
     return ChatCompletionLogprobs(content=entries)
 
 
+def render_chat(body: ChatCompletionRequest, model: ServedModel, add_generation_prompt: bool = True) -> RenderedPrompt:
+    """The request's messages and tools through the model's chat template (also what /tokenize counts)."""
+    if model.template is None:
+        raise ProtocolError("this model has no chat template; use /v1/completions", param="messages")
+    try:
+        return model.template.render(body.template_messages(), tools=body.template_tools(),
+                                     add_generation_prompt=add_generation_prompt, **dict(body.chat_template_kwargs or {}))
+    except TemplateError as exc:
+        raise ProtocolError(f"chat template error: {exc}", param="messages") from exc
+
+
 async def chat_completions(request: web.Request) -> web.StreamResponse:
     state = request.app[STATE]
     model: ServedModel = state.require_model()
     body = await read_request(request, ChatCompletionRequest)
-    check_model(body, model)
-    if model.template is None:
-        raise ProtocolError("this model has no chat template; use /v1/completions", param="messages")
-    kwargs = dict(body.chat_template_kwargs or {})
-    try:
-        prompt = model.template.render(body.template_messages(), tools=body.template_tools(), **kwargs)
-    except TemplateError as exc:
-        raise ProtocolError(f"chat template error: {exc}", param="messages") from exc
+    check_model(body.model, model)
+    prompt = render_chat(body, model)
     ids = model.encode(prompt)
     max_tokens = completion_budget(model, len(ids), body.effective_max_tokens, None, "messages")
     logprobs = (body.top_logprobs or 0) if body.logprobs else None

@@ -76,7 +76,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
     state = request.app[STATE]
     model: ServedModel = state.require_model()
     body = await read_request(request, CompletionRequest)
-    check_model(body, model)
+    check_model(body.model, model)
     prompts: list[list[int]] = []
     for prompt in body.prompts:
         ids = model.encode(prompt) if isinstance(prompt, str) else list(prompt)
