@@ -114,7 +114,7 @@ if has boot; then
     step 120 $((160 + reserve_serve)) "$out/boot.log" python3 -m ops.slice_snapshot "$slice" --gib "$slice_gib" \
       && echo "$slice_gib" > "$work/slice.gib"
   fi
-  if [ "${PREBUILT:-1}" = 1 ]; then  # what the image's build compiles (no GPU needed), timed; PREBUILT=0: not
+  if [ "${PREBUILT:-$([ "$device" = cuda ] && echo 1 || echo 0)}" = 1 ]; then  # what the image's build compiles
     rm -rf "$work/prebuilt"
     step 90 $((200 + reserve_serve)) "$out/boot.log" python3 -m engine.kernels.prebuilt "$work/prebuilt" \
       && export GLMFLASH_PREBUILT_KERNELS=$work/prebuilt

@@ -321,8 +321,9 @@ class HybridExperts:
         the host never blocks on a swap."""
         if self.swaps_held:
             return 0
-        if self.settle_all:  # a calibration ran while swaps were held: its whole placement, once
-            max_swaps, self.settle_all = self.num_experts * len(self.layers), False
+        margin = SWAP_MARGIN
+        if self.settle_all:  # a calibration ran while swaps were held: its whole placement, once, exactly
+            max_swaps, self.settle_all, margin = self.num_experts * len(self.layers), False, 1.0
         counts = self.counts.cpu()
         self.counts *= self.decay
         made = 0
@@ -331,7 +332,7 @@ class HybridExperts:
             self._swap_stream.wait_stream(main)  # the steps that read the slots are done with them
         for layer, incoming, outgoing, c in self._swap_candidates(counts):
             for new, old in zip(incoming, outgoing):
-                if made >= max_swaps or c[new] <= c[old] * SWAP_MARGIN:
+                if made >= max_swaps or c[new] <= c[old] * margin:
                     break
                 self._swap(layer, self.resident[layer].index(old), new)
                 made += 1
