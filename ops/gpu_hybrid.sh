@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Hybrid offload on a CUDA machine in time-boxed parts (each fits a 10-minute call), from the repo root:
-#   bash ops/gpu_hybrid.sh OUT_DIR checks|vnni|whole|skew|slice|swaps|threads
+#   bash ops/gpu_hybrid.sh OUT_DIR checks|vnni|whole|skew|slice|swaps|threads|offload
 # checks: the compiled CPU kernels' tests, the release-shape hybrid tests (split, graphs, swaps, pinning,
 #         the kept miss split) and the cost of one GPU<->CPU handshake per layer (ops/bench_handshake.py);
 # vnni:   the AVX-512 VNNI NVFP4 path (the default where the CPU has it): the kernels' tests, its speed against
@@ -12,9 +12,15 @@
 #        (what a swap costs the CPU pass, what pinning does with swaps running);
 # threads: an 8-layer slice with every miss on the CPU at 14, 15 and 16 CPU threads (the default is every
 #          core but one; more threads than cores should degrade, not stall), then the default unpinned.
+# offload: whole, swaps and skew one after the other (~6 minutes on a fresh H200 machine), each part's output
+#          under OUT_DIR/<part>.
 # Wheels the machine lacks: see ops/gpu_env.sh.
 set -uo pipefail
-out=${1:?output directory}; part=${2:?checks, vnni, whole, skew, slice, swaps or threads}
+out=${1:?output directory}; part=${2:?checks, vnni, whole, skew, slice, swaps, threads or offload}
+if [ "$part" = offload ]; then
+  for each in whole swaps skew; do bash "$0" "$out/$each" "$each"; done
+  exit 0
+fi
 mkdir -p "$out"
 exec > >(tee -a "$out/run.log") 2>&1  # kept in the output folder even when a caller's time limit cuts the run
 source ops/gpu_env.sh
