@@ -13,9 +13,11 @@ from __future__ import annotations
 
 import functools
 import json
+import logging
 import math
 import re
 import threading
+import time
 from contextlib import nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -25,13 +27,14 @@ import torch
 
 from engine.checkpoint.layout import EXPERT_KEY, TEXT_PREFIX, TensorSpec, stacked_expert_name, text_specs
 from engine.checkpoint.availability import ExpertAvailability, ExpertUnit
-from engine.checkpoint.shards import (CheckpointError, Chunk, StoredTensor, plan_chunks, read_chunk, read_chunks,
-                                      read_header, staging_buffer)
+from engine.checkpoint.shards import (CheckpointError, Chunk, ReadTiming, StoredTensor, plan_chunks, read_chunk,
+                                      read_chunks, read_header, staging_buffer)
 from engine.config import ModelConfig
 from engine.offload.host_memory import host_empty
 from engine.offload.placement import WeightBytes
 from engine.weights import DenseWeight, Fp8BlockWeight, Nvfp4Weight, SplitStack, Weight, map_tensors, tensor_fields
 
+log = logging.getLogger("glmflash.engine")
 LoadedWeights = dict[str, "Weight | SplitStack | torch.Tensor"]
 
 # Linear suffix sets that identify each stored format; `input_scale`-style activation scales are
@@ -117,8 +120,16 @@ def load_weights(snapshot: Path | str, cfg: ModelConfig, device: torch.device | 
     convert; `progress(done_bytes, total_bytes)` follows the reads."""
     reader = _Reader(Path(snapshot), cfg, device, dtype, expert_slots)
     chunks = plan_chunks(reader.wanted, lambda key: reader.part_of[key][0].spec.name)
-    read_chunks(chunks, reader.consume, workers, pin_memory=reader.pin, progress=progress)
+    _timed_reads(chunks, reader, workers, progress)
     return reader.assembler.finish()
+
+
+def _timed_reads(chunks: list[Chunk], reader: "_Reader", workers: int,
+                 progress: Callable[[int, int], None] | None) -> None:
+    """The reads, then where their threads' time went (`event=load_timing`: reading or converting and placing)."""
+    timing, start = ReadTiming(), time.perf_counter()
+    read_chunks(chunks, reader.consume, workers, pin_memory=reader.pin, progress=progress, timing=timing)
+    log.info("event=load_timing %s", timing.summary(time.perf_counter() - start, workers))
 
 
 def open_weights(snapshot: Path | str, cfg: ModelConfig, device: torch.device | str = "cpu",
@@ -130,8 +141,7 @@ def open_weights(snapshot: Path | str, cfg: ModelConfig, device: torch.device | 
     reader = _Reader(Path(snapshot), cfg, device, dtype, expert_slots)
     expert_of = {key: EXPERT_KEY.match(group.spec.name) for key, (group, _) in reader.part_of.items()}
     others = [t for t in reader.wanted if not expert_of[t.key]]
-    read_chunks(plan_chunks(others, lambda key: reader.part_of[key][0].spec.name), reader.consume, workers,
-                pin_memory=reader.pin, progress=progress)
+    _timed_reads(plan_chunks(others, lambda key: reader.part_of[key][0].spec.name), reader, workers, progress)
     reader.reserve_expert_stacks()
     local = threading.local()
 

@@ -16,10 +16,12 @@ import math
 import os
 import struct
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Hashable, Iterable, Sequence
+from typing import Callable, Hashable, Iterable, Iterator, Sequence
 
 import torch
 
@@ -137,11 +139,40 @@ Consumer = Callable[[Chunk, list[torch.Tensor], "torch.Tensor | None"], None]
 own). Views into a staging buffer are overwritten once the consumer returns."""
 
 
+@dataclass
+class ReadTiming:
+    """Seconds the reading threads spent reading and in the consumer, summed over threads: next to the wall
+    time it says what bounds a load (a disk-bound one reads nearly all the time, a conversion-bound one
+    consumes)."""
+
+    read_s: float = 0.0
+    consume_s: float = 0.0
+
+    def __post_init__(self) -> None:
+        self._lock = threading.Lock()
+
+    @contextmanager
+    def timed(self, part: str) -> Iterator[None]:
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            with self._lock:
+                setattr(self, part, getattr(self, part) + time.perf_counter() - start)
+
+    def summary(self, wall_s: float, threads: int) -> str:
+        """key=value: the wall time and each part per thread."""
+        return (f"wall_s={wall_s:.3f} threads={threads} read_s={self.read_s / threads:.3f} "
+                f"consume_s={self.consume_s / threads:.3f}")
+
+
 def read_chunks(chunks: Sequence[Chunk], consume: Consumer, workers: int = 8, pin_memory: bool = False,
-                progress: Callable[[int, int], None] | None = None) -> int:
+                progress: Callable[[int, int], None] | None = None, timing: ReadTiming | None = None) -> int:
     """Read every chunk with `workers` threads and hand each to `consume` (called from those threads,
     several at once). Chunks with a buffer of their own go first, split into pieces across threads.
-    `progress(done_bytes, total_bytes)` follows the reads. Returns the bytes read."""
+    `progress(done_bytes, total_bytes)` follows the reads; `timing` adds up where the threads' time went.
+    Returns the bytes read."""
+    timing = timing or ReadTiming()
     jobs: list[tuple[Chunk, int, int]] = []
     for chunk in sorted(chunks, key=lambda c: not c.own_buffer):
         if chunk.own_buffer:
@@ -163,15 +194,17 @@ def read_chunks(chunks: Sequence[Chunk], consume: Consumer, workers: int = 8, pi
         try:
             if chunk.own_buffer:
                 state = own[id(chunk)]
-                _pread(fds[chunk.path], state.buffer()[lo:hi], chunk.start + lo, chunk)
+                with timing.timed("read_s"):
+                    _pread(fds[chunk.path], state.buffer()[lo:hi], chunk.start + lo, chunk)
                 if state.piece_done():
-                    consume(chunk, _views(state.tensor, chunk), None)
+                    with timing.timed("consume_s"):
+                        consume(chunk, _views(state.tensor, chunk), None)
                     state.tensor = None
             else:
                 staging = getattr(local, "staging", None)
                 if staging is None:
                     staging = local.staging = staging_buffer(pin_memory)
-                _read_staged(fds[chunk.path], chunk, staging, consume)
+                _read_staged(fds[chunk.path], chunk, staging, consume, timing)
         except BaseException:
             failed.set()
             raise
@@ -208,9 +241,13 @@ def read_chunk(chunk: Chunk, consume: Consumer, staging: torch.Tensor) -> int:
     return chunk.nbytes
 
 
-def _read_staged(fd: int, chunk: Chunk, staging: torch.Tensor, consume: Consumer) -> None:
-    _pread(fd, staging[:chunk.nbytes], chunk.start, chunk)
-    consume(chunk, _views(staging, chunk), staging)
+def _read_staged(fd: int, chunk: Chunk, staging: torch.Tensor, consume: Consumer,
+                 timing: ReadTiming | None = None) -> None:
+    timing = timing or ReadTiming()
+    with timing.timed("read_s"):
+        _pread(fd, staging[:chunk.nbytes], chunk.start, chunk)
+    with timing.timed("consume_s"):
+        consume(chunk, _views(staging, chunk), staging)
 
 
 class _OwnBuffer:

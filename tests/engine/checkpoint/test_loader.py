@@ -178,3 +178,39 @@ def test_parallel_chunked_read_matches_the_safetensors_library(tiny_dir, fmt, mo
                                                                          if isinstance(getattr(weight, f), torch.Tensor)]
         for a, b in zip(mine, tensors):
             assert a.dtype == b.dtype and a.shape == b.shape and torch.equal(a.view(torch.uint8), b.view(torch.uint8)), name
+
+
+def test_a_load_says_whether_reading_or_converting_took_its_time(tiny_dir, caplog):
+    """`event=load_timing`: per reading thread, the seconds in reads and in converting and placing, next to the
+    wall time (a thread cannot have spent more than the wall in both together)."""
+    cfg = ModelConfig.from_dir(tiny_dir("nvfp4-ct"))
+    with caplog.at_level("INFO", logger="glmflash.engine"):
+        load_weights(tiny_dir("nvfp4-ct"), cfg, workers=2)
+    line = next(r.getMessage() for r in caplog.records if r.getMessage().startswith("event=load_timing"))
+    fields = dict(part.split("=") for part in line.split()[1:])
+    assert fields["threads"] == "2"
+    read, consume, wall = float(fields["read_s"]), float(fields["consume_s"]), float(fields["wall_s"])
+    assert read + consume > 0 and read + consume <= wall + 0.002
+
+
+def test_read_timing_adds_up_from_several_threads():
+    import threading
+    import time
+
+    from engine.checkpoint.shards import ReadTiming
+
+    timing = ReadTiming()
+
+    def work() -> None:
+        with timing.timed("read_s"):
+            time.sleep(0.05)
+        with timing.timed("consume_s"):
+            time.sleep(0.02)
+
+    threads = [threading.Thread(target=work) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert 0.2 <= timing.read_s < 0.4 and 0.08 <= timing.consume_s < 0.25
+    assert timing.summary(0.1, 4).startswith("wall_s=0.100 threads=4 read_s=0.0")
