@@ -335,8 +335,9 @@ class _Builder:
         glob = t[global_key].float().reshape(-1)
         if glob.numel() != 1:
             raise CheckpointError(f"tensor {spec.name}.{global_key}: expected one value, found shape {list(t[global_key].shape)}")
-        # compressed-tensors stores a divisor, ModelOpt a multiplier; the engine holds multipliers.
-        glob = glob.reciprocal() if kind == "nvfp4_ct" else glob
+        # compressed-tensors stores a divisor, ModelOpt a multiplier; the engine holds multipliers. (On the meta
+        # device, where only the layout is wanted, reciprocal() imports torch's compiler: seconds of a start.)
+        glob = glob.reciprocal() if kind == "nvfp4_ct" and not glob.is_meta else glob
         return Nvfp4Weight(t[packed_key].to(self.device), t["weight_scale"].to(self.device), glob.to(self.device))
 
     @staticmethod

@@ -144,3 +144,20 @@ def test_the_fill_rate_cap_paces_the_reads():
     start = time.perf_counter()
     availability.fill(workers=2, gb_per_s=1e-5)  # 10 kB/s: the 4th unit is due after 0.3 s
     assert time.perf_counter() - start >= 0.29 and availability.complete
+
+
+def test_allocating_the_expert_stacks_imports_no_compiler(tiny_dir):
+    """The stacks' layout comes from converting one expert on the meta device; NVFP4 compressed-tensors'
+    global-scale reciprocal there imported torch's compiler (3.5 s of a 2-vCPU start, before any expert read).
+    In a process of its own: this one may have imported it already."""
+    import subprocess
+    import sys
+
+    from tests.child_env import child_env
+
+    code = ("import sys, torch\nfrom engine.config import ModelConfig\nfrom engine.checkpoint.loader import open_weights\n"
+            f"d = {str(tiny_dir('nvfp4-ct'))!r}\nopen_weights(d, ModelConfig.from_dir(d), 'cpu', torch.float32)\n"
+            "print('torch._dynamo' in sys.modules)")
+    done = subprocess.run([sys.executable, "-c", code], env=child_env(), capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split()[-1] == "False"
