@@ -324,6 +324,9 @@ class HybridExperts:
         margin = SWAP_MARGIN
         if self.settle_all:  # a calibration ran while swaps were held: its whole placement, once, exactly
             max_swaps, self.settle_all, margin = self.num_experts * len(self.layers), False, 1.0
+        if max_swaps <= 0:  # swaps off: the counts still age, nothing is read back from the device
+            self.counts *= self.decay
+            return 0
         counts = self.counts.cpu()
         self.counts *= self.decay
         made = 0

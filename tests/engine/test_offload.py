@@ -114,6 +114,14 @@ def test_rebalance_needs_a_margin_and_takes_the_hottest_first():
     assert sorted(hybrid.resident[3] + hybrid.hosted[3]) == list(range(E))
 
 
+def test_swaps_off_move_nothing_and_the_counts_still_age():
+    stacks = {0: layer_stacks("nvfp4", 5)}
+    hybrid = HybridExperts.place(stacks, {0: [0, 1, 2]}, torch.device("cpu"), LIMIT, count_decay=0.5)
+    hybrid.counts[0, 9] = 8.0
+    assert hybrid.rebalance(max_swaps=0) == 0 and hybrid.resident[0] == [0, 1, 2]
+    assert float(hybrid.counts[0, 9]) == 4.0
+
+
 def test_from_weights_moves_stacks_out_of_the_dict():
     w = {f"layers.2.mlp.experts.{p}": s for p, s in zip(("gate_proj", "up_proj", "down_proj"), layer_stacks("fp8", 9))}
     per_expert = expert_nbytes(tuple(w.values()))
