@@ -33,7 +33,9 @@ def prepared_files(prepared: Path) -> list[tuple[Path, int]]:
 
 def snapshot_files(directory: Path) -> list[tuple[Path, int]]:
     """A local snapshot's safetensors files and sizes, in the loader's (name) order; [] for anything else."""
-    return [(path, path.stat().st_size) for path in sorted(directory.glob("*.safetensors"))] if directory.is_dir() else []
+    if not directory.is_dir():
+        return []
+    return [(path, path.stat().st_size) for path in sorted(directory.glob("*.safetensors"))]
 
 
 def within(files: list[tuple[Path, int]], limit: int) -> list[tuple[Path, int]]:

@@ -159,10 +159,15 @@ class Settings(BaseSettings):
     def vast_report_addr(self) -> str:
         return self.report_addr or "https://run.vast.ai"  # the framework's own default
 
+    @property
+    def model_source(self) -> str | None:
+        """The snapshot to serve: the S3 URI when set, else `model`; None: the embedded tiny model."""
+        return self.s3_uri or self.model
+
     def resolved_device(self) -> str:
         if self.device != "auto":
             return self.device
-        if not (self.model or self.s3_uri):  # the embedded tiny model is a CPU demo unless asked otherwise
+        if not self.model_source:  # the embedded tiny model is a CPU demo unless asked otherwise
             return "cpu"
         import torch
 

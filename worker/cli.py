@@ -43,7 +43,7 @@ def main(argv: list[str] | None = None) -> None:
     logging.getLogger("glmflash.cli").info("event=compile_cache dir=%s autotuning=%s prebuilt=%s seeded=%d",
                                            triton_dir, os.environ["TRITON_CACHE_AUTOTUNING"],
                                            settings.prebuilt_kernels, seeded)
-    spec = settings.s3_uri or settings.model  # none: the embedded tiny model, nothing worth reading ahead
+    spec = settings.model_source  # none: the embedded tiny model, nothing worth reading ahead
     if spec:  # what the load will read first, during the imports below
         files = (prepared_files(model_home(settings.cache_dir, spec, settings.model_revision) / PREPARED_DIRNAME)
                  or snapshot_files(Path(spec)))

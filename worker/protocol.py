@@ -1052,7 +1052,7 @@ class CompletionChunk(_ResponseModel):
     system_fingerprint: str | None = None
 
 
-# --- models -------------------------------------------------------------------
+# --- tokenize -----------------------------------------------------------------
 
 
 class TokenizeResponse(_ResponseModel):
@@ -1065,6 +1065,9 @@ class TokenizeResponse(_ResponseModel):
 
 class DetokenizeResponse(_ResponseModel):
     prompt: str
+
+
+# --- models -------------------------------------------------------------------
 
 
 class ModelCard(_ResponseModel):

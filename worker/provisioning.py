@@ -151,8 +151,8 @@ def cpu_workers(settings: Settings) -> int:
 
 def model_spec(settings: Settings) -> tuple[str, str]:
     """(source spec, served name). No model configured: the embedded tiny model, written on first use."""
-    if settings.s3_uri or settings.model:
-        spec = settings.s3_uri or settings.model
+    if settings.model_source:
+        spec = settings.model_source
         default = Path(spec).name if Path(spec).is_dir() else spec.rstrip("/").split("@")[0].removeprefix("s3://")
         return spec, settings.served_model_name or default
     tiny = settings.cache_dir / "tiny-src"

@@ -80,13 +80,15 @@ def chat_logprobs(model: ServedModel, delta: GenerationDelta) -> ChatCompletionL
     return ChatCompletionLogprobs(content=entries)
 
 
-def render_chat(body: ChatCompletionRequest, model: ServedModel, add_generation_prompt: bool = True) -> RenderedPrompt:
+def render_chat(body: ChatCompletionRequest, model: ServedModel,
+                add_generation_prompt: bool = True) -> RenderedPrompt:
     """The request's messages and tools through the model's chat template (also what /tokenize counts)."""
     if model.template is None:
         raise ProtocolError("this model has no chat template; use /v1/completions", param="messages")
+    kwargs = dict(body.chat_template_kwargs or {})
     try:
         return model.template.render(body.template_messages(), tools=body.template_tools(),
-                                     add_generation_prompt=add_generation_prompt, **dict(body.chat_template_kwargs or {}))
+                                     add_generation_prompt=add_generation_prompt, **kwargs)
     except TemplateError as exc:
         raise ProtocolError(f"chat template error: {exc}", param="messages") from exc
 

@@ -280,8 +280,9 @@ class HybridExperts:
     def _over_pcie(self, layer: int, x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor,
                    miss: torch.Tensor) -> torch.Tensor:
         """The device's share of the misses: the missed pair of rank r (row-major) if `to_pcie(r, percent)`,
-        while staging slots last (the host step applies the same rule to the same ids and skips these). Its experts are copied into the staging slots by a kernel reading the host
-        bank, then run by the device executor -> [T, D] in x's dtype."""
+        while staging slots last (the host step applies the same rule to the same ids and skips these). Its
+        experts are copied into the staging slots by a kernel reading the host bank, then run by the device
+        executor -> [T, D] in x's dtype."""
         index, capacity, percent = self._index[layer], self.fetch.capacity, self.pcie_percent
         missed = miss.flatten()
         if x.is_cuda and torch.cuda.is_current_stream_capturing():  # replays run padding rows: copy nothing for them
@@ -353,7 +354,7 @@ class HybridExperts:
         order = torch.sort(counts, dim=1, descending=True, stable=True).indices
         rank = torch.empty_like(order).scatter_(1, order, torch.arange(self.num_experts).expand_as(order))
         slots = torch.tensor([len(self.resident[layer]) for layer in self.layers]).unsqueeze(1)
-        outside = (rank < slots) & (self.slot_of.cpu() < 0)
+        outside = (rank < slots) & (self.entry_of >= 0)  # in the host bank (a map kept on the CPU: no device read)
         for index in outside.any(1).nonzero().flatten().tolist():
             layer, n = self.layers[index], int(slots[index])
             ranked, resident = order[index].tolist(), set(self.resident[self.layers[index]])

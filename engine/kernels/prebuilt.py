@@ -130,7 +130,7 @@ def main() -> None:
     parser.add_argument("directory", type=Path)
     parser.add_argument("--manifest", type=Path, action="append",
                         help="a manifest to compile (default: every one the package ships)")
-    parser.add_argument("--processes", type=int, default=max(1, precompile_processes()))
+    parser.add_argument("--processes", type=int, default=precompile_processes())
     args = parser.parse_args()
     logging.basicConfig(level="INFO", format="level=%(levelname)s logger=%(name)s %(message)s")
     args.directory.mkdir(parents=True, exist_ok=True)

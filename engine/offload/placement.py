@@ -19,11 +19,11 @@ def slots_per_layer(budget_bytes: int, expert_nbytes: int, num_layers: int, num_
     return min(num_experts, budget_bytes // (expert_nbytes * max(num_layers, 1)))
 
 
-def hottest(counts: torch.Tensor | list[float] | None, num_experts: int, slots: int) -> list[int]:
+def hottest(counts: torch.Tensor | None, num_experts: int, slots: int) -> list[int]:
     """The `slots` experts with the highest counts (ties to the lower id); the first ids without counts."""
     if counts is None:
         return list(range(slots))
-    values = counts.tolist() if isinstance(counts, torch.Tensor) else counts  # not one tensor index per expert
+    values = counts.tolist()  # not one tensor index per expert
     order = sorted(range(num_experts), key=lambda e: (-values[e], e))
     return sorted(order[:slots])
 

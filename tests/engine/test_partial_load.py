@@ -155,7 +155,8 @@ def test_allocating_the_expert_stacks_imports_no_compiler(tiny_dir):
 
     from tests.child_env import child_env
 
-    code = ("import sys, torch\nfrom engine.config import ModelConfig\nfrom engine.checkpoint.loader import open_weights\n"
+    code = ("import sys, torch\nfrom engine.config import ModelConfig\n"
+            "from engine.checkpoint.loader import open_weights\n"
             f"d = {str(tiny_dir('nvfp4-ct'))!r}\nopen_weights(d, ModelConfig.from_dir(d), 'cpu', torch.float32)\n"
             "print('torch._dynamo' in sys.modules)")
     done = subprocess.run([sys.executable, "-c", code], env=child_env(), capture_output=True, text=True, timeout=300)
