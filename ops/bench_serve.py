@@ -510,6 +510,12 @@ def notes(report: dict[str, Any]) -> list[str]:
     return out
 
 
+def write_json(path: str, report: dict[str, Any]) -> None:
+    """The report as JSON (paths among its settings as strings)."""
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(report, f, indent=2, default=str)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.workload == "agent":
@@ -518,16 +524,14 @@ def main(argv: list[str] | None = None) -> int:
         print(agent_table(report["runs"]))
         print("\n".join(agent_lines(report)))
         if args.json_out:
-            with open(args.json_out, "w", encoding="utf-8") as f:
-                json.dump(report, f, indent=2)
+            write_json(args.json_out, report)
         return 1 if any(run["failed"] for run in report["runs"]) else 0
     report = asyncio.run(run(args))
     print(f"# {report['command']}")
     print(table(report["levels"]))
     print("\n".join(kv_lines(report) + notes(report)))
     if args.json_out:
-        with open(args.json_out, "w", encoding="utf-8") as f:
-            json.dump(report, f, indent=2)
+        write_json(args.json_out, report)
     return 1 if any(lvl["failed"] for lvl in report["levels"]) else 0
 
 

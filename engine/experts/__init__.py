@@ -6,7 +6,7 @@ returns the weighted sum of the selected experts' outputs. The torch executor is
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import Callable, Protocol
 
 import torch
 
@@ -16,8 +16,10 @@ from engine.experts.triton_experts import TritonExperts
 
 
 class ExpertExecutor(Protocol):
-    def __call__(self, layer: int, x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        """x [T, D]; expert_ids [T, k]; weights [T, k] fp32 -> [T, D] in x's dtype."""
+    def __call__(self, layer: int, x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor,
+                 beside: Callable[[], torch.Tensor] | None = None) -> torch.Tensor:
+        """x [T, D]; expert_ids [T, k]; weights [T, k] fp32 -> [T, D] in x's dtype, plus `beside()` ([T, D]:
+        the layer's dense work, the shared expert) when given, run where it overlaps the routed experts best."""
         ...
 
 

@@ -28,10 +28,10 @@ class CpuExperts(TorchExperts):
         self.compiled = {layer: ExpertStacks(*s) for layer, s in stacks.items()
                          if len({type(w) for w in s}) == 1 and isinstance(s[0], QUANTIZED)}
 
-    def __call__(self, layer: int, x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    def routed(self, layer: int, x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         stacks = self.compiled.get(layer) if available() else None
         if stacks is None:
-            return super().__call__(layer, x, expert_ids, weights)
+            return super().routed(layer, x, expert_ids, weights)
         flat = expert_ids.flatten()
         order = flat.argsort(stable=True)
         experts, counts = flat[order].unique_consecutive(return_counts=True)

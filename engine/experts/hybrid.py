@@ -18,7 +18,7 @@ import dataclasses
 import logging
 import time
 from dataclasses import dataclass
-from typing import Iterator
+from typing import Callable, Iterator
 
 import torch
 
@@ -44,9 +44,11 @@ SWAP_MARGIN = 1.25
 
 def to_pcie(rank: torch.Tensor, percent: int) -> torch.Tensor:
     """Whether the missed pair of rank r goes over PCIe (cpu_gemv.c's host step applies the same rule): n
-    misses send n * percent / 100 of them, rounded half up. A layer of a batch-1 step misses one to three
-    experts, where a rounded-down share sent none at 41%: the CPU ran 78% of the misses, PCIe idled."""
-    return (rank * percent + percent + 50) // 100 > (rank * percent + 50) // 100
+    misses send k(n) = ((n + 1) * percent - 1) // 100 of them, the count that lets the later of the two
+    sides finish soonest when PCIe moves percent : 100 - percent of what the CPU and the link move together
+    (ties to the CPU). A layer of a batch-1 step misses one to three experts: a rounded-down share sent
+    none at 41%, a rounded-half-up one sent a lone miss over the slower link at 50%."""
+    return ((rank + 2) * percent - 1) // 100 > ((rank + 1) * percent - 1) // 100
 
 
 @dataclass
@@ -237,7 +239,10 @@ class HybridExperts:
         for steps in self.host_steps.values():
             steps.use_rows(rows)
 
-    def __call__(self, layer: int, x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    def __call__(self, layer: int, x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor,
+                 beside: Callable[[], torch.Tensor] | None = None) -> torch.Tensor:
+        """The routed sum plus `beside()`, which the device runs while the CPU works on the misses (the shared
+        expert is then off the path a layer waits on)."""
         index = self._index[layer]
         flat = expert_ids.flatten()
         self.counts[index].index_add_(0, flat, torch.ones(flat.shape, device=flat.device))
@@ -246,10 +251,12 @@ class HybridExperts:
         # Too few pairs to ever fetch (and few enough for the decode kernels): the CPU takes the misses.
         if expert_ids.numel() < self.fetch_min_pairs and expert_ids.numel() <= DECODE_MAX_PAIRS and self.graph_safe:
             pending = self._host_steps(expert_ids.shape[1]).run(layer, x, expert_ids, weights)
+            dense = beside() if beside is not None else None
             out = self._on_device(layer, x, slots, hit, weights).float()
             if self.pcie_percent:
                 out += self._over_pcie(layer, x, expert_ids, weights, ~hit).float()
-            return (out + pending.wait()).to(x.dtype)
+            out = (out + pending.wait()).to(x.dtype)
+            return out if dense is None else out + dense
         # Find the misses and bring their rows to the host before the device work is queued, so the
         # CPU computes while the device runs its experts.
         missed = (~hit).flatten().nonzero().squeeze(1)
@@ -260,6 +267,7 @@ class HybridExperts:
             entries = self.entry_of[index][expert_ids.flatten()[missed].cpu()]
             host_in = x[rows].cpu(), entries, weights.flatten()[missed].cpu()
         out = self._on_device(layer, x, slots, hit, weights)
+        dense = beside() if beside is not None else None  # queued before the CPU's pass, which blocks this thread
         self._stats.device_pairs += expert_ids.numel() - missed.numel()
         if fetch:
             ids = self.entry_of[index].to(x.device)[expert_ids.flatten()[missed]]
@@ -268,7 +276,7 @@ class HybridExperts:
             self._stats.fetched_bytes += int(ids.unique().numel()) * self.expert_bytes
         elif host_in is not None:
             out.index_add_(0, rows, self._host(layer, *host_in).to(x.device, non_blocking=True))
-        return out
+        return out if dense is None else out + dense
 
     def _on_device(self, layer: int, x: torch.Tensor, slots: torch.Tensor, hit: torch.Tensor,
                    weights: torch.Tensor) -> torch.Tensor:

@@ -8,6 +8,8 @@ Once the fill is complete the engine drops the wrapper.
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 
 from engine.checkpoint.availability import ExpertAvailability
@@ -18,10 +20,11 @@ class PendingExperts:
     def __init__(self, inner: ExpertExecutor, availability: ExpertAvailability) -> None:
         self.inner, self.availability = inner, availability
 
-    def __call__(self, layer: int, x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    def __call__(self, layer: int, x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor,
+                 beside: Callable[[], torch.Tensor] | None = None) -> torch.Tensor:
         if not self.availability.complete:
             used = expert_ids.unique().cpu()
             missing = used[~self.availability.loaded[layer][used]]
             if missing.numel():
                 self.availability.ensure(layer, missing.tolist())
-        return self.inner(layer, x, expert_ids, weights)
+        return self.inner(layer, x, expert_ids, weights, beside)

@@ -5,11 +5,12 @@ from __future__ import annotations
 import torch
 
 from engine.checkpoint.layout import EXPERT_PROJS, stacked_expert_name
+from engine.experts.base import OnePlaceExperts
 from engine.model.layers import clamped_swiglu, linear
 from engine.weights import Weight
 
 
-class TorchExperts:
+class TorchExperts(OnePlaceExperts):
     def __init__(self, stacks: dict[int, tuple[Weight, Weight, Weight]], swiglu_limit: float) -> None:
         self.stacks, self.limit = stacks, swiglu_limit
 
@@ -17,7 +18,7 @@ class TorchExperts:
     def from_weights(cls, w: dict, layers: list[int], swiglu_limit: float) -> "TorchExperts":
         return cls({i: tuple(w[stacked_expert_name(i, p)] for p in EXPERT_PROJS) for i in layers}, swiglu_limit)
 
-    def __call__(self, layer: int, x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    def routed(self, layer: int, x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         gate, up, down = self.stacks[layer]
         out = torch.zeros_like(x)
         flat = expert_ids.flatten()

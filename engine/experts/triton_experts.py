@@ -13,6 +13,7 @@ from typing import Callable
 
 import torch
 
+from engine.experts.base import OnePlaceExperts
 from engine.experts.torch_experts import TorchExperts
 from engine.kernels.experts import DECODE_MAX_PAIRS, DecodeTiles, PrefillTiles, moe_decode, moe_prefill
 from engine.weights import DenseWeight, Fp8BlockWeight, Nvfp4Weight, Weight
@@ -29,7 +30,7 @@ def default_delegates() -> dict[type, MoeKernel]:
     return {Fp8BlockWeight: importlib.import_module(_FP8_MODULE).fp8_block_moe}
 
 
-class TritonExperts:
+class TritonExperts(OnePlaceExperts):
     def __init__(self, stacks: dict[int, tuple[Weight, Weight, Weight]], swiglu_limit: float,
                  decode_max_pairs: int = DECODE_MAX_PAIRS, delegates: dict[type, MoeKernel] | None = None,
                  decode_tiles: DecodeTiles = DecodeTiles(), prefill_tiles: PrefillTiles = PrefillTiles()) -> None:
@@ -43,7 +44,7 @@ class TritonExperts:
     def from_weights(cls, w: dict, layers: list[int], swiglu_limit: float, **options) -> "TritonExperts":
         return cls(TorchExperts.from_weights(w, layers, swiglu_limit).stacks, swiglu_limit, **options)
 
-    def __call__(self, layer: int, x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    def routed(self, layer: int, x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         gate, up, down = self.stacks[layer]
         if all(isinstance(s, (DenseWeight, Nvfp4Weight)) for s in (gate, up, down)):
             if expert_ids.numel() <= self.decode_max_pairs:

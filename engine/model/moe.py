@@ -1,4 +1,5 @@
-"""MoE block: fp32 sigmoid router with bias-for-selection-only, routed experts via an executor, shared expert."""
+"""MoE block: fp32 sigmoid router with bias-for-selection-only, routed experts via an executor, shared expert
+(handed to the executor, which runs it where it overlaps best: beside the host's share under offload)."""
 
 from __future__ import annotations
 
@@ -30,4 +31,4 @@ class MoE:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         ids, weights = self.router(x)
-        return self.experts(self.layer, x, ids, weights) + self.shared(x)
+        return self.experts(self.layer, x, ids, weights, beside=lambda: self.shared(x))

@@ -233,17 +233,22 @@ def test_host_steps_run_only_host_experts_of_live_rows(fmt):
     assert totals.pairs_run == 2 * hosted_pairs + int(torch.isin(ids[:4], torch.tensor(hosted)).sum())
 
 
-@pytest.mark.parametrize("percent", [0, 10, 41, 50, 67, 100])
-def test_the_pcie_share_of_a_layers_misses_is_rounded(percent):
-    """n misses send round(n * percent / 100) over PCIe (half up): at one to three misses a layer (batch 1)
-    a rounded-down share sent none at 41%; the picked ranks spread over the misses."""
+@pytest.mark.parametrize("percent", [0, 1, 10, 41, 44, 50, 67, 99, 100])
+def test_the_pcie_share_of_a_layers_misses_lets_the_later_side_finish_soonest(percent):
+    """n misses send the count k that minimises the later finish, max(k / percent, (n - k) / (100 - percent)),
+    ties to the CPU (brute force): at one to three misses a layer (batch 1) a rounded-down share sent none
+    at 41%, a half-up one sent a lone miss over the slower link at 50%. Every prefix of the ranks keeps
+    its own best count, so the picks spread over the misses."""
     from engine.experts.hybrid import to_pcie
+
+    def best(n: int) -> int:  # cross-multiplied by percent * (100 - percent): no division by zero
+        return min(range(n + 1), key=lambda k: (max(k * (100 - percent), (n - k) * percent), k))
 
     for n in range(1, 25):
         picked = to_pcie(torch.arange(n), percent)
-        assert int(picked.sum()) == (2 * n * percent + 100) // 200
-        for head in range(1, n):  # every prefix keeps the rounded share too: picks are spread, not bunched
-            assert int(picked[:head].sum()) == (2 * head * percent + 100) // 200
+        for head in range(1, n + 1):
+            assert int(picked[:head].sum()) == best(head), (n, head)
+    assert int(to_pcie(torch.arange(1), 50).sum()) == 0 and int(to_pcie(torch.arange(2), 41).sum()) == 1
 
 
 @pytest.mark.parametrize("fmt", ["fp8", "nvfp4"])

@@ -173,9 +173,11 @@ def test_agent_workload_starts_glmflash_with_the_cache_on_and_off(tmp_path: Path
     out = tmp_path / "agent.json"
     rc = bench.main(["--workload", "agent", "--serve", "tiny", "--device", "cpu", "--conversations", "2",
                      "--turns", "2", "--system-tokens", "40", "--user-tokens", "3", "--max-tokens", "2",
-                     "--serve-env", f"GLMFLASH_CACHE_DIR={tmp_path / 'cache'}", "--json", str(out)])
-    report = json.loads(out.read_text())
+                     "--serve-env", f"GLMFLASH_CACHE_DIR={tmp_path / 'cache'}", "--server-log", str(tmp_path / "logs"),
+                     "--json", str(out)])
+    report = json.loads(out.read_text())  # its settings hold a path: written as a string
     on, off = report["runs"]
+    assert sorted(p.name for p in (tmp_path / "logs").iterdir()) == ["serve-cache-off.log", "serve-cache-on.log"]
     assert rc == 0 and (on["run"], off["run"]) == ("cache_on", "cache_off") and on["ok"] == off["ok"] == 4
     assert on["prompt_tokens"] == off["prompt_tokens"]  # the same conversations (greedy answers, same histories)
     # Each second turn restores its first turn's prompt (less its last token): about half of all prompt tokens.

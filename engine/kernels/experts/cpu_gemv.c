@@ -609,10 +609,10 @@ int experts_forward(const matrix *gate, const matrix *up, const matrix *down, co
  * before, and copies `out` back after. `cpu_entry` maps an expert id to its host bank entry (-1: the
  * CPU does not run it); it is read at run time, so swaps between steps move experts under a captured
  * graph. Of the missed pairs (those with an entry), in row-major order, the device takes a share over
- * PCIe: the pair of miss rank r if (r * p + p + 50) / 100 > (r * p + 50) / 100 (p = pcie_percent, integer
- * division: n misses send n * p / 100 rounded, half up) and fewer than pcie_capacity went before it; the
- * device applies the same rule to the same ids, so the two sides split the misses without talking. The
- * totals are for metrics (read between steps). */
+ * PCIe: the pair of miss rank r if ((r + 2) * p - 1) / 100 > ((r + 1) * p - 1) / 100 (p = pcie_percent,
+ * integer division: n misses send ((n + 1) * p - 1) / 100, the count that lets the later side finish
+ * soonest) and fewer than pcie_capacity went before it; the device applies the same rule to the same ids,
+ * so the two sides split the misses without talking. The totals are for metrics (read between steps). */
 typedef struct {
     const matrix *gate, *up, *down;
     const float *x;          /* [rows, d] */
@@ -635,7 +635,7 @@ typedef struct {
 
 /* Whether the missed pair of rank `rank` goes over PCIe (see host_step_args), given `taken` before it. */
 static int to_pcie(int64_t rank, int64_t taken, int64_t percent, int64_t capacity) {
-    return taken < capacity && (rank * percent + percent + 50) / 100 > (rank * percent + 50) / 100;
+    return taken < capacity && ((rank + 2) * percent - 1) / 100 > ((rank + 1) * percent - 1) / 100;
 }
 
 void host_step(void *arg) {
