@@ -27,15 +27,20 @@ class TokenLogprobs:
 
 def sample_batch(logits: torch.Tensor, seqs: list[Sequence]) -> list[tuple[int, TokenLogprobs | None]]:
     """One token per row of logits [B, V], with one device-to-host copy for all rows that need no host
-    work (greedy, or unseeded sampling: drawn on the logits' device); rows with logits processors,
-    penalties, a seed or logprobs go through `sample`."""
+    work (greedy, or unseeded sampling: drawn on the logits' device, all such rows in one draw: a draw per
+    row cost a softmax launch over the whole vocabulary each, ~1 ms a step at batch 16 on an H200); rows
+    with logits processors, penalties, a seed or logprobs go through `sample`."""
     on_device = [i for i, seq in enumerate(seqs) if _samples_on_device(seq)]
     picks: dict[int, int] = {}
     if on_device:
-        greedy = logits.argmax(dim=-1)
-        chosen = [greedy[i] if seqs[i].params.greedy else torch.multinomial(_probs(logits[i], seqs[i]), 1)[0]
-                  for i in on_device]
-        picks = dict(zip(on_device, torch.stack(chosen).tolist()))
+        chosen = logits.argmax(dim=-1)
+        drawn = [i for i in on_device if not seqs[i].params.greedy]
+        if drawn:
+            rows = torch.tensor(drawn, device=logits.device)
+            probs = _probs_rows(logits[rows], [seqs[i] for i in drawn])
+            chosen = chosen.index_copy(0, rows, torch.multinomial(probs, 1).squeeze(1))
+        every = chosen.tolist()
+        picks = {i: every[i] for i in on_device}
     return [(picks[i], None) if i in picks else sample(logits[i], seq) for i, seq in enumerate(seqs)]
 
 
@@ -88,16 +93,31 @@ def apply_penalties(logits: torch.Tensor, seq: Sequence) -> torch.Tensor:
 
 
 def _probs(logits: torch.Tensor, seq: Sequence) -> torch.Tensor:
-    p = seq.params
-    logits = logits / p.temperature
-    if p.top_k:
-        kth = torch.topk(logits, min(p.top_k, logits.numel())).values[-1]
+    """logits [V] -> the sampling distribution [V] of `seq`'s parameters."""
+    return _probs_rows(logits.unsqueeze(0), [seq])[0]
+
+
+def _probs_rows(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+    """logits [R, V] -> each row's sampling distribution under its own request's temperature, top-k, min-p
+    and top-p (a row without a filter is left as is by it)."""
+    params = [seq.params for seq in seqs]
+    rows, vocab = logits.shape
+    column = lambda values: torch.tensor(values, dtype=logits.dtype, device=logits.device).view(rows, 1)  # noqa: E731
+    logits = logits / column([p.temperature for p in params])
+    ks = [min(p.top_k, vocab) for p in params]
+    if any(ks):
+        top = torch.topk(logits, max(ks), dim=-1).values
+        kth = top.gather(1, torch.tensor([max(k - 1, 0) for k in ks], device=logits.device).view(rows, 1))
+        kth = torch.where(column([float(k > 0) for k in ks]) > 0, kth, float("-inf"))
         logits = logits.masked_fill(logits < kth, float("-inf"))
     probs = torch.softmax(logits, dim=-1)
-    if p.min_p:
-        probs = probs.masked_fill(probs < p.min_p * probs.max(), 0.0)
-    if p.top_p < 1.0:
-        sorted_probs, order = probs.sort(descending=True)
-        drop = sorted_probs.cumsum(0) - sorted_probs >= p.top_p  # keep the smallest prefix reaching top_p
-        probs = probs.scatter(0, order, sorted_probs.masked_fill(drop, 0.0))
+    if any(p.min_p for p in params):
+        probs = probs.masked_fill(probs < column([p.min_p for p in params]) * probs.max(dim=-1, keepdim=True).values,
+                                  0.0)
+    if any(p.top_p < 1.0 for p in params):
+        sorted_probs, order = probs.sort(dim=-1, descending=True)
+        top_p = column([p.top_p for p in params])
+        # keep the smallest prefix reaching top_p (rows at 1.0 keep all: rounding would cut their tail)
+        drop = (sorted_probs.cumsum(-1) - sorted_probs >= top_p) & (top_p < 1.0)
+        probs = probs.scatter(1, order, sorted_probs.masked_fill(drop, 0.0))
     return probs

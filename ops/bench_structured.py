@@ -5,12 +5,14 @@ a JSON schema whose shortest answer is longer than the run (every step is masked
 early). Reported per decode step (medians over the steps of all repeats, free and constrained runs
 interleaved): the step time of each, the masks' overhead in % of the free step, and where it goes:
 filling the bitmask on the CPU (in the helper thread, overlapped with the forward), the time the
-step then still waited for it, applying it to the logits on their device, and feeding the sampled
-tokens to the matchers; "serial" is the last three, the part the forward cannot hide, in % of the
-free step.
+step then still waited for it, queuing its application to the logits (host time: on a GPU the copy
+and the fill run behind the forward, and timing them with a synchronization would keep the host from
+queuing the sampler meanwhile, which a served step does), and feeding the sampled tokens to the
+matchers; "serial" is the last three, the host's part the forward cannot hide, in % of the free step.
 
     python ops/bench_structured.py --device cpu --batch 1 16        # the figures in ops/BENCHMARKS.md
     python ops/bench_structured.py --device cuda --dtype bfloat16 --batch 1 16
+    python ops/bench_structured.py ... --profile   # then the top ops of free and constrained steps
 """
 
 from __future__ import annotations
@@ -53,7 +55,6 @@ class StepClock:
             pending.filled.result()
             waited = time.perf_counter()
             apply(logits, pending)
-            self._sync(logits)
             self.parts["wait"] += waited - start
             self.parts["apply"] += time.perf_counter() - waited
 
@@ -66,11 +67,6 @@ class StepClock:
         self._restore = lambda: (delattr(masks, "_fill"), delattr(masks, "apply"),
                                  setattr(RequestConstraint, "accept", accept))
         RequestConstraint.accept = timed_accept
-
-    @staticmethod
-    def _sync(tensor: torch.Tensor) -> None:
-        if tensor.device.type == "cuda":
-            torch.cuda.synchronize(tensor.device)
 
     def take(self) -> dict[str, float]:
         parts, self.parts = self.parts, dict.fromkeys(self.parts, 0.0)
@@ -99,6 +95,25 @@ def decode_steps(llm: LLM, batch: int, steps: int, grammar: GrammarSpec | None, 
     return out
 
 
+def profile_steps(llm: LLM, batch: int, grammar: GrammarSpec, steps: int = 8) -> None:
+    """Top ops of `steps` free and then `steps` constrained decode steps at `batch` (graphs as served): what
+    a constrained step adds, by op, on the host and on the device."""
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = llm.model.device.type == "cuda"
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    clock = StepClock(llm)
+    try:
+        for name, spec in (("free", None), ("constrained", grammar)):
+            with profile(activities=activities) as prof:
+                decode_steps(llm, batch, steps, spec, clock, seed=1000 + batch)
+            print(f"profile: {name}, batch {batch}, {steps} decode steps and their prefill", flush=True)
+            for sort in ("self_cpu_time_total", *(["self_cuda_time_total"] if cuda else [])):
+                print(prof.key_averages().table(sort_by=sort, row_limit=25, max_name_column_width=60), flush=True)
+    finally:
+        clock.close()
+
+
 def run(args: argparse.Namespace) -> dict:
     snapshot = Path(args.model) if args.model else write_tiny_model(Path(tempfile.mkdtemp()) / "tiny", "bf16", 0)
     llm = LLM(model=snapshot, device=args.device, dtype=args.dtype, max_num_seqs=max(args.batch))
@@ -125,6 +140,8 @@ def run(args: argparse.Namespace) -> dict:
             cases.append(case)
     finally:
         clock.close()
+    if args.profile:
+        profile_steps(llm, max(args.batch), grammar)
     return {"device": str(llm.model.device), "dtype": args.dtype, "model": args.model or "tiny",
             "vocab": llm.config.vocab_size, "cases": cases}
 
@@ -138,6 +155,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--steps", type=int, default=64, help="decode steps per run")
     parser.add_argument("--repeats", type=int, default=3, help="free/constrained run pairs per batch size")
     parser.add_argument("--json", help="also write the results to this path")
+    parser.add_argument("--profile", action="store_true", help="then print the top ops of free and constrained "
+                        "steps at the largest batch")
     args = parser.parse_args(argv)
     result = run(args)
     print(f"device={result['device']} dtype={result['dtype']} vocab={result['vocab']}")

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from engine.sampler import _probs, apply_penalties, sample
+from engine.sampler import _probs, _probs_rows, apply_penalties, sample, sample_batch
 from engine.sampling_params import SamplingParams
 from engine.sequence import Sequence
 
@@ -142,6 +142,37 @@ def test_empirical_frequencies():
     freq = np.array([draws[i] / n for i in range(6)])
     assert draws[5] == 0  # cut by top_k
     np.testing.assert_allclose(freq, expected, atol=0.015)
+
+
+MIXED = [dict(temperature=0.7), dict(temperature=1.3, top_k=5), dict(top_p=0.8), dict(min_p=0.2, top_k=40),
+         dict(temperature=0.9, top_k=3, top_p=0.7, min_p=0.05), dict(temperature=0.0)]
+
+
+def test_rows_of_a_batch_get_each_their_own_distribution():
+    """One batched filter over rows with different parameters equals each row's own (the reference's)."""
+    logits = torch.stack([rand_logits(40 + i) for i in range(len(MIXED))])
+    sampled = [i for i, cfg in enumerate(MIXED) if cfg.get("temperature", 1.0) > 0]
+    got = _probs_rows(logits[sampled], [make_seq(**MIXED[i]) for i in sampled]).double().numpy()
+    for row, i in enumerate(sampled):
+        np.testing.assert_allclose(got[row] / got[row].sum(), ref_probs(logits[i], **MIXED[i]), atol=1e-6)
+
+
+def test_a_batch_draws_its_unseeded_rows_in_one_draw_with_each_rows_frequencies():
+    """sample_batch: greedy rows take the argmax, sampled rows their own filtered distribution."""
+    base = torch.tensor([1.0, 0.5, 0.0, -0.5, 2.0, -3.0])
+    logits = torch.stack([base, base.flip(0), base * 2, base])
+    cfgs = [dict(temperature=0.9, top_k=5), dict(top_p=0.9), dict(temperature=0.0), dict(min_p=0.3)]
+    seqs = [make_seq(**cfg) for cfg in cfgs]
+    n = 8_000
+    counts = [Counter() for _ in seqs]
+    for _ in range(n):
+        for row, (token, logprobs) in enumerate(sample_batch(logits, seqs)):
+            counts[row][token] += 1
+            assert logprobs is None
+    assert counts[2] == Counter({int(logits[2].argmax()): n})
+    for row in (0, 1, 3):
+        freq = np.array([counts[row][i] / n for i in range(6)])
+        np.testing.assert_allclose(freq, ref_probs(logits[row], **cfgs[row]), atol=0.02)
 
 
 # 4. seeds
