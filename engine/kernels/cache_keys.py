@@ -104,7 +104,9 @@ def settle_kernel_keys() -> None:
             except ImportError:  # the CPU kernels' library sits beside them: loaded by ctypes, not imported
                 continue
         try:
-            importlib.import_module("fla.ops.kda")
+            from engine.kernels.kda.fla_import import import_fla_kda
+
+            import_fla_kda()
             settle_loaded()
         except Exception as exc:  # noqa: BLE001 - keys then depend on the order, as without settling: slower, not wrong
             log.warning("event=kernel_keys_unsettled error=%r", exc)

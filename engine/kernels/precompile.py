@@ -124,6 +124,10 @@ def main() -> None:
     from engine.kernels.kernel_manifest import resolve
 
     entries, capability = json.loads(sys.stdin.read()), int(sys.argv[1])
+    if any(entry["module"].startswith("fla.") for entry in entries):
+        from engine.kernels.kda.fla_import import import_fla_kda
+
+        import_fla_kda()  # without torch's compiler stack, as the serving process imports it
     kernels = []
     for entry in entries:
         try:
