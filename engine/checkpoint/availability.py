@@ -13,7 +13,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from typing import Callable, Iterable
 
@@ -22,6 +22,10 @@ import torch
 log = logging.getLogger("glmflash.engine")
 
 PENDING, LOADING, LOADED = "pending", "loading", "loaded"
+# Units a step loads at once when it needs experts the fill has not reached: one at a time, a short prompt's
+# first layer (tens of experts, ~13.5 MB each at the release's shapes) waited on one read after another
+# (~6 s of a 20 GB slice's early-readiness start on an H200); several keep the disk busy.
+ON_DEMAND_WORKERS = 4
 
 
 @dataclass(frozen=True)
@@ -53,6 +57,7 @@ class ExpertAvailability:
         self.loaded_bytes = 0
         self.on_demand_units = 0
         self.done = threading.Event()
+        self._on_demand: ThreadPoolExecutor | None = None  # made at the first on-demand load
         self.fill_error: BaseException | None = None  # what ended a `start`ed fill early (its owner shows it)
         if not units:
             self.done.set()
@@ -71,9 +76,27 @@ class ExpertAvailability:
         is loading); returns once all of them are usable."""
         flags = self.loaded[layer]
         wanted = sorted({u for e in experts if not flags[e] for u in self._units_of[(layer, e)]})
-        for i in wanted:
-            if self._load(i):
-                self.on_demand_units += 1
+        if len(wanted) > 1:
+            with self._cv:
+                if self._on_demand is None:
+                    self._on_demand = ThreadPoolExecutor(ON_DEMAND_WORKERS, thread_name_prefix="glmflash-expert-now")
+                pool = self._on_demand
+            loads = [pool.submit(self._load, i) for i in wanted]
+            wait(loads)  # all of them end before an error is raised: none is left writing behind the step
+            done = [future.result() for future in loads]
+        else:
+            done = [self._load(i) for i in wanted]
+        with self._cv:
+            self.on_demand_units += sum(done)
+        if self.complete:
+            self._release_on_demand()
+
+    def _release_on_demand(self) -> None:
+        """Once every unit is in: the on-demand threads end (and their staging buffers with them)."""
+        with self._cv:
+            pool, self._on_demand = self._on_demand, None
+        if pool is not None:
+            pool.shutdown(wait=False)
 
     def _load(self, i: int) -> bool:
         """Load unit `i` unless it is loaded; True if this call did it."""
@@ -121,6 +144,7 @@ class ExpertAvailability:
             for future in [pool.submit(run, i) for i in range(len(self.units))]:
                 future.result()
         if self.complete:
+            self._release_on_demand()
             seconds = time.perf_counter() - start
             log.info("event=experts_loaded seconds=%.2f bytes=%d gb_s=%.3f on_demand_units=%d units=%d", seconds,
                      self.total_bytes, self.total_bytes / seconds / 1e9 if seconds else 0.0, self.on_demand_units,

@@ -4,6 +4,7 @@ are brought in first, and greedy tokens match the fully loaded engine's."""
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 import torch
@@ -139,8 +140,6 @@ def test_a_failed_unit_is_retried_by_the_next_caller():
 def test_the_fill_rate_cap_paces_the_reads():
     units = [ExpertUnit(lambda: None, ((1, e),), 1000) for e in range(4)]
     availability = ExpertAvailability(units, [1], 4)
-    import time
-
     start = time.perf_counter()
     availability.fill(workers=2, gb_per_s=1e-5)  # 10 kB/s: the 4th unit is due after 0.3 s
     assert time.perf_counter() - start >= 0.29 and availability.complete
@@ -162,3 +161,26 @@ def test_allocating_the_expert_stacks_imports_no_compiler(tiny_dir):
     done = subprocess.run([sys.executable, "-c", code], env=child_env(), capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.split()[-1] == "False"
+
+
+def test_a_steps_missing_experts_load_several_at_once():
+    """The units one step needs are read in parallel (one after another, a short prompt's first layer waited
+    seconds); each still once, and the on-demand threads end once every expert is in."""
+    running, most, lock = [0], [0], threading.Lock()
+
+    def slow() -> None:
+        with lock:
+            running[0] += 1
+            most[0] = max(most[0], running[0])
+        time.sleep(0.2)
+        with lock:
+            running[0] -= 1
+
+    units = [ExpertUnit(slow, ((1, e),), 10) for e in range(8)]
+    availability = ExpertAvailability(units, [1], 8)
+    start = time.perf_counter()
+    availability.ensure(1, range(8))
+    assert time.perf_counter() - start < 0.2 * 8 / 2 and most[0] > 1
+    assert availability.complete and availability.on_demand_units == 8 and availability._on_demand is None
+    availability.ensure(1, range(8))  # all in: nothing read again
+    assert availability.on_demand_units == 8
