@@ -12,6 +12,7 @@ from engine.offload.placement import (
     AUTO, WeightBytes, auto_budget, hottest, plan_load, plan_placement, resolve_budget, slots_per_layer,
 )
 from engine.weights import DenseWeight, Fp8BlockWeight, Nvfp4Weight, tensor_fields
+from tests.cpu_kernels import assert_expert_close
 
 E, D, I, LIMIT = 12, 128, 64, 7.0
 
@@ -65,7 +66,7 @@ def test_hybrid_equals_all_resident(fmt, resident):
     for layer in (1, 4):
         for t, k, seed in [(1, 4, 0), (9, 4, 1), (5, 1, 2)]:  # decode, ragged batch, top-1
             x, ids, w = routed(t, k, seed)
-            torch.testing.assert_close(hybrid(layer, x, ids, w), reference(layer, x, ids, w), rtol=1e-5, atol=1e-5)
+            assert_expert_close(hybrid(layer, x, ids, w), reference(layer, x, ids, w), fmt)
     stats = hybrid.stats
     assert stats.device_pairs + stats.host_pairs == 2 * (4 + 36 + 5)
     assert (stats.host_pairs == 0) == (resident == list(range(E)))
@@ -75,7 +76,7 @@ def test_all_hits_touch_no_host_expert():
     stacks = {0: layer_stacks("dense", 3)}
     hybrid = HybridExperts.place(stacks, {0: [2, 5, 6, 9]}, torch.device("cpu"), LIMIT)
     x, ids, w = routed(6, 3, 4, only=[2, 5, 6, 9])
-    torch.testing.assert_close(hybrid(0, x, ids, w), TorchExperts(stacks, LIMIT)(0, x, ids, w), rtol=1e-5, atol=1e-5)
+    assert_expert_close(hybrid(0, x, ids, w), TorchExperts(stacks, LIMIT)(0, x, ids, w), "dense")
     assert hybrid.stats.host_pairs == 0 and hybrid.stats.hit_rate == 1.0
 
 
@@ -91,7 +92,7 @@ def test_rebalance_moves_hot_experts_in_and_keeps_outputs():
     assert len(set(hybrid.resident[0]) & {8, 9, 10, 11}) == 3
     assert sorted(hybrid.resident[0] + hybrid.hosted[0]) == list(range(E))  # each expert in one place only
     assert hybrid.rebalance(max_swaps=5) == 0  # nothing hotter is left outside
-    torch.testing.assert_close(hybrid(0, x, ids, w), reference(0, x, ids, w), rtol=1e-5, atol=1e-5)
+    assert_expert_close(hybrid(0, x, ids, w), reference(0, x, ids, w), "nvfp4")
     assert hybrid.stats.device_pairs > 0
 
 
@@ -166,7 +167,7 @@ def test_split_stacks_keep_the_loaders_placement():
     assert not w and hybrid.resident[2] == [0, 1, 2] and hybrid.hosted[2] == list(range(3, E))
     x, ids, w8 = routed(7, 4, 3)
     want = TorchExperts({2: stacks}, LIMIT)(2, x, ids, w8)
-    torch.testing.assert_close(hybrid(2, x, ids, w8), want, rtol=1e-5, atol=1e-5)
+    assert_expert_close(hybrid(2, x, ids, w8), want, "nvfp4")
 
 
 def test_load_plan_places_experts_before_loading():
@@ -195,11 +196,11 @@ def test_large_batches_fetch_missed_experts_to_the_device(fmt):
     stacks = {0: layer_stacks(fmt, 11)}
     hybrid = HybridExperts.place(stacks, {0: [0, 1]}, torch.device("cpu"), LIMIT, fetch_min_pairs=8, fetch_capacity=2)
     x, ids, w = routed(16, 4, 12)
-    torch.testing.assert_close(hybrid(0, x, ids, w), TorchExperts(stacks, LIMIT)(0, x, ids, w), rtol=1e-5, atol=1e-5)
+    assert_expert_close(hybrid(0, x, ids, w), TorchExperts(stacks, LIMIT)(0, x, ids, w), fmt)
     stats = hybrid.stats
     assert stats.host_pairs == 0 and stats.fetched_pairs > 8 and stats.device_pairs + stats.fetched_pairs == 64
     x, ids, w = routed(1, 4, 13)  # a decode step stays on the CPU path
-    torch.testing.assert_close(hybrid(0, x, ids, w), TorchExperts(stacks, LIMIT)(0, x, ids, w), rtol=1e-5, atol=1e-5)
+    assert_expert_close(hybrid(0, x, ids, w), TorchExperts(stacks, LIMIT)(0, x, ids, w), fmt)
     assert hybrid.stats.host_pairs > 0
 
 
@@ -219,13 +220,13 @@ def test_host_steps_run_only_host_experts_of_live_rows(fmt):
     x, ids, w = routed(6, 4, 22)
     only_hosted = w * torch.isin(ids, torch.tensor(hosted))
     want = TorchExperts({3: stacks}, LIMIT)(3, x, ids, only_hosted)
-    torch.testing.assert_close(steps.run(3, x, ids, w).wait(), want, rtol=1e-5, atol=1e-5)
+    assert_expert_close(steps.run(3, x, ids, w).wait(), want, fmt)
     steps.use_rows(4)
     steps.run(3, x, ids, w)  # an eager call sets its own rows: all six
-    torch.testing.assert_close(steps.out[:6], want, rtol=1e-5, atol=1e-5)
+    assert_expert_close(steps.out[:6], want, fmt)
     steps.use_rows(4)
     run_host_step(steps._arguments(3, 6))  # what a replay with its last two rows padding runs
-    torch.testing.assert_close(steps.out[:4], want[:4], rtol=1e-5, atol=1e-5)
+    assert_expert_close(steps.out[:4], want[:4], fmt)
     assert not steps.out[4:6].any()
     totals = steps.totals()
     hosted_pairs = int(torch.isin(ids, torch.tensor(hosted)).sum())
@@ -263,7 +264,7 @@ def test_misses_split_between_pcie_and_cpu_equal_the_reference(fmt, percent):
     for layer in (1, 4):
         for t, seed in [(1, 40), (6, 41), (3, 42)]:
             x, ids, w = routed(t, 4, seed)
-            torch.testing.assert_close(hybrid(layer, x, ids, w), reference(layer, x, ids, w), rtol=1e-5, atol=1e-5)
+            assert_expert_close(hybrid(layer, x, ids, w), reference(layer, x, ids, w), fmt)
     stats = hybrid.stats
     assert stats.device_pairs + stats.host_pairs + stats.fetched_pairs == 2 * 4 * (1 + 6 + 3)
     assert stats.fetched_pairs > 0 and stats.host_pairs > 0  # 100%: past the 4 staging slots, the CPU

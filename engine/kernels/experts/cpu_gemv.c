@@ -9,10 +9,10 @@
  * MAX_ROWS) reuses them. NVFP4 rows of x are stored split, their even columns then their odd ones,
  * so the low nibbles of a run of bytes meet contiguous even columns and the high nibbles odd ones.
  * Three code paths, picked at run time (the caller may cap the level to compare them):
- *   portable C (the reference), AVX2 (a byte shuffle looks up exact int8 weights, widened to float;
- *   F16C widens e4m3), AVX-512 (one permute looks 16 codes up as floats; e4m3 widened 16 at a time),
- *   and, where the CPU has AVX-512 VNNI, NVFP4 with x in 16-bit integers (see nvfp4_rows_x16; FP8 takes
- *   the AVX-512 path there).
+ *   portable C (the reference), AVX2 (NVFP4: a byte shuffle looks up exact int8 weights, multiplied with
+ *   x in 16-bit integers by vpmaddwd; FP8: F16C widens e4m3), AVX-512 (one permute looks 16 codes up as
+ *   floats; e4m3 widened 16 at a time), and, where the CPU has AVX-512 VNNI, NVFP4 with x in 16-bit
+ *   integers again (see prepare_row_x16; FP8 takes the AVX-512 path there).
  * The expert pass runs on the kernels' own thread pool (thread_pool.c), sized by the caller, whose
  * workers stay awake between a decode step's layers.
  *
@@ -82,8 +82,29 @@ __attribute__((target("avx2,fma"))) static inline float hsum256(__m256 v) {
 /* Twice the E2M1 values as int8, by code: one byte shuffle looks up 16 codes at once, exactly. */
 static const int8_t E2M1_X2[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
 
-__attribute__((target("avx2,fma"))) static inline __m256 widen(__m128i v) {
-    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v)); /* the low 8 int8 lanes as 8 floats */
+/* The integer NVFP4 paths (AVX2, AVX-512 VNNI) read x as 16-bit integers: per group of 16 columns a float
+ * scale (the group's largest |x| over 32767) and the columns rounded to it, so the products of the int8
+ * weights (x2) and x add up exactly in int32 (16 of them per vpmaddwd on AVX2, 32 per vpdpwssd with
+ * VNNI), where a float path widens every weight to float and needs an FMA per 8 or 16. The rounding
+ * is the only change: at most half a step, 1/65534 of the group's largest |x| (bf16 activations round
+ * ~100x coarser). A prepared row of k columns (in the k floats the other paths use): k int16, the even
+ * columns then the odd ones, then each group's float scale (4 copies of it on AVX2: a 2-group step loads them
+ * as one vector). */
+#define X16_SCALES(k) ((k) / 2) /* float offset of a prepared row's scales */
+
+static void prepare_row_x16(const float *src, int64_t k, float *dst, int copies) {
+    const int64_t half_k = k / 2;
+    int16_t *q = (int16_t *)dst;
+    for (int64_t g = 0; g < k / GROUP; g++) {
+        float top = 0.0f;
+        for (int j = 0; j < GROUP; j++) top = fmaxf(top, fabsf(src[g * GROUP + j]));
+        const float inverse = top > 0.0f ? 32767.0f / top : 0.0f;
+        for (int j = 0; j < GROUP / 2; j++) {
+            q[g * 8 + j] = (int16_t)lrintf(src[g * GROUP + 2 * j] * inverse);
+            q[half_k + g * 8 + j] = (int16_t)lrintf(src[g * GROUP + 2 * j + 1] * inverse);
+        }
+        for (int c = 0; c < copies; c++) dst[X16_SCALES(k) + g * copies + c] = top / 32767.0f;
+    }
 }
 
 /* The SIMD row kernels below take the count of x rows as a compile-time constant (1..MAX_ROWS): each
@@ -102,38 +123,41 @@ __attribute__((target("avx2,fma"))) static inline __m256 widen(__m128i v) {
     default: kernel_body(MAX_ROWS, __VA_ARGS__); break;                                                     \
     }
 
-/* AVX2, two groups (16 bytes, 32 codes) per step: a byte shuffle turns the low and the high nibbles
- * into int8 weights (x2), widened 8 at a time and reused by every row of x; each group's sum is
- * scaled once. */
+/* AVX2, two groups (16 bytes, 32 codes) per step against prepared int16 rows: byte shuffles look the low
+ * nibbles (even columns) and the high ones (odd) up as int8 weights x2, widened to int16 and reused by every
+ * row of x; two vpmaddwd and an add give 8 int32 sums, 4 per group, scaled by weight scale x x scale. A last
+ * odd group runs alone, its other half zero. */
 __attribute__((target("avx2,fma"), always_inline)) static inline void
 nvfp4_rows_avx2(const int rows, const float *xs, int64_t x_stride, int64_t half_k, const uint8_t *codes,
                 const uint8_t *scales, const float *fp8_table, float global, float *out, int64_t out_stride) {
     const __m128i table = _mm_loadu_si128((const __m128i *)E2M1_X2), nibble = _mm_set1_epi8(15);
     const int64_t groups = half_k / 8;
-    __m256 acc[MAX_ROWS][2];
-    for (int r = 0; r < rows; r++) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+    __m256 acc[MAX_ROWS];
+    for (int r = 0; r < rows; r++) acc[r] = _mm256_setzero_ps();
     for (int64_t g = 0; g < groups; g += 2) {
-        const int pair = g + 1 < groups; /* a last odd group runs alone */
-        __m128i bytes = pair ? _mm_loadu_si128((const __m128i *)(codes + g * 8))
-                             : _mm_loadl_epi64((const __m128i *)(codes + g * 8));
-        __m128i even = _mm_shuffle_epi8(table, _mm_and_si128(bytes, nibble));
-        __m128i odd = _mm_shuffle_epi8(table, _mm_and_si128(_mm_srli_epi16(bytes, 4), nibble));
-        __m256 w[4] = {widen(even), widen(odd), widen(_mm_srli_si128(even, 8)), widen(_mm_srli_si128(odd, 8))};
-        __m256 scale[2] = {_mm256_set1_ps(0.5f * fp8_table[scales[g]]),
-                           _mm256_set1_ps(pair ? 0.5f * fp8_table[scales[g + 1]] : 0.0f)};
+        const int pair = g + 1 < groups;
+        const __m128i bytes = pair ? _mm_loadu_si128((const __m128i *)(codes + g * 8))
+                                   : _mm_loadl_epi64((const __m128i *)(codes + g * 8));
+        const __m256i we = _mm256_cvtepi8_epi16(_mm_shuffle_epi8(table, _mm_and_si128(bytes, nibble)));
+        const __m256i wo =
+            _mm256_cvtepi8_epi16(_mm_shuffle_epi8(table, _mm_and_si128(_mm_srli_epi16(bytes, 4), nibble)));
+        const __m256 ws = _mm256_setr_m128(_mm_set1_ps(fp8_table[scales[g]]),
+                                           _mm_set1_ps(pair ? fp8_table[scales[g + 1]] : 0.0f));
         for (int r = 0; r < rows; r++) {
-            const float *e = xs + r * x_stride + g * 8, *o = e + half_k;
-            __m256 part = _mm256_mul_ps(w[0], _mm256_loadu_ps(e));
-            part = _mm256_fmadd_ps(w[1], _mm256_loadu_ps(o), part);
-            acc[r][0] = _mm256_fmadd_ps(part, scale[0], acc[r][0]);
-            if (pair) {
-                part = _mm256_mul_ps(w[2], _mm256_loadu_ps(e + 8));
-                part = _mm256_fmadd_ps(w[3], _mm256_loadu_ps(o + 8), part);
-                acc[r][1] = _mm256_fmadd_ps(part, scale[1], acc[r][1]);
-            }
+            const float *row = xs + r * x_stride;
+            const int16_t *e = (const int16_t *)row + g * 8, *o = e + half_k;
+            const __m256i xe = pair ? _mm256_loadu_si256((const __m256i *)e)
+                                    : _mm256_zextsi128_si256(_mm_loadu_si128((const __m128i *)e));
+            const __m256i xo = pair ? _mm256_loadu_si256((const __m256i *)o)
+                                    : _mm256_zextsi128_si256(_mm_loadu_si128((const __m128i *)o));
+            const __m256i sums = _mm256_add_epi32(_mm256_madd_epi16(we, xe), _mm256_madd_epi16(wo, xo));
+            const float *xscale = row + X16_SCALES(2 * half_k) + g * 4; /* each group's, 4 times */
+            const __m256 scale = _mm256_mul_ps(ws, pair ? _mm256_loadu_ps(xscale)
+                                                        : _mm256_zextps128_ps256(_mm_loadu_ps(xscale)));
+            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), scale, acc[r]);
         }
     }
-    for (int r = 0; r < rows; r++) out[r * out_stride] = hsum256(_mm256_add_ps(acc[r][0], acc[r][1])) * global;
+    for (int r = 0; r < rows; r++) out[r * out_stride] = hsum256(acc[r]) * 0.5f * global;
 }
 
 __attribute__((target("avx2,fma"))) static void nvfp4_row_avx2(const float *xs, int64_t x_stride, int64_t rows,
@@ -198,29 +222,6 @@ __attribute__((target("avx512f,avx512bw"), always_inline)) static inline __m512 
     __m256i sign = _mm256_slli_epi16(_mm256_and_si256(v, _mm256_set1_epi16(0x80)), 8);
     __m256i rest = _mm256_slli_epi16(_mm256_and_si256(v, _mm256_set1_epi16(0x7F)), 7);
     return _mm512_cvtph_ps(_mm256_or_si256(sign, rest));
-}
-
-/* AVX-512 VNNI reads x as 16-bit integers: per group of 16 columns a float scale (the group's largest |x|
- * over 32767) and the columns rounded to it, so the products of the int8 weights (x2) and x add up exactly
- * in int32, 32 of them per vpdpwssd, where the float path needs a permute and an FMA per 16. The rounding
- * is the only change: at most half a step, 1/65534 of the group's largest |x| (bf16 activations round
- * ~100x coarser). A prepared row of k columns (in the k floats the other paths use): k int16, the even
- * columns then the odd ones, then one float scale per group. */
-#define X16_SCALES(k) ((k) / 2) /* float offset of a prepared row's scales */
-
-static void prepare_row_x16(const float *src, int64_t k, float *dst) {
-    const int64_t half_k = k / 2;
-    int16_t *q = (int16_t *)dst;
-    for (int64_t g = 0; g < k / GROUP; g++) {
-        float top = 0.0f;
-        for (int j = 0; j < GROUP; j++) top = fmaxf(top, fabsf(src[g * GROUP + j]));
-        const float inverse = top > 0.0f ? 32767.0f / top : 0.0f;
-        for (int j = 0; j < GROUP / 2; j++) {
-            q[g * 8 + j] = (int16_t)lrintf(src[g * GROUP + 2 * j] * inverse);
-            q[half_k + g * 8 + j] = (int16_t)lrintf(src[g * GROUP + 2 * j + 1] * inverse);
-        }
-        dst[X16_SCALES(k) + g] = top / 32767.0f;
-    }
 }
 
 /* Groups g..g+3 (32 bytes: 64 codes) against `rows` prepared rows: byte shuffles look the low nibbles
@@ -450,14 +451,14 @@ static void project_rows(const matrix *m, int64_t expert, int64_t row0, int64_t 
 }
 
 /* Row `src` (k values) into the layout the matrix's code path reads (in k floats): NVFP4 splits even and
- * odd columns, as 16-bit integers on the VNNI path. */
+ * odd columns, as 16-bit integers on the integer paths (AVX2, AVX-512 VNNI). */
 static void prepare_row(const matrix *m, const float *src, float *dst, int level) {
     if (m->format != NVFP4) {
         memcpy(dst, src, sizeof(float) * (size_t)m->k);
         return;
     }
-    if (level == AVX512_VNNI) {
-        prepare_row_x16(src, m->k, dst);
+    if (level == AVX512_VNNI || level == AVX2) {
+        prepare_row_x16(src, m->k, dst, level == AVX2 ? 4 : 1);
         return;
     }
     const int64_t half_k = m->k / 2;

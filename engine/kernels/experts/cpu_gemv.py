@@ -3,9 +3,9 @@
 `pip install -e .` compiles them where a C compiler exists; elsewhere `available()` is False and the
 CPU expert executor keeps its torch path. GLMFLASH_CPU_KERNELS picks the path: `auto` (the widest the
 CPU has), `avx512` (AVX-512 without VNNI's integer NVFP4 path), `avx2`, `portable` (plain C), `torch`
-(the compiled kernels off), for comparisons. On CPUs with AVX-512 VNNI, `auto` runs NVFP4 with x in
-16-bit integers, rounded to 1/65534 of each 16 columns' largest value (finer than the bf16 activations
-it starts from): 6% faster than the float AVX-512 path on 16 threads, 22% on 2 (ops/BENCHMARKS.md).
+(the compiled kernels off), for comparisons. The AVX2 and AVX-512 VNNI paths run NVFP4 with x in 16-bit
+integers, rounded to 1/65534 of each 16 columns' largest value (finer than the bf16 activations it starts
+from): with VNNI 6% faster than the float AVX-512 path on 16 threads, 22% on 2 (ops/BENCHMARKS.md).
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ _MODULE = "engine.kernels.experts._cpu_gemv"
 _P = ctypes.c_void_p
 _I = ctypes.c_int64
 _LEVELS = {"auto": 3, "avx512": 2, "avx2": 1, "portable": 0}
-X16_PATH = 3  # cpu_gemv.c's AVX512_VNNI: NVFP4 rows of x rounded to int16 per group of 16
+X16_PATHS = (1, 3)  # cpu_gemv.c's AVX2 and AVX512_VNNI: NVFP4 rows of x rounded to int16 per group of 16
 QuantWeight = Nvfp4Weight | Fp8BlockWeight
 
 

@@ -19,6 +19,7 @@ from engine.experts.cpu_experts import CpuExperts
 from engine.experts.torch_experts import TorchExperts
 from engine.kernels.experts import cpu_gemv
 from engine.weights import Fp8BlockWeight, Nvfp4Weight
+from tests.cpu_kernels import assert_expert_close
 
 
 def random_nvfp4(n: int, k: int, seed: int, per_row_global: bool = False) -> Nvfp4Weight:
@@ -39,9 +40,9 @@ def random_fp8(n: int, k: int, seed: int) -> Fp8BlockWeight:
 
 
 def as_the_kernel_reads(x: torch.Tensor, weight) -> torch.Tensor:
-    """x as the kernel's path multiplies it: on the VNNI NVFP4 path rounded to int16 per 16 columns (scale:
-    the group's largest |x| over 32767, both in float32, half to even), else unchanged."""
-    if not isinstance(weight, Nvfp4Weight) or cpu_gemv.simd_path() != cpu_gemv.X16_PATH:
+    """x as the kernel's path multiplies it: on the integer NVFP4 paths (AVX2, VNNI) rounded to int16 per 16
+    columns (scale: the group's largest |x| over 32767, both in float32, half to even), else unchanged."""
+    if not isinstance(weight, Nvfp4Weight) or cpu_gemv.simd_path() not in cpu_gemv.X16_PATHS:
         return x.double()
     groups = x.float().reshape(x.shape[0], -1, 16)
     top = groups.abs().amax(-1, keepdim=True)
@@ -67,7 +68,8 @@ def test_fp8_gemv_matches_float64(monkeypatch, mode, rows, n, k):
 
 
 @pytest.mark.parametrize("mode", ["auto", "avx512", "avx2", "portable"])
-@pytest.mark.parametrize("rows,n,k,per_row", [(1, 64, 256, False), (3, 40, 96, True), (11, 17, 512, True)])
+@pytest.mark.parametrize("rows,n,k,per_row", [(1, 64, 256, False), (3, 40, 96, True), (11, 17, 512, True),
+                                              (2, 9, 48, True), (1, 5, 16, False)])  # odd group counts
 def test_gemv_matches_float64(monkeypatch, mode, rows, n, k, per_row):
     """Ragged rows (11 > the kernel's 8-row pass), ragged N, K of one and of many groups."""
     monkeypatch.setenv("GLMFLASH_CPU_KERNELS", mode)
@@ -119,7 +121,7 @@ def test_the_thread_pool_serves_several_callers_and_a_forked_child():
               torch.rand(3, 2, generator=g)) for _ in range(4)]
     executors = [CpuExperts(stacks, 1.5, threads=t) for t in (1, 2, 3, 5)]
     singles = [executors[k](0, *cases[k]) for k in range(4)]  # each output element is one thread's: exact
-    for got, case in zip(singles, cases):  # the VNNI path's int16 inputs: ~1e-5 off the reference
+    for got, case in zip(singles, cases):  # the integer paths' int16 inputs: ~1e-5 off the reference
         torch.testing.assert_close(got, TorchExperts(stacks, 1.5)(0, *case), rtol=1e-4, atol=1e-4)
     failures = []
 
@@ -179,7 +181,4 @@ def test_cpu_experts_equal_the_reference_on_quantized_experts(monkeypatch, mode,
     executor = CpuExperts(stacks, 1.5, threads=2)  # a limit the SwiGLU inputs cross
     assert 0 in executor.compiled
     want = TorchExperts(stacks, 1.5)(0, x, ids, w)
-    # The VNNI path rounds both projections' inputs (x, then the activation) to 1/65534 of each 16
-    # columns' largest value: ~1e-5 of a product, so a bound 10x wider there; a wrong scale or group is O(1).
-    tol = 1e-4 if fmt == "nvfp4" and cpu_gemv.simd_path() == cpu_gemv.X16_PATH else 1e-5
-    torch.testing.assert_close(executor(0, x, ids, w), want, rtol=tol, atol=tol)
+    assert_expert_close(executor(0, x, ids, w), want, fmt)
