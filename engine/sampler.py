@@ -102,18 +102,19 @@ def _probs_rows(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
     and top-p (a row without a filter is left as is by it)."""
     params = [seq.params for seq in seqs]
     rows, vocab = logits.shape
-    column = lambda values: torch.tensor(values, dtype=logits.dtype, device=logits.device).view(rows, 1)  # noqa: E731
+
+    def column(values: list, dtype: torch.dtype = logits.dtype) -> torch.Tensor:  # one value per row, as [R, 1]
+        return torch.tensor(values, dtype=dtype, device=logits.device).view(rows, 1)
+
     logits = logits / column([p.temperature for p in params])
     ks = [min(p.top_k, vocab) for p in params]
     if any(ks):
-        top = torch.topk(logits, max(ks), dim=-1).values
-        kth = top.gather(1, torch.tensor([max(k - 1, 0) for k in ks], device=logits.device).view(rows, 1))
-        kth = torch.where(column([float(k > 0) for k in ks]) > 0, kth, float("-inf"))
-        logits = logits.masked_fill(logits < kth, float("-inf"))
+        kth = torch.topk(logits, max(ks), dim=-1).values.gather(1, column([max(k - 1, 0) for k in ks], torch.long))
+        logits = logits.masked_fill(column([k > 0 for k in ks], torch.bool) & (logits < kth), float("-inf"))
     probs = torch.softmax(logits, dim=-1)
     if any(p.min_p for p in params):
-        probs = probs.masked_fill(probs < column([p.min_p for p in params]) * probs.max(dim=-1, keepdim=True).values,
-                                  0.0)
+        floor = column([p.min_p for p in params]) * probs.max(dim=-1, keepdim=True).values
+        probs = probs.masked_fill(probs < floor, 0.0)
     if any(p.top_p < 1.0 for p in params):
         sorted_probs, order = probs.sort(dim=-1, descending=True)
         top_p = column([p.top_p for p in params])

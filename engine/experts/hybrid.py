@@ -40,6 +40,10 @@ log = logging.getLogger("glmflash.engine")
 # near the cut of the hottest, counts trade places all the time, and each swap moves two experts (over PCIe
 # and through host memory, beside the CPU experts' reads) for a gain of noise.
 SWAP_MARGIN = 1.25
+# Copy streams the swaps of one rebalance alternate between, each with its own staging expert: a swap's three
+# copies stay in order on its stream, while one swap's host-to-device copy runs beside another's
+# device-to-host one (the link moves both ways at once; on one stream the next step waited for them in series).
+SWAP_LANES = 2
 
 
 def to_pcie(rank: torch.Tensor, percent: int) -> torch.Tensor:
@@ -156,8 +160,9 @@ class HybridExperts:
         self._stats = OffloadStats()
         self.split_misses(pcie_percent)
         self._pin = device.type == "cuda"
-        self._swap_stream = torch.cuda.Stream(device) if self._pin else None
-        self._staging: Stacks | None = None  # one expert in device memory: a swap's outgoing expert in transit
+        self._swap_streams = [torch.cuda.Stream(device) for _ in range(SWAP_LANES)] if self._pin else []
+        # per lane, one expert in device memory: a swap's outgoing expert in transit
+        self._staging: list[Stacks | None] = [None] * SWAP_LANES
         # Set while something reads the slots and the host bank by expert id (a prepared snapshot being
         # written from them): swaps would move experts under it.
         self.swaps_held = False
@@ -326,8 +331,8 @@ class HybridExperts:
 
     def rebalance(self, max_swaps: int) -> int:
         """Move up to `max_swaps` experts routed more often than a resident one into its slot; -> swaps made.
-        On a GPU the copies are queued on a copy stream that the next step's work waits for on the device:
-        the host never blocks on a swap."""
+        On a GPU the copies are queued on copy streams (SWAP_LANES) that the next step's work waits for on the
+        device: the host never blocks on a swap. The swaps of one call touch distinct slots and host entries."""
         if self.swaps_held:
             return 0
         margin = SWAP_MARGIN
@@ -339,19 +344,19 @@ class HybridExperts:
         counts = self.counts.cpu()
         self.counts *= self.decay
         made = 0
-        main = torch.cuda.current_stream(self.device) if self.device.type == "cuda" else None
-        if main is not None:
-            self._swap_stream.wait_stream(main)  # the steps that read the slots are done with them
+        main = torch.cuda.current_stream(self.device) if self._pin else None
+        for stream in self._swap_streams:
+            stream.wait_stream(main)  # the steps that read the slots are done with them
         for layer, incoming, outgoing, c in self._swap_candidates(counts):
             for new, old in zip(incoming, outgoing):
                 if made >= max_swaps or c[new] <= c[old] * margin:
                     break
-                self._swap(layer, self.resident[layer].index(old), new)
+                self._swap(layer, self.resident[layer].index(old), new, made % SWAP_LANES)
                 made += 1
             if made >= max_swaps:
                 break
-        if main is not None:
-            main.wait_stream(self._swap_stream)
+        for stream in self._swap_streams:
+            main.wait_stream(stream)
         self._stats.swaps += made
         return made
 
@@ -370,31 +375,32 @@ class HybridExperts:
             outgoing = [e for e in reversed(ranked[n:]) if e in resident]
             yield layer, incoming, outgoing, counts[index].tolist()
 
-    def _swap(self, layer: int, slot: int, expert: int) -> None:
+    def _swap(self, layer: int, slot: int, expert: int, lane: int = 0) -> None:
         """Exchange a host expert with the one in a device slot: the slot's expert goes to the host bank
         entry the incoming one leaves. It waits in a staging expert on the device (slot -> staging ->
         host entry, after host entry -> slot), so host memory is read once and written once per swap, with
-        no host-to-host copy to compete with the CPU experts' reads; the copies run in order on one
-        stream, so one staging expert serves every swap."""
+        no host-to-host copy to compete with the CPU experts' reads; the copies run in order on the lane's
+        stream, so the lane's staging expert serves every swap queued on it."""
         index, entry = self._index[layer], int(self.entry_of[self._index[layer], expert])
         outgoing = self.resident[layer][slot]
-        if self._staging is None:
-            self._staging = tuple(map_tensors(s, lambda t: torch.empty(t.shape[1:], dtype=t.dtype, device=t.device))
-                                  for s in self.device_stacks[layer])
-        for on_device, on_host, buffer in zip(self.device_stacks[layer], self.host[layer], self._staging):
+        if self._staging[lane] is None:
+            self._staging[lane] = tuple(
+                map_tensors(s, lambda t: torch.empty(t.shape[1:], dtype=t.dtype, device=t.device))
+                for s in self.device_stacks[layer])
+        for on_device, on_host, buffer in zip(self.device_stacks[layer], self.host[layer], self._staging[lane]):
             for name in tensor_fields(on_device):
                 d, h, b = getattr(on_device, name)[slot], getattr(on_host, name)[entry], getattr(buffer, name)
-                self._copy(b, d)
-                self._copy(d, h)
-                self._copy(h, b)
+                self._copy(b, d, lane)
+                self._copy(d, h, lane)
+                self._copy(h, b, lane)
         self.slot_of[index, outgoing], self.slot_of[index, expert] = -1, slot
         self.entry_of[index, expert], self.entry_of[index, outgoing] = -1, entry
         self.entry_on_device[index, expert], self.entry_on_device[index, outgoing] = -1, entry
         self.resident[layer][slot], self.hosted[layer][entry] = expert, outgoing
 
-    def _copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
-        """In the swap stream's order on a GPU, at once elsewhere."""
+    def _copy(self, dst: torch.Tensor, src: torch.Tensor, lane: int) -> None:
+        """In the lane's stream order on a GPU, at once elsewhere."""
         if self._pin:
-            copy_async(dst, src, self._swap_stream)
+            copy_async(dst, src, self._swap_streams[lane])
         else:
             dst.copy_(src)
