@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import importlib
+import sys
 import threading
 from typing import Any, Callable, Iterator
 
@@ -57,6 +58,8 @@ def compiler_deferred() -> Iterator[None]:
 
 
 def import_fla_kda() -> Any:
-    """`fla.ops.kda`, imported under `compiler_deferred` unless already imported."""
+    """`fla.ops.kda`, imported under `compiler_deferred` unless already imported (then torch is left alone)."""
+    if "fla.ops.kda" in sys.modules:
+        return sys.modules["fla.ops.kda"]
     with compiler_deferred():
         return importlib.import_module("fla.ops.kda")
