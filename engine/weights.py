@@ -90,11 +90,13 @@ Weight = Union[DenseWeight, Fp8BlockWeight, Nvfp4Weight]
 @dataclass
 class SplitStack:
     """A stack of routed experts [E, ...] held in two places: experts [0, S) in `device` (device memory), the
-    others in `host` (host RAM). Hybrid offload's initial placement, made while loading, so the full stack
+    others in `host` (host RAM), whose last `spare` entries hold no expert (room a swap copies into: see
+    engine/experts/hybrid.py). Hybrid offload's initial placement, made while loading, so the full stack
     never sits in one place."""
 
     device: Weight
     host: Weight
+    spare: int = 0
 
     @property
     def slots(self) -> int:
@@ -102,7 +104,12 @@ class SplitStack:
 
     @property
     def shape(self) -> tuple[int, ...]:
-        return (self.slots + self.host.shape[0], *self.device.shape[1:])
+        return (self.slots + self.host.shape[0] - self.spare, *self.device.shape[1:])
+
+    @property
+    def hosted(self) -> Weight:
+        """The host part without its spare entries: experts [S, E) in order."""
+        return map_tensors(self.host, lambda t: t[:t.shape[0] - self.spare])
 
     def nbytes(self) -> int:
         return self.device.nbytes() + self.host.nbytes()

@@ -21,7 +21,7 @@ import torch
 from engine.checkpoint.layout import is_expert_stack
 from engine.checkpoint.loader import LoadedWeights
 from engine.offload.host_memory import host_empty
-from engine.offload.placement import WeightBytes
+from engine.offload.placement import HOST_SPARES, WeightBytes
 from engine.weights import DenseWeight, Fp8BlockWeight, Nvfp4Weight, SplitStack
 from engine.checkpoint.availability import ExpertAvailability, ExpertUnit
 from engine.checkpoint.prepared_store import (PIECE_BYTES, PreparedPlan, PreparedSnapshotError, ReadStats, Region,
@@ -92,7 +92,7 @@ def file_groups(weights: LoadedWeights) -> list[tuple[str, list[tuple[str, objec
 def _byte_parts(weight, field: str) -> list[torch.Tensor]:
     """A buffer's bytes in order, as flat uint8 tensors: one, or a split expert stack's device then host part."""
     if isinstance(weight, SplitStack):
-        tensors = [getattr(weight.device, field), getattr(weight.host, field)]
+        tensors = [getattr(weight.device, field), getattr(weight.hosted, field)]
     else:
         tensors = [_tensor(weight, field)]
     return [t.contiguous().reshape(-1).view(torch.uint8) for t in tensors]
@@ -146,24 +146,26 @@ def allocate(meta: dict, device: torch.device | str = "cpu", expert_slots: int |
             weights[name] = _build(kind, made, record)
             buffers.update({f"{name}#{f}": [t] for f, t in made.items()})
             continue
-        slots = min(expert_slots, next(iter(specs.values()))["shape"][0])
+        count = next(iter(specs.values()))["shape"][0]
+        slots = min(expert_slots, count)
+        spare = HOST_SPARES if slots < count else 0  # read into by no region: room for swaps
         if device.type != "cpu":
             on_device = {f: empty(b, [slots, *b["shape"][1:]], device) for f, b in specs.items()}
             if zero_device_experts:
                 for t in on_device.values():
                     t.zero_()
-            on_host = {f: host_empty([b["shape"][0] - slots, *b["shape"][1:]], DTYPES[b["dtype"]],
+            on_host = {f: host_empty([count - slots + spare, *b["shape"][1:]], DTYPES[b["dtype"]],
                                      pin=device.type == "cuda")
                        for f, b in specs.items()}
-            buffers.update({f"{name}#{f}": [on_device[f], on_host[f]] for f in specs})
+            buffers.update({f"{name}#{f}": [on_device[f], on_host[f][:count - slots]] for f in specs})
         else:
-            whole = {f: empty(b, b["shape"], device) for f, b in specs.items()}
+            whole = {f: empty(b, [count + spare, *b["shape"][1:]], device) for f, b in specs.items()}
             on_device, on_host = {f: t[:slots] for f, t in whole.items()}, {f: t[slots:] for f, t in whole.items()}
             if zero_device_experts:
                 for t in on_device.values():
                     t.zero_()
-            buffers.update({f"{name}#{f}": [t] for f, t in whole.items()})
-        weights[name] = SplitStack(_build(kind, on_device, record), _build(kind, on_host, record))
+            buffers.update({f"{name}#{f}": [t[:count]] for f, t in whole.items()})
+        weights[name] = SplitStack(_build(kind, on_device, record), _build(kind, on_host, record), spare)
     return weights, buffers
 
 

@@ -9,7 +9,8 @@ host bank (offload/host_steps.py: queued in the device stream); all three at onc
 synchronization, so the step can be captured in a CUDA graph. A batch with many misses (prefill)
 fetches its missed experts to the device in rounds instead (offload/fetch.py).
 Routing counts decide, between steps, which host experts move into which slots (a bounded number
-per step, so no step waits on many copies).
+per step). A move's copies run on copy streams beside the steps, which read both experts where they
+were until a later call commits it (one device-to-device copy): no step waits on a swap.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, Iterator
 
 import torch
@@ -32,7 +33,7 @@ from engine.offload.cuda_driver import copy_async
 from engine.offload.fetch import ExpertFetcher, Stacks
 from engine.offload.host_memory import host_copy
 from engine.offload.host_steps import HostSteps
-from engine.offload.placement import slots_per_layer
+from engine.offload.placement import HOST_SPARES, slots_per_layer
 from engine.weights import SplitStack, map_tensors, tensor_fields
 
 log = logging.getLogger("glmflash.engine")
@@ -40,10 +41,6 @@ log = logging.getLogger("glmflash.engine")
 # near the cut of the hottest, counts trade places all the time, and each swap moves two experts (over PCIe
 # and through host memory, beside the CPU experts' reads) for a gain of noise.
 SWAP_MARGIN = 1.25
-# Copy streams the swaps of one rebalance alternate between, each with its own staging expert: a swap's three
-# copies stay in order on its stream, while one swap's host-to-device copy runs beside another's
-# device-to-host one (the link moves both ways at once; on one stream the next step waited for them in series).
-SWAP_LANES = 2
 
 
 def to_pcie(rank: torch.Tensor, percent: int) -> torch.Tensor:
@@ -95,24 +92,44 @@ def default_host_threads(device: torch.device) -> int:
 @dataclass
 class LayerExperts:
     """One MoE layer's routed experts as placed: device slot i holds expert `resident[i]`, host bank entry
-    j holds expert `hosted[j]`; every expert is in exactly one of the two (the host bank holds only what
-    the device does not, so the whole model fits GPU + host RAM)."""
+    j holds expert `hosted[j]` (None: a spare entry, room for a swap's outgoing expert); every expert is in
+    exactly one of the two (the host bank holds only what the device does not, so the whole model fits GPU
+    + host RAM)."""
 
     device: Stacks | None  # None: no device slot in this layer
     host: Stacks
     resident: list[int]
-    hosted: list[int]
+    hosted: list[int | None]
 
     @classmethod
     def split(cls, stacks: Stacks, resident: list[int], device: torch.device) -> "LayerExperts":
         """Whole stacks (anywhere) -> the resident experts copied to `device`, the rest to host RAM."""
         hosted = [e for e in range(stacks[0].shape[0]) if e not in set(resident)]
-        pin = device.type == "cuda"
+        pin, spare = device.type == "cuda", HOST_SPARES if hosted else 0
         on_device = tuple(map_tensors(s, lambda t: t[torch.tensor(resident)].to(device)) for s in stacks) \
             if resident else None
-        on_host = tuple(map_tensors(s, lambda t: host_copy(t[torch.tensor(hosted, dtype=torch.long)], pin))
+        on_host = tuple(map_tensors(s, lambda t: host_copy(t[torch.tensor(hosted, dtype=torch.long)], pin, spare))
                         for s in stacks)
-        return cls(on_device, on_host, list(resident), hosted)
+        return cls(on_device, on_host, list(resident), hosted + [None] * spare)
+
+
+@dataclass
+class _Move:
+    """A swap under way: the outgoing expert's bytes on their way from its slot to a spare host entry, the
+    incoming one's from its host entry to a device staging expert (`copied`: the copies' events; none without
+    a GPU, where they are done at once)."""
+
+    layer: int
+    slot: int
+    incoming: int
+    outgoing: int
+    entry: int  # the incoming expert's host entry: spare once the move is committed
+    spare: int  # the host entry the outgoing expert goes to
+    staging: Stacks
+    copied: list = field(default_factory=list)
+
+    def copied_all(self) -> bool:
+        return all(event.query() for event in self.copied)
 
 
 class HybridExperts:
@@ -127,7 +144,7 @@ class HybridExperts:
         self.device, self.decay = device, count_decay
         self.layers = sorted(layers)
         first = layers[self.layers[0]]
-        self.num_experts = len(first.resident) + len(first.hosted)
+        self.num_experts = len(first.resident) + sum(e is not None for e in first.hosted)
         self.resident = {layer: layers[layer].resident for layer in self.layers}  # slot -> expert
         self.hosted = {layer: layers[layer].hosted for layer in self.layers}  # host bank entry -> expert
         self.host = {layer: layers[layer].host for layer in self.layers}
@@ -139,8 +156,9 @@ class HybridExperts:
             i = self._index[layer]
             if self.resident[layer]:
                 self.slot_of[i, self.resident[layer]] = torch.arange(len(self.resident[layer]), device=device)
-            if self.hosted[layer]:
-                self.entry_of[i, self.hosted[layer]] = torch.arange(len(self.hosted[layer]))
+            for entry, expert in enumerate(self.hosted[layer]):
+                if expert is not None:
+                    self.entry_of[i, expert] = entry
         self.entry_on_device = self.entry_of.to(device)  # the same map, for the device's share of the misses
         self.pcie_percent = 0
         self._live_rows = torch.zeros((), dtype=torch.long, device=device)  # a replayed graph's rows in use
@@ -160,9 +178,12 @@ class HybridExperts:
         self._stats = OffloadStats()
         self.split_misses(pcie_percent)
         self._pin = device.type == "cuda"
-        self._swap_streams = [torch.cuda.Stream(device) for _ in range(SWAP_LANES)] if self._pin else []
-        # per lane, one expert in device memory: a swap's outgoing expert in transit
-        self._staging: list[Stacks | None] = [None] * SWAP_LANES
+        # A move's copies: device-to-host on the first, host-to-device on the second (the link moves both ways
+        # at once).
+        self._copy_streams = [torch.cuda.Stream(device) for _ in range(2)] if self._pin else []
+        self._spare = {layer: [j for j, e in enumerate(self.hosted[layer]) if e is None] for layer in self.layers}
+        self._moves: list[_Move] = []
+        self._staging: list[Stacks] = []  # device experts no move uses: where an incoming expert's copy lands
         # Set while something reads the slots and the host bank by expert id (a prepared snapshot being
         # written from them): swaps would move experts under it.
         self.swaps_held = False
@@ -190,7 +211,7 @@ class HybridExperts:
                 count = stacks[0].slots
                 placed[layer] = LayerExperts(tuple(s.device for s in stacks) if count else None,
                                              tuple(s.host for s in stacks), list(range(count)),
-                                             list(range(count, stacks[0].shape[0])))
+                                             list(range(count, stacks[0].shape[0])) + [None] * stacks[0].spare)
                 continue
             if slots is None:
                 slots = slots_per_layer(budget_bytes, expert_nbytes(stacks), len(layers), stacks[0].shape[0])
@@ -329,36 +350,94 @@ class HybridExperts:
         self._stats.host_bytes += int(ids.unique().numel()) * self.expert_bytes
         return y
 
+    def host_experts(self, layer: int) -> int:
+        """Experts of `layer` in its host bank (spare entries aside)."""
+        return sum(e is not None for e in self.hosted[layer])
+
     def rebalance(self, max_swaps: int) -> int:
-        """Move up to `max_swaps` experts routed more often than a resident one into its slot; -> swaps made.
-        On a GPU the copies are queued on copy streams (SWAP_LANES) that the next step's work waits for on the
-        device: the host never blocks on a swap. The swaps of one call touch distinct slots and host entries."""
+        """Start moving up to `max_swaps` experts routed more often than a resident one into its slot, and put
+        those whose copies are done in place; -> moves started. A move's copies run on copy streams beside the
+        steps, which read both experts where they were until a later call commits it: no step waits on a
+        swap. Each layer has as many moves under way as spare host entries (HOST_SPARES)."""
         if self.swaps_held:
             return 0
-        margin = SWAP_MARGIN
         if self.settle_all:  # a calibration ran while swaps were held: its whole placement, once, exactly
-            max_swaps, self.settle_all, margin = self.num_experts * len(self.layers), False, 1.0
+            self.settle_all = False
+            return self._settle()
         if max_swaps <= 0:  # swaps off: the counts still age, nothing is read back from the device
             self.counts *= self.decay
             return 0
-        counts = self.counts.cpu()
+        counts = self.counts.cpu()  # also waits for the steps queued so far: none reads what a commit changes
         self.counts *= self.decay
-        made = 0
-        main = torch.cuda.current_stream(self.device) if self._pin else None
-        for stream in self._swap_streams:
-            stream.wait_stream(main)  # the steps that read the slots are done with them
+        for move in [m for m in self._moves if m.copied_all()]:
+            self._commit(move)
+        return self._start_moves(counts, max_swaps, SWAP_MARGIN)
+
+    def _settle(self) -> int:
+        """Every move the counts ask for, committed before returning (no step runs meanwhile); -> moves."""
+        counts, made = self.counts.cpu(), 0
+        self.counts *= self.decay
+        while True:
+            for move in list(self._moves):
+                for event in move.copied:
+                    event.synchronize()
+                self._commit(move)
+            started = self._start_moves(counts, self.num_experts * len(self.layers), 1.0)
+            if not started:
+                return made
+            made += started
+
+    def _start_moves(self, counts: torch.Tensor, limit: int, margin: float) -> int:
+        """Queue the copies of up to `limit` moves, the hottest outside expert of a layer for its coldest
+        resident while spare entries last; -> moves started."""
+        started = 0
         for layer, incoming, outgoing, c in self._swap_candidates(counts):
+            moving = {e for m in self._moves if m.layer == layer for e in (m.incoming, m.outgoing)}
+            incoming, outgoing = [e for e in incoming if e not in moving], [e for e in outgoing if e not in moving]
             for new, old in zip(incoming, outgoing):
-                if made >= max_swaps or c[new] <= c[old] * margin:
+                if started >= limit or not self._spare[layer] or c[new] <= c[old] * margin:
                     break
-                self._swap(layer, self.resident[layer].index(old), new, made % SWAP_LANES)
-                made += 1
-            if made >= max_swaps:
+                if not started and self._pin:
+                    for stream in self._copy_streams:  # after the steps (and commits) queued so far
+                        stream.wait_stream(torch.cuda.current_stream(self.device))
+                self._start(layer, self.resident[layer].index(old), new)
+                started += 1
+            if started >= limit:
                 break
-        for stream in self._swap_streams:
-            main.wait_stream(stream)
-        self._stats.swaps += made
-        return made
+        return started
+
+    def _start(self, layer: int, slot: int, expert: int) -> None:
+        """Copy the slot's expert into a spare host entry and the incoming expert into a device staging expert.
+        Host memory is read once and written once per move, with no host-to-host copy to compete with the CPU
+        experts' reads."""
+        entry, spare = int(self.entry_of[self._index[layer], expert]), self._spare[layer].pop()
+        staging = self._staging.pop() if self._staging else tuple(
+            map_tensors(s, lambda t: torch.empty(t.shape[1:], dtype=t.dtype, device=t.device))
+            for s in self.device_stacks[layer])
+        for on_device, on_host, buffer in zip(self.device_stacks[layer], self.host[layer], staging):
+            for name in tensor_fields(on_device):
+                d, h, b = getattr(on_device, name), getattr(on_host, name), getattr(buffer, name)
+                self._copy(h[spare], d[slot], 0)
+                self._copy(b, h[entry], 1)
+        copied = [stream.record_event() for stream in self._copy_streams]
+        self._moves.append(_Move(layer, slot, expert, self.resident[layer][slot], entry, spare, staging, copied))
+
+    def _commit(self, move: _Move) -> None:
+        """The incoming expert into its slot, in the step stream (steps queued from now on run it there), and the
+        maps switched: the outgoing expert is read from the spare entry, the incoming one's entry is spare."""
+        layer, index = move.layer, self._index[move.layer]
+        for on_device, buffer in zip(self.device_stacks[layer], move.staging):
+            for name in tensor_fields(on_device):
+                getattr(on_device, name)[move.slot].copy_(getattr(buffer, name), non_blocking=True)
+        self.slot_of[index, move.outgoing], self.slot_of[index, move.incoming] = -1, move.slot
+        self.entry_of[index, move.incoming], self.entry_of[index, move.outgoing] = -1, move.spare
+        self.entry_on_device[index, move.incoming], self.entry_on_device[index, move.outgoing] = -1, move.spare
+        self.resident[layer][move.slot], self.hosted[layer][move.spare] = move.incoming, move.outgoing
+        self.hosted[layer][move.entry] = None
+        self._spare[layer].append(move.entry)
+        self._staging.append(move.staging)
+        self._moves.remove(move)
+        self._stats.swaps += 1
 
     def _swap_candidates(self, counts: torch.Tensor) -> Iterator[tuple[int, list[int], list[int], list[float]]]:
         """Per layer whose hottest experts are not all resident: (layer, outside experts among the hottest,
@@ -375,32 +454,9 @@ class HybridExperts:
             outgoing = [e for e in reversed(ranked[n:]) if e in resident]
             yield layer, incoming, outgoing, counts[index].tolist()
 
-    def _swap(self, layer: int, slot: int, expert: int, lane: int = 0) -> None:
-        """Exchange a host expert with the one in a device slot: the slot's expert goes to the host bank
-        entry the incoming one leaves. It waits in a staging expert on the device (slot -> staging ->
-        host entry, after host entry -> slot), so host memory is read once and written once per swap, with
-        no host-to-host copy to compete with the CPU experts' reads; the copies run in order on the lane's
-        stream, so the lane's staging expert serves every swap queued on it."""
-        index, entry = self._index[layer], int(self.entry_of[self._index[layer], expert])
-        outgoing = self.resident[layer][slot]
-        if self._staging[lane] is None:
-            self._staging[lane] = tuple(
-                map_tensors(s, lambda t: torch.empty(t.shape[1:], dtype=t.dtype, device=t.device))
-                for s in self.device_stacks[layer])
-        for on_device, on_host, buffer in zip(self.device_stacks[layer], self.host[layer], self._staging[lane]):
-            for name in tensor_fields(on_device):
-                d, h, b = getattr(on_device, name)[slot], getattr(on_host, name)[entry], getattr(buffer, name)
-                self._copy(b, d, lane)
-                self._copy(d, h, lane)
-                self._copy(h, b, lane)
-        self.slot_of[index, outgoing], self.slot_of[index, expert] = -1, slot
-        self.entry_of[index, expert], self.entry_of[index, outgoing] = -1, entry
-        self.entry_on_device[index, expert], self.entry_on_device[index, outgoing] = -1, entry
-        self.resident[layer][slot], self.hosted[layer][entry] = expert, outgoing
-
-    def _copy(self, dst: torch.Tensor, src: torch.Tensor, lane: int) -> None:
-        """In the lane's stream order on a GPU, at once elsewhere."""
+    def _copy(self, dst: torch.Tensor, src: torch.Tensor, stream: int) -> None:
+        """In the copy stream's order on a GPU, at once elsewhere."""
         if self._pin:
-            copy_async(dst, src, self._swap_streams[lane])
+            copy_async(dst, src, self._copy_streams[stream])
         else:
             dst.copy_(src)

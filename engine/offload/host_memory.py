@@ -66,8 +66,8 @@ def _release(libc: ctypes.CDLL, base: int, mapped: int, start: int, registered: 
     libc.munmap(base, mapped)
 
 
-def host_copy(t: torch.Tensor, pin: bool = False) -> torch.Tensor:
-    """`t` copied into a host bank buffer of its shape."""
-    out = host_empty(t.shape, t.dtype, pin)
-    out.copy_(t)
+def host_copy(t: torch.Tensor, pin: bool = False, spare_rows: int = 0) -> torch.Tensor:
+    """`t` copied into a host bank buffer of its shape, followed by `spare_rows` zero rows."""
+    out = host_empty((t.shape[0] + spare_rows, *t.shape[1:]), t.dtype, pin)
+    out[:t.shape[0]].copy_(t)
     return out

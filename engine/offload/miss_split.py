@@ -45,7 +45,7 @@ def miss_rates(hybrid, experts: int = 8) -> tuple[float, float]:
     host bank in a format the compiled CPU kernels take)."""
     layer = hybrid.layers[0]
     bank = hybrid.host[layer]
-    n = min(experts, len(hybrid.hosted[layer]), hybrid.fetch.capacity)
+    n = min(experts, hybrid.host_experts(layer), hybrid.fetch.capacity)
     if n == 0:
         return 0.0, 0.0
     nbytes = n * hybrid.expert_bytes
@@ -113,7 +113,7 @@ def choose_split(hybrid, topk: int, requested: int | None, rates_file: Path | No
     what they bound: the missed experts a token reads under uniform routing and the tok/s the host side
     allows at most."""
     layers = len(hybrid.layers)
-    hosted = sum(len(hybrid.hosted[layer]) for layer in hybrid.layers) / max(layers, 1)
+    hosted = sum(hybrid.host_experts(layer) for layer in hybrid.layers) / max(layers, 1)
     miss_bytes = hosted / hybrid.num_experts * topk * layers * hybrid.expert_bytes
     if not hybrid.graph_safe:  # the host bank's format has no compiled CPU pass: misses take the eager path
         log.info("event=miss_split pcie_percent=0 reason=host_experts_uncompiled missed_gb_per_token=%.2f",

@@ -11,6 +11,10 @@ from dataclasses import dataclass
 
 import torch
 
+# Empty host bank entries per MoE layer beside its hosted experts: a swap copies the outgoing device expert into
+# one while the incoming expert is still served from its own entry, so no step waits for a swap's copies.
+HOST_SPARES = 1
+
 
 def slots_per_layer(budget_bytes: int, expert_nbytes: int, num_layers: int, num_experts: int) -> int:
     """How many experts of each MoE layer fit in `budget_bytes` of device memory."""

@@ -80,18 +80,31 @@ def test_all_hits_touch_no_host_expert():
     assert hybrid.stats.host_pairs == 0 and hybrid.stats.hit_rate == 1.0
 
 
+def placed(hybrid: HybridExperts, layer: int) -> list[int]:
+    """Every expert of the layer where it is placed, slots then host entries (spare entries left out)."""
+    return sorted(hybrid.resident[layer] + [e for e in hybrid.hosted[layer] if e is not None])
+
+
 def test_rebalance_moves_hot_experts_in_and_keeps_outputs():
+    """A move runs while steps go on: it takes effect at the next call, one at a time per spare host entry, and
+    every step in between reads each expert where it is, with the same outputs."""
     stacks = {0: layer_stacks("nvfp4", 5)}
     reference = TorchExperts(stacks, LIMIT)
     hybrid = HybridExperts.place(stacks, {0: [0, 1, 2]}, torch.device("cpu"), LIMIT)
     x, ids, w = routed(8, 2, 6, only=[8, 9, 10, 11])
     hybrid(0, x, ids, w)
     assert hybrid.stats.hit_rate == 0.0
-    assert hybrid.rebalance(max_swaps=2) == 2  # bounded per call
-    assert hybrid.rebalance(max_swaps=5) == 1  # three slots: the three hottest of 8..11
-    assert len(set(hybrid.resident[0]) & {8, 9, 10, 11}) == 3
-    assert sorted(hybrid.resident[0] + hybrid.hosted[0]) == list(range(E))  # each expert in one place only
-    assert hybrid.rebalance(max_swaps=5) == 0  # nothing hotter is left outside
+    assert hybrid.rebalance(max_swaps=2) == 1  # bounded by the layer's one spare host entry
+    assert hybrid.resident[0] == [0, 1, 2] and hybrid.stats.swaps == 0  # under way: nothing moved yet
+    assert_expert_close(hybrid(0, x, ids, w), reference(0, x, ids, w), "nvfp4")
+    assert hybrid.rebalance(max_swaps=5) == 1 and hybrid.stats.swaps == 1  # committed, the next one started
+    assert len(set(hybrid.resident[0]) & {8, 9, 10, 11}) == 1
+    assert_expert_close(hybrid(0, x, ids, w), reference(0, x, ids, w), "nvfp4")
+    assert hybrid.rebalance(max_swaps=5) == 1
+    assert hybrid.rebalance(max_swaps=5) == 0  # three slots: the three hottest of 8..11; nothing else to move
+    assert len(set(hybrid.resident[0]) & {8, 9, 10, 11}) == 3 and hybrid.stats.swaps == 3
+    assert placed(hybrid, 0) == list(range(E))  # each expert in one place only
+    assert hybrid.hosted[0].count(None) == 1
     assert_expert_close(hybrid(0, x, ids, w), reference(0, x, ids, w), "nvfp4")
     assert hybrid.stats.device_pairs > 0
 
@@ -110,9 +123,9 @@ def test_rebalance_needs_a_margin_and_takes_the_hottest_first():
     counts[1, 7], counts[1, 6] = 4.0 * SWAP_MARGIN + 0.5, 4.0 * SWAP_MARGIN + 0.25
     hybrid.counts.copy_(counts)
     assert hybrid.rebalance(max_swaps=4) == 1
+    assert hybrid.rebalance(max_swaps=4) == 0  # the first move committed; the three hottest are resident
     assert hybrid.resident[0] == [0, 1, 2] and sorted(hybrid.resident[3]) == [0, 2, 7]
-    assert hybrid.rebalance(max_swaps=4) == 0  # the three hottest are resident
-    assert sorted(hybrid.resident[3] + hybrid.hosted[3]) == list(range(E))
+    assert placed(hybrid, 3) == list(range(E))
 
 
 def test_swaps_off_move_nothing_and_the_counts_still_age():

@@ -94,6 +94,7 @@ def test_experts_can_be_placed_apart_from_the_rest(tiny_dir, tmp_path):
     in host RAM; the meta device stands in for the GPU here (it holds no data, but is a device of its own)."""
     from engine.checkpoint.layout import is_expert_stack
     from engine.checkpoint.prepared import allocate
+    from engine.offload.placement import HOST_SPARES
     from engine.weights import SplitStack
 
     snapshot = tiny_dir("nvfp4-ct")
@@ -111,7 +112,8 @@ def test_experts_can_be_placed_apart_from_the_rest(tiny_dir, tmp_path):
             assert isinstance(weight, SplitStack) and weight.shape[0] == cfg.n_routed_experts
             assert {t.device.type for t in buffers(weight.device)} == {"meta"}
             assert {t.device.type for t in buffers(weight.host)} == {"cpu"}
-            assert weight.device.shape[0] == 2 and weight.host.shape[0] == cfg.n_routed_experts - 2
+            assert weight.device.shape[0] == 2 and weight.hosted.shape[0] == cfg.n_routed_experts - 2
+            assert weight.host.shape[0] == weight.hosted.shape[0] + HOST_SPARES  # room for swaps, in the bank
 
 
 def test_split_experts_hold_the_same_bytes_as_whole_stacks(tiny_dir, tmp_path):
@@ -138,7 +140,7 @@ def test_split_experts_hold_the_same_bytes_as_whole_stacks(tiny_dir, tmp_path):
             for field in ("data", "scale_inv"):
                 full = getattr(weight, field)
                 assert torch.equal(getattr(loaded[name].device, field), full[:3]), name
-                assert torch.equal(getattr(loaded[name].host, field), full[3:]), name
+                assert torch.equal(getattr(loaded[name].hosted, field), full[3:]), name
 
 
 def test_pieces_lent_staging_buffers_round_trip(tmp_path, monkeypatch):
