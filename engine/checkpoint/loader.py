@@ -3,8 +3,8 @@
 Every key is first mapped to the layout table (engine.checkpoint.layout) from the safetensors
 headers alone, so a missing, extra or malformed tensor fails before any data is read. The shards
 are then read at disk speed (engine.checkpoint.shards: parallel reads into reused staging
-buffers) and each weight, once all its parts have arrived, is converted and put in its place by
-the reading thread (GPU memory, or host RAM for routed experts under an expert budget); routed
+buffers) and each weight, once all its parts have arrived, is converted and put in its place by a
+consuming thread while the next chunks are read (GPU memory, or host RAM for routed experts under an expert budget); routed
 experts are copied into per-layer stacks as they arrive, so the host never holds more than the
 staging buffers besides the weights themselves. Vision tower and MTP tensors are skipped unread.
 """
@@ -116,8 +116,8 @@ def load_weights(snapshot: Path | str, cfg: ModelConfig, device: torch.device | 
                  workers: int = 8, progress: Callable[[int, int], None] | None = None) -> LoadedWeights:
     """Load the text model's tensors; see the module docstring for the guarantees. With `expert_slots`
     each MoE layer's first `expert_slots` routed experts go to `device` and the others straight to host
-    RAM (pinned when `device` is a GPU): expert stacks are `SplitStack`s. `workers` threads read and
-    convert; `progress(done_bytes, total_bytes)` follows the reads."""
+    RAM (pinned when `device` is a GPU): expert stacks are `SplitStack`s. `workers` threads read and as
+    many convert; `progress(done_bytes, total_bytes)` follows the reads."""
     reader = _Reader(Path(snapshot), cfg, device, dtype, expert_slots)
     chunks = plan_chunks(reader.wanted, lambda key: reader.part_of[key][0].spec.name)
     _timed_reads(chunks, reader, workers, progress)

@@ -2,11 +2,14 @@
 
 A shard starts with an 8-byte length and a JSON header that says where each tensor's bytes sit, so
 the whole checkpoint can be planned before any data is read. Tensors are then read in chunks of
-neighbours (about `CHUNK_BYTES`, ending where the caller's groups end when possible) by `workers`
-threads, each into its own reused staging buffer (page-locked when the weights go to a GPU); a
-tensor too large for a staging buffer gets a buffer of its own, filled by all threads in pieces.
-Reading, converting and placing overlap: each thread hands its chunk to the consumer and reads the
-next one as soon as the consumer returns.
+neighbours (about `CHUNK_BYTES`, ending where the caller's groups end when possible); a tensor too
+large for a staging buffer gets a buffer of its own, filled by all readers in pieces.
+Reading and converting overlap: `workers` reader threads keep that many reads in flight, each into a
+staging buffer taken from a pool (page-locked when the weights go to a GPU), and hand what they read to
+`workers` consumer threads, which convert and place it and give the buffer back. The pool holds at most
+`STAGING_PER_WORKER` x `workers` buffers of `STAGING_BYTES` and at most `OWN_BUFFERS` buffers of their own
+exist at once, so host memory stays bounded whatever the checkpoint: a reader waits for a free buffer
+only when the consumers are behind (a conversion-bound load), never for a conversion of its own.
 """
 
 from __future__ import annotations
@@ -14,10 +17,10 @@ from __future__ import annotations
 import json
 import math
 import os
+import queue
 import struct
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,6 +33,11 @@ STAGING_BYTES = 96 << 20  # ... and never grows past this; a larger tensor is re
 GAP_BYTES = 1 << 20  # skipped bytes (activation scales, say) read through rather than ending the chunk
 PAGE = 4096
 MAX_HEADER_BYTES = 100 << 20
+# Staging buffers per reader: one being read into while the one read before it is converted, so the disk
+# never waits on a conversion. Page-locked memory cannot be swapped out and shares host RAM with the pinned
+# expert banks, so a load's share must stay fixed, not grow with the checkpoint (2 x 8 x 96 MiB = 1.5 GiB).
+STAGING_PER_WORKER = 2
+OWN_BUFFERS = 2  # buffers of their own (GBs each for an embedding) alive at once: one converted, the next read
 
 DTYPES = {"BOOL": torch.bool, "U8": torch.uint8, "I8": torch.int8, "I16": torch.int16, "U16": torch.uint16,
           "I32": torch.int32, "U32": torch.uint32, "I64": torch.int64, "U64": torch.uint64, "F16": torch.float16,
@@ -141,12 +149,13 @@ own). Views into a staging buffer are overwritten once the consumer returns."""
 
 @dataclass
 class ReadTiming:
-    """Seconds the reading threads spent reading and in the consumer, summed over threads: next to the wall
-    time it says what bounds a load (a disk-bound one reads nearly all the time, a conversion-bound one
-    consumes)."""
+    """Seconds spent reading, converting (in the consumer) and waiting for a free buffer, each summed over
+    its threads: next to the wall time they say what bounds a load (a disk-bound one reads nearly all
+    the time and never waits; a conversion-bound one consumes nearly all the time while its readers wait)."""
 
     read_s: float = 0.0
     consume_s: float = 0.0
+    wait_s: float = 0.0
 
     def __post_init__(self) -> None:
         self._lock = threading.Lock()
@@ -161,66 +170,19 @@ class ReadTiming:
                 setattr(self, part, getattr(self, part) + time.perf_counter() - start)
 
     def summary(self, wall_s: float, threads: int) -> str:
-        """key=value: the wall time and each part per thread."""
+        """key=value: the wall time and each part per thread (`threads` readers and as many consumers)."""
         return (f"wall_s={wall_s:.3f} threads={threads} read_s={self.read_s / threads:.3f} "
-                f"consume_s={self.consume_s / threads:.3f}")
+                f"consume_s={self.consume_s / threads:.3f} wait_s={self.wait_s / threads:.3f}")
 
 
 def read_chunks(chunks: Sequence[Chunk], consume: Consumer, workers: int = 8, pin_memory: bool = False,
                 progress: Callable[[int, int], None] | None = None, timing: ReadTiming | None = None) -> int:
-    """Read every chunk with `workers` threads and hand each to `consume` (called from those threads,
-    several at once). Chunks with a buffer of their own go first, split into pieces across threads.
-    `progress(done_bytes, total_bytes)` follows the reads; `timing` adds up where the threads' time went.
-    Returns the bytes read."""
-    timing = timing or ReadTiming()
-    jobs: list[tuple[Chunk, int, int]] = []
-    for chunk in sorted(chunks, key=lambda c: not c.own_buffer):
-        if chunk.own_buffer:
-            jobs += [(chunk, lo, min(lo + CHUNK_BYTES, chunk.nbytes)) for lo in range(0, chunk.nbytes, CHUNK_BYTES)]
-        else:
-            jobs.append((chunk, 0, chunk.nbytes))
-    total = sum(hi - lo for _, lo, hi in jobs)
-    own: dict[int, _OwnBuffer] = {id(c): _OwnBuffer(c) for c in chunks if c.own_buffer}
-    local = threading.local()
-    lock = threading.Lock()
-    done = [0]
-    failed = threading.Event()
-    fds = {path: os.open(path, os.O_RDONLY) for path in {c.path for c in chunks}}
-
-    def run(job: tuple[Chunk, int, int]) -> int:
-        if failed.is_set():
-            return 0
-        chunk, lo, hi = job
-        try:
-            if chunk.own_buffer:
-                state = own[id(chunk)]
-                with timing.timed("read_s"):
-                    _pread(fds[chunk.path], state.buffer()[lo:hi], chunk.start + lo, chunk)
-                if state.piece_done():
-                    with timing.timed("consume_s"):
-                        consume(chunk, _views(state.tensor, chunk), None)
-                    state.tensor = None
-            else:
-                staging = getattr(local, "staging", None)
-                if staging is None:
-                    staging = local.staging = staging_buffer(pin_memory)
-                _read_staged(fds[chunk.path], chunk, staging, consume, timing)
-        except BaseException:
-            failed.set()
-            raise
-        if progress is not None:
-            with lock:
-                done[0] += hi - lo
-                progress(done[0], total)
-        return hi - lo
-
-    try:
-        with ThreadPoolExecutor(max(1, workers), thread_name_prefix="glmflash-shards") as pool:
-            futures = [pool.submit(run, job) for job in jobs]
-            return sum(f.result() for f in futures)
-    finally:
-        for fd in fds.values():
-            os.close(fd)
+    """Read every chunk with `workers` reader threads and hand each to `consume`, called from `workers`
+    consumer threads (several at once) while the next chunks are read. Chunks with a buffer of their own
+    go first, split into pieces across readers. `progress(done_bytes, total_bytes)` follows the reads;
+    `timing` adds up where the threads' time went. The first exception stops the rest and is raised once
+    every thread has finished. Returns the bytes read."""
+    return _Load(chunks, consume, max(1, workers), pin_memory, progress, timing or ReadTiming()).run()
 
 
 def staging_buffer(pin_memory: bool = False) -> torch.Tensor:
@@ -235,19 +197,197 @@ def read_chunk(chunk: Chunk, consume: Consumer, staging: torch.Tensor) -> int:
         return read_chunks([chunk], consume, workers=1)
     fd = os.open(chunk.path, os.O_RDONLY)
     try:
-        _read_staged(fd, chunk, staging, consume)
+        _pread(fd, staging[:chunk.nbytes], chunk.start, chunk)
     finally:
         os.close(fd)
+    consume(chunk, _views(staging, chunk), staging)
     return chunk.nbytes
 
 
-def _read_staged(fd: int, chunk: Chunk, staging: torch.Tensor, consume: Consumer,
-                 timing: ReadTiming | None = None) -> None:
-    timing = timing or ReadTiming()
-    with timing.timed("read_s"):
-        _pread(fd, staging[:chunk.nbytes], chunk.start, chunk)
-    with timing.timed("consume_s"):
-        consume(chunk, _views(staging, chunk), staging)
+_DONE = object()  # put on the hand-off queue once per consumer after the last read
+
+
+class _Load:
+    """One `read_chunks` call: readers take jobs in order (the pieces of chunks with a buffer of their own
+    first), read them into pooled buffers and queue them; consumers convert them and free the buffers."""
+
+    def __init__(self, chunks: Sequence[Chunk], consume: Consumer, workers: int, pin_memory: bool,
+                 progress: Callable[[int, int], None] | None, timing: ReadTiming) -> None:
+        self.consume, self.workers, self.progress, self.timing = consume, workers, progress, timing
+        jobs = _jobs(chunks)
+        self.total, self.done = sum(hi - lo for _, lo, hi in jobs), 0
+        self.jobs = iter(jobs)
+        self.own = {id(c): _OwnBuffer(c) for c in chunks if c.own_buffer}
+        self.own_slots = _Slots(OWN_BUFFERS)
+        self.staging = _StagingPool(STAGING_PER_WORKER * workers, pin_memory)
+        self.handoff: queue.SimpleQueue = queue.SimpleQueue()
+        self.lock = threading.Lock()
+        self.error: BaseException | None = None
+        self.fds = {path: os.open(path, os.O_RDONLY) for path in {c.path for c in chunks}}
+
+    def run(self) -> int:
+        readers = [_start(self._reader, f"read-{i}") for i in range(self.workers)]
+        consumers = [_start(self._consumer, f"consume-{i}") for i in range(self.workers)]
+        try:
+            for thread in readers:
+                thread.join()
+        except BaseException as exc:  # interrupted while waiting: stop the threads the finally waits for
+            self._fail(exc)
+            raise
+        finally:
+            for thread in readers:
+                thread.join()
+            for _ in consumers:
+                self.handoff.put(_DONE)
+            for thread in consumers:
+                thread.join()
+            for fd in self.fds.values():
+                os.close(fd)
+        if self.error is not None:
+            raise self.error
+        return self.total
+
+    def _reader(self) -> None:
+        try:
+            while (job := self._next_job()) is not None:
+                chunk, lo, hi = job
+                if not (self._read_piece(chunk, lo, hi) if chunk.own_buffer else self._read_staged(chunk)):
+                    return
+                self._advance(hi - lo)
+        except BaseException as exc:
+            self._fail(exc)
+
+    def _next_job(self) -> tuple[Chunk, int, int] | None:
+        with self.lock:
+            return None if self.error is not None else next(self.jobs, None)
+
+    def _read_staged(self, chunk: Chunk) -> bool:
+        """Read a chunk into a free staging buffer and queue it; False once the load has stopped."""
+        with self.timing.timed("wait_s"):
+            staging = self.staging.take()
+        if staging is None:
+            return False
+        with self.timing.timed("read_s"):
+            _pread(self.fds[chunk.path], staging[:chunk.nbytes], chunk.start, chunk)
+        self.handoff.put((chunk, staging))
+        return True
+
+    def _read_piece(self, chunk: Chunk, lo: int, hi: int) -> bool:
+        """Read one piece of a chunk with a buffer of its own, queued once its last piece is in; False once
+        the load has stopped."""
+        state = self.own[id(chunk)]
+        with self.timing.timed("wait_s"):
+            buffer = state.buffer(self.own_slots)
+        if buffer is None:
+            return False
+        with self.timing.timed("read_s"):
+            _pread(self.fds[chunk.path], buffer[lo:hi], chunk.start + lo, chunk)
+        if state.piece_done():
+            self.handoff.put((chunk, None))
+        return True
+
+    def _advance(self, nbytes: int) -> None:
+        if self.progress is not None:
+            with self.lock:
+                self.done += nbytes
+                self.progress(self.done, self.total)
+
+    def _consumer(self) -> None:
+        while (item := self.handoff.get()) is not _DONE:
+            chunk, staging = item
+            try:
+                if self.error is None:  # after a failure the queue is only drained, freeing buffers
+                    buffer = staging if staging is not None else self.own[id(chunk)].tensor
+                    with self.timing.timed("consume_s"):
+                        self.consume(chunk, _views(buffer, chunk), staging)
+            except BaseException as exc:
+                self._fail(exc)
+            finally:
+                self._release(chunk, staging)
+
+    def _release(self, chunk: Chunk, staging: torch.Tensor | None) -> None:
+        if staging is not None:
+            self.staging.give(staging)
+        else:
+            self.own[id(chunk)].tensor = None
+            self.own_slots.give()
+
+    def _fail(self, exc: BaseException) -> None:
+        """Keep the first error and wake every waiting reader: no thread is left waiting on a stopped load."""
+        with self.lock:
+            if self.error is None:
+                self.error = exc
+        self.staging.slots.stop()
+        self.own_slots.stop()
+
+
+def _jobs(chunks: Sequence[Chunk]) -> list[tuple[Chunk, int, int]]:
+    """(chunk, first byte, end byte) to read: chunks with a buffer of their own first, in pieces."""
+    jobs: list[tuple[Chunk, int, int]] = []
+    for chunk in sorted(chunks, key=lambda c: not c.own_buffer):
+        if chunk.own_buffer:
+            jobs += [(chunk, lo, min(lo + CHUNK_BYTES, chunk.nbytes)) for lo in range(0, chunk.nbytes, CHUNK_BYTES)]
+        else:
+            jobs.append((chunk, 0, chunk.nbytes))
+    return jobs
+
+
+def _start(target: Callable[[], None], name: str) -> threading.Thread:
+    thread = threading.Thread(target=target, name=f"glmflash-shards-{name}", daemon=True)
+    thread.start()
+    return thread
+
+
+class _Slots:
+    """How many more of something may exist at once; `stop` wakes every waiter for good (a failed load)."""
+
+    def __init__(self, limit: int) -> None:
+        self.free = limit
+        self.stopped = False
+        self.cond = threading.Condition()
+
+    def take(self) -> bool:
+        """Wait for a free slot; False once stopped."""
+        with self.cond:
+            self.cond.wait_for(lambda: self.free > 0 or self.stopped)
+            if self.stopped:
+                return False
+            self.free -= 1
+            return True
+
+    def give(self) -> None:
+        with self.cond:
+            self.free += 1
+            self.cond.notify()
+
+    def stop(self) -> None:
+        with self.cond:
+            self.stopped = True
+            self.cond.notify_all()
+
+
+class _StagingPool:
+    """At most `count` staging buffers, each allocated when first needed (a small load pins little) and reused."""
+
+    def __init__(self, count: int, pin_memory: bool) -> None:
+        self.slots = _Slots(count)
+        self.pin_memory = pin_memory
+        self.free: list[torch.Tensor] = []
+        self.lock = threading.Lock()
+
+    def take(self) -> torch.Tensor | None:
+        """A free buffer, waiting for one if all are taken; None once the load has stopped."""
+        if not self.slots.take():
+            return None
+        with self.lock:
+            if self.free:
+                return self.free.pop()
+        return staging_buffer(self.pin_memory)
+
+    def give(self, buffer: torch.Tensor) -> None:
+        with self.lock:
+            self.free.append(buffer)
+        self.slots.give()
 
 
 class _OwnBuffer:
@@ -259,9 +399,12 @@ class _OwnBuffer:
         self.tensor: torch.Tensor | None = None
         self.lock = threading.Lock()
 
-    def buffer(self) -> torch.Tensor:
+    def buffer(self, slots: _Slots) -> torch.Tensor | None:
+        """The buffer, allocated once one of `slots` is free; None once the load has stopped."""
         with self.lock:
             if self.tensor is None:
+                if not slots.take():
+                    return None
                 self.tensor = torch.empty(self.chunk.nbytes, dtype=torch.uint8)
             return self.tensor
 
