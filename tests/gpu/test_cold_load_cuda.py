@@ -12,6 +12,7 @@ from engine.checkpoint.loader import load_weights
 from engine.checkpoint.prepared import load_prepared, save_prepared
 from engine.config import ModelConfig
 from engine.tiny.factory import write_tiny_model
+from engine.weights import SplitStack
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (none on this machine)")]
@@ -22,9 +23,20 @@ def _buffers(weight) -> list[torch.Tensor]:
                                                               if isinstance(v, torch.Tensor)]
 
 
-@pytest.mark.parametrize("fmt,expert_device", [("nvfp4-ct", None), ("nvfp4-ct", "cpu"), ("fp8", None),
-                                                ("bf16", "cpu")])
-def test_cold_pass_to_cuda_and_prepared_written_from_it(tmp_path, monkeypatch, fmt, expert_device):
+def _stored(weight) -> list[torch.Tensor]:
+    """A weight's buffers as host bytes, a split stack's device slots and hosted experts joined in order."""
+    if isinstance(weight, SplitStack):
+        return [torch.cat([d.cpu().view(torch.uint8), h.view(torch.uint8)])
+                for d, h in zip(_buffers(weight.device), _buffers(weight.hosted))]
+    return [t.cpu().view(torch.uint8) for t in _buffers(weight)]
+
+
+def _dtypes(weight) -> list[torch.dtype]:
+    return [t.dtype for t in _buffers(weight.device if isinstance(weight, SplitStack) else weight)]
+
+
+@pytest.mark.parametrize("fmt,slots", [("nvfp4-ct", None), ("nvfp4-ct", 2), ("fp8", None), ("bf16", 2)])
+def test_cold_pass_to_cuda_and_prepared_written_from_it(tmp_path, monkeypatch, fmt, slots):
     import engine.checkpoint.prepared_store as store
     import engine.checkpoint.shards as shards
 
@@ -34,16 +46,19 @@ def test_cold_pass_to_cuda_and_prepared_written_from_it(tmp_path, monkeypatch, f
     snapshot = write_tiny_model(tmp_path / fmt, fmt)
     cfg = ModelConfig.from_dir(snapshot)
     truth = load_weights(snapshot, cfg, "cpu", torch.bfloat16)
-    on_gpu = load_weights(snapshot, cfg, "cuda", torch.bfloat16, expert_device, workers=4)
+    on_gpu = load_weights(snapshot, cfg, "cuda", torch.bfloat16, slots, workers=4)
     for name, weight in on_gpu.items():
-        want = "cpu" if expert_device and is_expert_stack(name) else "cuda"
-        assert {t.device.type for t in _buffers(weight)} == {want}, name
-        if want == "cpu":
-            assert all(t.is_pinned() for t in _buffers(weight)), name
+        if isinstance(weight, SplitStack):
+            assert {t.device.type for t in _buffers(weight.device)} == {"cuda"}, name
+            assert all(t.is_pinned() for t in _buffers(weight.host)), name
+        else:
+            assert {t.device.type for t in _buffers(weight)} == {"cuda"}, name
+    assert any(isinstance(w, SplitStack) for w in on_gpu.values()) == (slots is not None)
     save_prepared(on_gpu, tmp_path / "prepared", workers=3)
-    back, _ = load_prepared(tmp_path / "prepared", "cuda", workers=3, expert_device=expert_device)
+    back, _ = load_prepared(tmp_path / "prepared", "cuda", workers=3, expert_slots=slots)
     for loaded in (on_gpu, back):
         assert loaded.keys() == truth.keys()
         for name, weight in truth.items():
-            for a, b in zip(_buffers(loaded[name]), _buffers(weight)):
-                assert a.dtype == b.dtype and torch.equal(a.cpu().view(torch.uint8), b.view(torch.uint8)), name
+            assert _dtypes(loaded[name]) == _dtypes(weight), name
+            for a, b in zip(_stored(loaded[name]), _buffers(weight), strict=True):
+                assert torch.equal(a, b.view(torch.uint8)), name
