@@ -17,9 +17,10 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Iterator
+from typing import Callable
 
 import torch
 
@@ -41,6 +42,12 @@ log = logging.getLogger("glmflash.engine")
 # near the cut of the hottest, counts trade places all the time, and each swap moves two experts (over PCIe
 # and through host memory, beside the CPU experts' reads) for a gain of noise.
 SWAP_MARGIN = 1.25
+# ... and by this many standard deviations of the difference two equally routed experts' counts would show
+# (counts of routing events: variance ~ count). Under uniform routing the hottest outside expert always beat the
+# coldest resident by the margin on noise alone: 4 swaps a step of churn, each moving two experts over the link
+# and costing the host its commit between steps. Simulated (ops/sim_swaps.py), 2 keeps the hit rates of the
+# margin alone under skewed routing with 10-25x fewer swaps; 3 left a tenth of the reachable hits outside.
+SWAP_Z = 2.0
 
 
 def to_pcie(rank: torch.Tensor, percent: int) -> torch.Tensor:
@@ -160,6 +167,7 @@ class HybridExperts:
                 if expert is not None:
                     self.entry_of[i, expert] = entry
         self.entry_on_device = self.entry_of.to(device)  # the same map, for the device's share of the misses
+        self._slot_of_host = self.slot_of.cpu()  # what commits change, then copied to the device whole
         self.pcie_percent = 0
         self._live_rows = torch.zeros((), dtype=torch.long, device=device)  # a replayed graph's rows in use
         self.counts = torch.zeros(len(self.layers), self.num_experts, device=device)
@@ -369,42 +377,51 @@ class HybridExperts:
             return 0
         counts = self.counts.cpu()  # also waits for the steps queued so far: none reads what a commit changes
         self.counts *= self.decay
-        for move in [m for m in self._moves if m.copied_all()]:
-            self._commit(move)
-        return self._start_moves(counts, max_swaps, SWAP_MARGIN)
+        self._commit([m for m in self._moves if m.copied_all()])
+        return self._start_moves(counts, max_swaps, SWAP_MARGIN, SWAP_Z)
 
     def _settle(self) -> int:
         """Every move the counts ask for, committed before returning (no step runs meanwhile); -> moves."""
         counts, made = self.counts.cpu(), 0
         self.counts *= self.decay
         while True:
-            for move in list(self._moves):
-                for event in move.copied:
-                    event.synchronize()
-                self._commit(move)
-            started = self._start_moves(counts, self.num_experts * len(self.layers), 1.0)
+            for event in (e for m in self._moves for e in m.copied):
+                event.synchronize()
+            self._commit(list(self._moves))
+            started = self._start_moves(counts, self.num_experts * len(self.layers), 1.0, 0.0)
             if not started:
                 return made
             made += started
 
-    def _start_moves(self, counts: torch.Tensor, limit: int, margin: float) -> int:
-        """Queue the copies of up to `limit` moves, the hottest outside expert of a layer for its coldest
-        resident while spare entries last; -> moves started."""
-        started = 0
-        for layer, incoming, outgoing, c in self._swap_candidates(counts):
-            moving = {e for m in self._moves if m.layer == layer for e in (m.incoming, m.outgoing)}
-            incoming, outgoing = [e for e in incoming if e not in moving], [e for e in outgoing if e not in moving]
-            for new, old in zip(incoming, outgoing):
-                if started >= limit or not self._spare[layer] or c[new] <= c[old] * margin:
-                    break
-                if not started and self._pin:
-                    for stream in self._copy_streams:  # after the steps (and commits) queued so far
-                        stream.wait_stream(torch.cuda.current_stream(self.device))
-                self._start(layer, self.resident[layer].index(old), new)
-                started += 1
-            if started >= limit:
-                break
-        return started
+    def _start_moves(self, counts: torch.Tensor, limit: int, margin: float, z: float) -> int:
+        """Queue the copies of up to `limit` moves, in the layers where one gains most: a layer's hottest outside
+        expert for its coldest resident, when routed more by `margin` and by `z` standard deviations, while
+        the layer has a spare entry; -> moves started."""
+        pairs = self._move_candidates(counts, margin, z)[:limit]
+        if pairs and self._pin:
+            for stream in self._copy_streams:  # after the steps (and commits) queued so far
+                stream.wait_stream(torch.cuda.current_stream(self.device))
+        for layer, incoming, outgoing in pairs:
+            self._start(layer, self.resident[layer].index(outgoing), incoming)
+        return len(pairs)
+
+    def _move_candidates(self, counts: torch.Tensor, margin: float, z: float) -> list[tuple[int, int, int]]:
+        """(layer, incoming, outgoing), largest count gain first, one per layer with a spare entry: tensor ops
+        over every layer at once (a sort per call took ~0.6 ms at 45 layers, between two steps)."""
+        hosted = self.entry_of >= 0  # a map kept on the CPU: no device read
+        moving = torch.zeros_like(hosted)
+        for m in self._moves:
+            moving[self._index[m.layer], [m.incoming, m.outgoing]] = True
+        on_host = counts.masked_fill(~hosted | moving, -math.inf)
+        on_device = counts.masked_fill(hosted | moving, math.inf)
+        incoming, outgoing = on_host.argmax(1), on_device.argmin(1)  # (max(dim) took ~8 ms on 2 threads)
+        c_in, c_out = on_host.gather(1, incoming[:, None])[:, 0], on_device.gather(1, outgoing[:, None])[:, 0]
+        gain = c_in - c_out
+        spare = torch.tensor([bool(self._spare[layer]) for layer in self.layers])
+        worth = spare & (c_in > c_out * margin) & (gain * gain > z * z * (c_in + c_out))
+        chosen = worth.nonzero().flatten()
+        chosen = chosen[torch.argsort(gain[chosen], descending=True, stable=True)].tolist()
+        return [(self.layers[i], int(incoming[i]), int(outgoing[i])) for i in chosen]
 
     def _start(self, layer: int, slot: int, expert: int) -> None:
         """Copy the slot's expert into a spare host entry and the incoming expert into a device staging expert.
@@ -422,37 +439,30 @@ class HybridExperts:
         copied = [stream.record_event() for stream in self._copy_streams]
         self._moves.append(_Move(layer, slot, expert, self.resident[layer][slot], entry, spare, staging, copied))
 
-    def _commit(self, move: _Move) -> None:
-        """The incoming expert into its slot, in the step stream (steps queued from now on run it there), and the
-        maps switched: the outgoing expert is read from the spare entry, the incoming one's entry is spare."""
-        layer, index = move.layer, self._index[move.layer]
-        for on_device, buffer in zip(self.device_stacks[layer], move.staging):
-            for name in tensor_fields(on_device):
-                getattr(on_device, name)[move.slot].copy_(getattr(buffer, name), non_blocking=True)
-        self.slot_of[index, move.outgoing], self.slot_of[index, move.incoming] = -1, move.slot
-        self.entry_of[index, move.incoming], self.entry_of[index, move.outgoing] = -1, move.spare
-        self.entry_on_device[index, move.incoming], self.entry_on_device[index, move.outgoing] = -1, move.spare
-        self.resident[layer][move.slot], self.hosted[layer][move.spare] = move.incoming, move.outgoing
-        self.hosted[layer][move.entry] = None
-        self._spare[layer].append(move.entry)
-        self._staging.append(move.staging)
-        self._moves.remove(move)
-        self._stats.swaps += 1
-
-    def _swap_candidates(self, counts: torch.Tensor) -> Iterator[tuple[int, list[int], list[int], list[float]]]:
-        """Per layer whose hottest experts are not all resident: (layer, outside experts among the hottest,
-        hottest first; residents outside them, coldest first; the layer's counts). One sort for every layer
-        (a Python sort per layer cost ~3 ms a step over 45 layers); stable, so ties go to the lower id."""
-        order = torch.sort(counts, dim=1, descending=True, stable=True).indices
-        rank = torch.empty_like(order).scatter_(1, order, torch.arange(self.num_experts).expand_as(order))
-        slots = torch.tensor([len(self.resident[layer]) for layer in self.layers]).unsqueeze(1)
-        outside = (rank < slots) & (self.entry_of >= 0)  # in the host bank (a map kept on the CPU: no device read)
-        for index in outside.any(1).nonzero().flatten().tolist():
-            layer, n = self.layers[index], int(slots[index])
-            ranked, resident = order[index].tolist(), set(self.resident[self.layers[index]])
-            incoming = [e for e in ranked[:n] if e not in resident]
-            outgoing = [e for e in reversed(ranked[n:]) if e in resident]
-            yield layer, incoming, outgoing, counts[index].tolist()
+    def _commit(self, moves: list[_Move]) -> None:
+        """The incoming experts into their slots, in the step stream (steps queued from now on run them there),
+        and the maps switched: an outgoing expert is read from its spare entry, an incoming one's entry is
+        spare. One copy call and one copy of each map for all of them."""
+        if not moves:
+            return
+        slots, staged = [], []
+        for move in moves:
+            index = self._index[move.layer]
+            for on_device, buffer in zip(self.device_stacks[move.layer], move.staging):
+                for name in tensor_fields(on_device):
+                    slots.append(getattr(on_device, name)[move.slot])
+                    staged.append(getattr(buffer, name))
+            self._slot_of_host[index, move.outgoing], self._slot_of_host[index, move.incoming] = -1, move.slot
+            self.entry_of[index, move.incoming], self.entry_of[index, move.outgoing] = -1, move.spare
+            self.resident[move.layer][move.slot], self.hosted[move.layer][move.spare] = move.incoming, move.outgoing
+            self.hosted[move.layer][move.entry] = None
+            self._spare[move.layer].append(move.entry)
+            self._staging.append(move.staging)
+            self._moves.remove(move)
+        torch._foreach_copy_(slots, staged, non_blocking=True)
+        self.slot_of.copy_(self._slot_of_host, non_blocking=True)
+        self.entry_on_device.copy_(self.entry_of, non_blocking=True)
+        self._stats.swaps += len(moves)
 
     def _copy(self, dst: torch.Tensor, src: torch.Tensor, stream: int) -> None:
         """In the copy stream's order on a GPU, at once elsewhere."""

@@ -92,7 +92,8 @@ def test_rebalance_moves_hot_experts_in_and_keeps_outputs():
     reference = TorchExperts(stacks, LIMIT)
     hybrid = HybridExperts.place(stacks, {0: [0, 1, 2]}, torch.device("cpu"), LIMIT)
     x, ids, w = routed(8, 2, 6, only=[8, 9, 10, 11])
-    hybrid(0, x, ids, w)
+    for _ in range(3):  # counts well above noise: ~12 each against none
+        hybrid(0, x, ids, w)
     assert hybrid.stats.hit_rate == 0.0
     assert hybrid.rebalance(max_swaps=2) == 1  # bounded by the layer's one spare host entry
     assert hybrid.resident[0] == [0, 1, 2] and hybrid.stats.swaps == 0  # under way: nothing moved yet
@@ -118,14 +119,35 @@ def test_rebalance_needs_a_margin_and_takes_the_hottest_first():
     hybrid = HybridExperts.place(stacks, {0: [0, 1, 2], 3: [0, 1, 2]}, torch.device("cpu"), LIMIT)
     hybrid.decay = 1.0
     counts = torch.zeros(2, E)
-    counts[:, :3] = torch.tensor([10.0, 4.0, 8.0])
-    counts[0, 5] = 4.0 * SWAP_MARGIN  # ties the margin: not enough
-    counts[1, 7], counts[1, 6] = 4.0 * SWAP_MARGIN + 0.5, 4.0 * SWAP_MARGIN + 0.25
+    counts[:, :3] = torch.tensor([1000.0, 400.0, 800.0])
+    counts[0, 5] = 400.0 * SWAP_MARGIN  # ties the margin: not enough
+    counts[1, 7], counts[1, 6] = 400.0 * SWAP_MARGIN + 50, 400.0 * SWAP_MARGIN + 25
     hybrid.counts.copy_(counts)
     assert hybrid.rebalance(max_swaps=4) == 1
     assert hybrid.rebalance(max_swaps=4) == 0  # the first move committed; the three hottest are resident
     assert hybrid.resident[0] == [0, 1, 2] and sorted(hybrid.resident[3]) == [0, 2, 7]
     assert placed(hybrid, 3) == list(range(E))
+
+
+def test_a_swap_needs_more_than_noise_and_the_largest_gain_goes_first():
+    """Counts of routing events vary by about their square root: an outside expert routed 6 times against a
+    resident's 2 is noise under uniform routing (SWAP_Z standard deviations not reached), 60 against 20 is not.
+    Bounded to one move, the layer that gains most moves first."""
+    from engine.experts.hybrid import SWAP_Z
+
+    stacks = {0: layer_stacks("dense", 5), 3: layer_stacks("dense", 6)}
+    hybrid = HybridExperts.place(stacks, {0: [0, 1, 2], 3: [0, 1, 2]}, torch.device("cpu"), LIMIT)
+    hybrid.decay = 1.0
+    counts = torch.full((2, E), 2.0)
+    counts[:, 9] = 6.0
+    assert (6.0 - 2.0) ** 2 <= SWAP_Z ** 2 * (6.0 + 2.0)
+    hybrid.counts.copy_(counts)
+    assert hybrid.rebalance(max_swaps=4) == 0
+    hybrid.counts.mul_(10.0)
+    hybrid.counts[1, 9] = 90.0  # layer 3 gains more
+    assert hybrid.rebalance(max_swaps=1) == 1
+    hybrid.rebalance(max_swaps=1)  # commits layer 3's move, starts layer 0's
+    assert 9 in hybrid.resident[3] and 9 not in hybrid.resident[0]
 
 
 def test_swaps_off_move_nothing_and_the_counts_still_age():
