@@ -3,7 +3,7 @@ trace drawn from a Zipf-like distribution per layer (skew 0: uniform), next to t
 holding each layer's hottest experts). Experts are tiny: what is measured is the policy and its bookkeeping,
 not copies.
 
-    python -m ops.sim_swaps --slots 197 --skew 1 --batch 1 [--layers 8] [--steps 600] [--z 2]
+    python -m ops.sim_swaps --slots 197 --skew 1 --batch 1 [--layers 8] [--steps 600] [--z 2] [--decay 0.99]
 """
 
 from __future__ import annotations
@@ -26,12 +26,14 @@ def routing_probs(layers: int, skew: float, gen: torch.Generator) -> torch.Tenso
     return torch.stack([weights[torch.randperm(EXPERTS, generator=gen)] for _ in range(layers)])
 
 
-def simulate(layers: int, slots: int, skew: float, batch: int, steps: int, max_swaps: int) -> dict:
+def simulate(layers: int, slots: int, skew: float, batch: int, steps: int, max_swaps: int,
+             decay: float | None = None) -> dict:
     """Route `steps` steps, rebalancing after each; figures over the second half (placement settled)."""
     gen = torch.Generator().manual_seed(1)
     stack = lambda n, k: DenseWeight(torch.randn(EXPERTS, n, k, generator=gen))  # noqa: E731
     hybrid = HybridExperts.place({layer: (stack(2, 4), stack(2, 4), stack(4, 2)) for layer in range(layers)},
                                  {layer: list(range(slots)) for layer in range(layers)}, torch.device("cpu"), 7.0)
+    hybrid.decay = hybrid.decay if decay is None else decay
     probs = routing_probs(layers, skew, gen)
     ideal = probs.sort(1, descending=True).values[:, :slots].sum(1) / probs.sum(1)
     hits = pairs = moves = 0
@@ -59,10 +61,11 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=600)
     parser.add_argument("--max-swaps", type=int, default=4)
     parser.add_argument("--z", type=float, help="override SWAP_Z (the significance a swap needs)")
+    parser.add_argument("--decay", type=float, help="override the routing counts' decay per step")
     args = parser.parse_args()
     if args.z is not None:
         hybrid_module.SWAP_Z = args.z
-    figures = simulate(args.layers, args.slots, args.skew, args.batch, args.steps, args.max_swaps)
+    figures = simulate(args.layers, args.slots, args.skew, args.batch, args.steps, args.max_swaps, args.decay)
     print(" ".join(f"{k}={v}" for k, v in {**vars(args), "z": hybrid_module.SWAP_Z, **figures}.items()))
 
 

@@ -45,9 +45,11 @@ SWAP_MARGIN = 1.25
 # ... and by this many standard deviations of the difference two equally routed experts' counts would show
 # (counts of routing events: variance ~ count). Under uniform routing the hottest outside expert always beat the
 # coldest resident by the margin on noise alone: 4 swaps a step of churn, each moving two experts over the link
-# and costing the host its commit between steps. Simulated (ops/sim_swaps.py), 2 keeps the hit rates of the
-# margin alone under skewed routing with 10-25x fewer swaps; 3 left a tenth of the reachable hits outside.
-SWAP_Z = 2.0
+# and costing the host its commit between steps. The extremes of ~90 outside and ~200 resident counts sit ~5
+# standard deviations apart by chance, so it takes 3 here, and counts that decay slowly (COUNT_DECAY) so that real
+# differences, which grow with the counts faster than the noise, pass it (simulated: ops/sim_swaps.py).
+SWAP_Z = 3.0
+COUNT_DECAY = 0.998  # per step: routing counts remember ~500 steps
 
 
 def to_pcie(rank: torch.Tensor, percent: int) -> torch.Tensor:
@@ -141,7 +143,7 @@ class _Move:
 
 class HybridExperts:
     def __init__(self, layers: dict[int, LayerExperts], device: torch.device, swiglu_limit: float,
-                 device_executor=TorchExperts, count_decay: float = 0.99, host_threads: int | None = None,
+                 device_executor=TorchExperts, count_decay: float = COUNT_DECAY, host_threads: int | None = None,
                  fetch_min_pairs: int = 256, fetch_capacity: int = 8, pcie_percent: int = 0,
                  pin_host_threads: bool = True) -> None:
         """pcie_percent: the share of a decode step's misses copied to the device and run there (0-100; the
