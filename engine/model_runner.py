@@ -48,12 +48,21 @@ class ModelRunner:
     def _decode(self, scheduled: Scheduled) -> torch.Tensor:
         seqs = [seq for seq, _ in scheduled]
         tokens = torch.tensor([seq.token_ids[seq.cached] for seq in seqs])
+        return self._decode_step(tokens, *self._decode_rows(seqs))
+
+    def _decode_rows(self, seqs: list[Sequence]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Host tensors (slots, positions, page table padded with the scratch page) of requests adding one
+        token each at their next position."""
         slot_ids = torch.tensor([seq.slot for seq in seqs])
         positions = torch.tensor([seq.cached for seq in seqs])
         page_table = torch.full((len(seqs), self.max_pages), self.cache.scratch_page, dtype=torch.long)
         for row, seq in enumerate(seqs):
             page_table[row, :len(seq.pages)] = torch.tensor(seq.pages)
-        return self._decode_step(tokens, slot_ids, positions, page_table)
+        return slot_ids, positions, page_table
+
+    def _decode_meta(self, slot_ids: torch.Tensor, positions: torch.Tensor, page_table: torch.Tensor) -> DecodeMeta:
+        dev = self.model.device
+        return DecodeMeta(slot_ids.to(dev), positions.to(dev), page_table.to(dev))
 
     def _decode_step(self, tokens: torch.Tensor, slot_ids: torch.Tensor, positions: torch.Tensor,
                      page_table: torch.Tensor) -> torch.Tensor:
@@ -61,8 +70,7 @@ class ModelRunner:
         if self.graphs is not None and tokens.shape[0] <= self.graphs.max_batch:
             return self.graphs.run(tokens, slot_ids, positions, page_table)
         dev = self.model.device
-        meta = DecodeMeta(slot_ids.to(dev), positions.to(dev), page_table.to(dev))
-        batch = ForwardBatch(tokens.to(dev), [], meta)
+        batch = ForwardBatch(tokens.to(dev), [], self._decode_meta(slot_ids, positions, page_table))
         return self.model.forward(batch, self.slots, self.cache, torch.arange(tokens.shape[0], device=dev))
 
     def time_decode(self, steps: int, vocab_size: int, seed: int = 0) -> float:
@@ -88,8 +96,7 @@ class ModelRunner:
         sampled: list[int] = []  # which of `rows` the step samples from
         prompt_rows: list[tuple[Sequence, int, int]] = []  # (seq, its first row in `rows`, rows)
         for seq, new in scheduled:
-            spans.append(SeqSpan(len(tokens), new, seq.cached, seq.slot,
-                                 torch.tensor(seq.pages, dtype=torch.long, device=device)))
+            spans.append(SeqSpan(len(tokens), new, seq.cached, seq.slot, seq.pages))
             start = len(tokens)
             tokens.extend(seq.token_ids[seq.cached:seq.cached + new])
             if all_rows:
@@ -103,7 +110,9 @@ class ModelRunner:
             if seq.cached + new == seq.num_tokens:
                 sampled.append(len(rows))
                 rows.append(start + new - 1)
-        batch = ForwardBatch(torch.tensor(tokens, dtype=torch.long, device=device), spans)
+        single = [seq for seq, new in scheduled if new == 1]
+        batch = ForwardBatch(torch.tensor(tokens, dtype=torch.long, device=device), spans,
+                             single=self._decode_meta(*self._decode_rows(single)) if single else None)
         logits = self.model.forward(batch, self.slots, self.cache, torch.tensor(rows, dtype=torch.long, device=device),
                                     layer_outputs)
         if not prompt_rows:

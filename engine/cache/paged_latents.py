@@ -70,11 +70,6 @@ class PagedLatents:
         per = self.per_page_pools
         return self.pool_keys[:, page * per:(page + 1) * per]
 
-    def token_rows(self, page_table: torch.Tensor, start: int, end: int) -> torch.Tensor:
-        """Flat row index of token positions [start, end) for a request with this page table."""
-        pos = torch.arange(start, end, device=page_table.device)
-        return page_table[pos // self.page_size] * self.page_size + pos % self.page_size
-
     def rows_at(self, page_table: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Flat row of each token position, batched: page_table [B, pages], positions [B, n] -> [B, n]."""
         return page_table.gather(1, positions // self.page_size) * self.page_size + positions % self.page_size
@@ -83,9 +78,3 @@ class PagedLatents:
         """Flat row of each pool, batched: page_table [B, pages], pools [B, n] -> [B, n]."""
         per_page = self.per_page_pools
         return page_table.gather(1, pools // per_page) * per_page + pools % per_page
-
-    def pool_rows(self, page_table: torch.Tensor, start: int, end: int) -> torch.Tensor:
-        """Flat row index of pools [start, end) (pool p covers tokens p*kpool .. p*kpool+kpool-1)."""
-        per_page = self.per_page_pools
-        pool = torch.arange(start, end, device=page_table.device)
-        return page_table[pool // per_page] * per_page + pool % per_page

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import cached_property
+from typing import Callable, Hashable, TypeVar
 
 import torch
+
+T = TypeVar("T")
 
 
 @dataclass
@@ -16,7 +19,7 @@ class SeqSpan:
     new: int
     cached: int
     slot: int
-    page_table: torch.Tensor  # page ids covering at least cached + new tokens
+    pages: list[int]  # page ids covering at least cached + new tokens
 
     @property
     def rows(self) -> slice:
@@ -29,7 +32,8 @@ class SeqSpan:
 
 @dataclass
 class DecodeMeta:
-    """A step where every request adds one token, described by device tensors of static shape [B].
+    """B requests adding one token each, described by device tensors of static shape [B]: a decode step, or
+    the one-token spans of a mixed step.
 
     The decode path reads only these (never `spans`), so the same step can be captured once in a
     CUDA graph and replayed with new values copied into the tensors.
@@ -45,10 +49,14 @@ class ForwardBatch:
     token_ids: torch.Tensor  # [T] flat over spans
     spans: list[SeqSpan]
     decode: DecodeMeta | None = None  # set when every span adds one token: the static decode path
+    # A mixed step's one-token spans (decoding requests, a prompt's last token), in span order: they run
+    # together through the layers' decode paths, so each adds no launches of its own to the step.
+    single: DecodeMeta | None = None
+    _layouts: dict[Hashable, object] = field(default_factory=dict, init=False, repr=False)
 
     @property
     def single_token(self) -> list[int]:
-        """Spans that add one token: run through the batched recurrent decode path."""
+        """Spans that add one token: run through the batched decode paths (`single`)."""
         return [i for i, s in enumerate(self.spans) if s.new == 1]
 
     @property
@@ -56,12 +64,9 @@ class ForwardBatch:
         return [i for i, s in enumerate(self.spans) if s.new > 1]
 
     @cached_property
-    def decode_layout(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """(rows [n], slots [n]) of the one-token spans, built once per step for every KDA layer."""
-        dev = self.token_ids.device
-        single = [self.spans[i] for i in self.single_token]
-        return (torch.tensor([s.offset for s in single], device=dev),
-                torch.tensor([s.slot for s in single], device=dev))
+    def single_rows(self) -> torch.Tensor:
+        """Rows [n] of the one-token spans (the rows of `single`), built once per step for every layer."""
+        return torch.tensor([self.spans[i].offset for i in self.single_token], device=self.token_ids.device)
 
     @cached_property
     def prefill_layout(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -73,3 +78,10 @@ class ForwardBatch:
         slots = torch.tensor([s.slot for s in spans], device=dev)
         cu_seqlens = torch.tensor([0] + [s.new for s in spans]).cumsum(0).to(dev)
         return rows, slots, cu_seqlens
+
+    def layout(self, key: Hashable, build: Callable[[], T]) -> T:
+        """A layout of this step that every layer of a kind reads (index tensors built on the host and moved in
+        one copy): `build` makes it for the first layer that asks, the others get the same one."""
+        if key not in self._layouts:
+            self._layouts[key] = build()
+        return self._layouts[key]

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 
@@ -10,6 +12,65 @@ from engine.config import ModelConfig
 from engine.kernels import kernel
 from engine.model.batch import DecodeMeta, ForwardBatch, SeqSpan
 from engine.model.layers import FusedLinear, linear, rms_norm
+
+
+@dataclass(frozen=True)
+class SpanRows:
+    """A mixed step's multi-token spans as cache rows, built on the host once per step and read by every DSA
+    layer: where the new latents go, which keys complete which pools (sources: each span's open pool, B * kpool
+    rows in span order, then the new keys) and which stay open, and per span the rows of all its keys and
+    complete pools. Each layer then writes all spans' latents and pools in a few launches, where computing the
+    rows on the device cost a dozen launches per span and layer."""
+
+    latents: torch.Tensor  # [N] cache row of each new token, spans one after another
+    pool_members: torch.Tensor  # [P, kpool] source rows of each pool the step completes
+    pool_targets: torch.Tensor  # [P] its row in the pooled-key cache
+    open_sources: torch.Tensor  # [M] source rows of the keys left in an open pool
+    open_slots: torch.Tensor  # [M] their request slot
+    open_places: torch.Tensor  # [M] and place in it (position % kpool)
+    keys: list[torch.Tensor]  # per span: cache rows of positions 0 .. total
+    pools: list[torch.Tensor]  # per span: rows of its complete pools
+    positions: list[torch.Tensor]  # per span: positions of its new tokens
+
+    @classmethod
+    def of(cls, spans: list[SeqSpan], cache: PagedLatents, kpool: int, device: torch.device) -> "SpanRows":
+        parts: dict[str, list[torch.Tensor]] = {name: [] for name in cls.__dataclass_fields__}
+        new_keys = len(spans) * kpool  # source row of the first new key
+        for index, span in enumerate(spans):
+            pages, cached = torch.tensor(span.pages).unsqueeze(0), span.cached
+            everything = torch.arange(span.total)
+            keys = cache.rows_at(pages, everything.unsqueeze(0))[0]
+            completed = torch.arange(cached // kpool, span.total // kpool)
+            still_open = torch.arange(max(cached, span.total // kpool * kpool), span.total)
+            members = completed.unsqueeze(1) * kpool + torch.arange(kpool)
+            parts["latents"].append(keys[cached:])
+            parts["pool_members"].append(_key_sources(members.flatten(), cached, index * kpool, new_keys, kpool))
+            parts["pool_targets"].append(cache.pool_rows_at(pages, completed.unsqueeze(0))[0])
+            parts["open_sources"].append(_key_sources(still_open, cached, index * kpool, new_keys, kpool))
+            parts["open_slots"].append(torch.full_like(still_open, span.slot))
+            parts["open_places"].append(still_open % kpool)
+            parts["keys"].append(keys)
+            parts["pools"].append(cache.pool_rows_at(pages, torch.arange(span.total // kpool).unsqueeze(0))[0])
+            parts["positions"].append(everything[cached:])
+            new_keys += span.new
+        return cls._packed(parts, kpool, device)
+
+    @classmethod
+    def _packed(cls, parts: dict[str, list[torch.Tensor]], kpool: int, device: torch.device) -> "SpanRows":
+        """Every index tensor to the device in one copy (one host sync); fields are views of it, a field's spans
+        side by side."""
+        names = list(cls.__dataclass_fields__)
+        packed = torch.cat([t for name in names for t in parts[name]]).to(device)
+        whole = dict(zip(names, packed.split([sum(t.numel() for t in parts[name]) for name in names])))
+        per_span = {name: list(whole[name].split([t.numel() for t in parts[name]]))
+                    for name in ("keys", "pools", "positions")}
+        return cls(**{**whole, **per_span, "pool_members": whole["pool_members"].view(-1, kpool)})
+
+
+def _key_sources(positions: torch.Tensor, cached: int, held: int, new: int, kpool: int) -> torch.Tensor:
+    """Source rows of a span's keys at `positions`: a key before `cached` is held in the span's open pool (its
+    rows start at `held`), a later one is among the step's new keys (the span's start at `new`)."""
+    return torch.where(positions < cached, held + positions % kpool, new + positions - cached)
 
 
 class Indexer:
@@ -33,20 +94,17 @@ class Indexer:
         weights = head_logits.float() * c.index_n_heads ** -0.5
         return q, weights, torch.cat([k, gate], dim=-1)
 
-    def add_tokens(self, keys_gates: torch.Tensor, span: SeqSpan, open_pool: torch.Tensor, cache: PagedLatents,
-                   layer: int) -> None:
-        """Append a span's keys: complete pools become pooled keys in the cache, the rest stays open."""
-        kp, d = self.cfg.index_kpool, self.cfg.index_head_dim
-        held = span.cached % kp
-        pending = torch.cat([open_pool[span.slot, :held], keys_gates])
-        full = pending.shape[0] // kp
-        if full:
-            groups = pending[: full * kp].view(full, kp, 2 * d)
+    def add_tokens(self, keys_gates: torch.Tensor, rows: SpanRows, slots: torch.Tensor, open_pool: torch.Tensor,
+                   cache: PagedLatents, layer: int) -> None:
+        """Append the multi-token spans' keys (in span order; `slots` theirs): complete pools become pooled keys
+        in the cache, the rest stays open."""
+        d = self.cfg.index_head_dim
+        sources = torch.cat([open_pool[slots].flatten(0, 1), keys_gates])
+        if rows.pool_targets.numel():
+            groups = sources[rows.pool_members]
             pooled = kernel("index_pool", keys_gates.device.type)(groups[..., :d], groups[..., d:], self.ape)
-            first = span.cached // kp
-            cache.pool_keys[layer, cache.pool_rows(span.page_table, first, first + full)] = pooled
-        rest = pending[full * kp:]
-        open_pool[span.slot, : rest.shape[0]] = rest
+            cache.pool_keys[layer, rows.pool_targets] = pooled
+        open_pool[rows.open_slots, rows.open_places] = sources[rows.open_sources]
 
     def add_and_select_decode(self, q: torch.Tensor, weights: torch.Tensor, keys_gates: torch.Tensor,
                               meta: DecodeMeta, open_pool: torch.Tensor, cache: PagedLatents,
@@ -66,12 +124,11 @@ class Indexer:
         return kernel("index_select", q.device.type)(q, weights, pool_keys, (pos + 1) // kp,
                                                      self.cfg.index_select_pools)
 
-    def select(self, q: torch.Tensor, weights: torch.Tensor, span: SeqSpan, cache: PagedLatents,
-               layer: int) -> torch.Tensor:
-        kp = self.cfg.index_kpool
-        pools = cache.pool_keys[layer, cache.pool_rows(span.page_table, 0, span.total // kp)]
-        positions = torch.arange(span.cached, span.total, device=q.device)
-        return kernel("index_select", q.device.type)(q, weights, pools, (positions + 1) // kp,
+    def select(self, q: torch.Tensor, weights: torch.Tensor, pools: torch.Tensor, positions: torch.Tensor,
+               cache: PagedLatents, layer: int) -> torch.Tensor:
+        """Pool ids [n, W] for one span's queries at `positions`, among its complete pools (cache rows `pools`)."""
+        return kernel("index_select", q.device.type)(q, weights, cache.pool_keys[layer, pools],
+                                                     (positions + 1) // self.cfg.index_kpool,
                                                      self.cfg.index_select_pools)
 
 
@@ -123,14 +180,21 @@ class DsaMixer:
                       cache: PagedLatents) -> torch.Tensor:
         cfg, layer = self.cfg, self.cache_index
         out = torch.empty_like(q_abs)
-        for span in batch.spans:
+        if batch.single_token:  # decoding requests in a mixed step: one pass of the decode path for them all
+            one = batch.single_rows
+            out[one] = self._attend_decode(q_abs[one], latent[one], iq[one], iw[one], ikg[one], batch.single,
+                                           open_pool, cache)
+        if not batch.multi_token:
+            return out
+        prefill, slot_ids = batch.prefill_layout[:2]
+        multi = [batch.spans[i] for i in batch.multi_token]
+        rows = batch.layout(SpanRows, lambda: SpanRows.of(multi, cache, cfg.index_kpool, q_abs.device))
+        cache.latents[layer, rows.latents] = latent[prefill]
+        self.indexer.add_tokens(ikg[prefill], rows, slot_ids, open_pool, cache, layer)
+        for span, keys, pools, positions in zip(multi, rows.keys, rows.pools, rows.positions):
             sl = span.rows
-            cache.latents[layer, cache.token_rows(span.page_table, span.cached, span.total)] = latent[sl]
-            self.indexer.add_tokens(ikg[sl], span, open_pool, cache, layer)
-            pool_ids = self.indexer.select(iq[sl], iw[sl], span, cache, layer)
-            keys = cache.latents[layer, cache.token_rows(span.page_table, 0, span.total)]
-            positions = torch.arange(span.cached, span.total, device=q_abs.device)
+            pool_ids = self.indexer.select(iq[sl], iw[sl], pools, positions, cache, layer)
             out[sl] = kernel("sparse_mla", q_abs.device.type)(
-                q_abs[sl], keys, pool_ids, positions, cfg.index_kpool, cfg.qk_nope_head_dim ** -0.5,
-                cfg.index_always_select_tail)
+                q_abs[sl], cache.latents[layer, keys], pool_ids, positions, cfg.index_kpool,
+                cfg.qk_nope_head_dim ** -0.5, cfg.index_always_select_tail)
         return out

@@ -7,7 +7,7 @@ import torch
 from engine.cache import RequestSlots
 from engine.config import ModelConfig
 from engine.kernels import kernel
-from engine.kernels.kda.torch_ref import forget_gate, gated_rms_norm
+from engine.kernels.kda.torch_ref import ConvRows, forget_gate, gated_rms_norm
 from engine.model.batch import ForwardBatch
 from engine.model.layers import FusedLinear, linear
 
@@ -35,8 +35,9 @@ class KdaMixer:
             return linear(o, self.o)
         o = torch.empty(x.shape[0], self.cfg.linear_dim, dtype=x.dtype, device=x.device)
         if batch.single_token:  # decoding requests in a mixed step: the fused step of a pure decode batch
-            rows, idx = batch.decode_layout
-            o[rows] = self._decode(qkv[rows], forget[rows], beta_logits[rows], gate_out[rows], rec, conv, idx)
+            rows = batch.single_rows
+            o[rows] = self._decode(qkv[rows], forget[rows], beta_logits[rows], gate_out[rows], rec, conv,
+                                   batch.single.slots)
         if batch.multi_token:
             o[batch.prefill_layout[0]] = self._prefill(qkv, forget, beta_logits, gate_out, rec, conv, batch)
         return linear(o, self.o)
@@ -51,17 +52,15 @@ class KdaMixer:
 
     def _prefill(self, qkv: torch.Tensor, forget: torch.Tensor, beta_logits: torch.Tensor, gate_out: torch.Tensor,
                  rec: torch.Tensor, conv: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
-        """Every multi-token span at once: per-span short conv, then one chunked KDA over the flat batch."""
+        """Every multi-token span at once: one short conv over the ragged batch, then one chunked KDA."""
         cfg, dev = self.cfg, qkv.device.type
         h, d = cfg.linear_num_heads, cfg.linear_head_dim
         rows, slot_ids, cu_seqlens = batch.prefill_layout
-        mixed = []
-        for span in (batch.spans[i] for i in batch.multi_token):
-            s = span.slot
-            out, new_conv = kernel("short_conv", dev)(qkv[span.rows].unsqueeze(0), conv[s:s + 1], self.conv)
-            conv[s] = new_conv[0]
-            mixed.append(out[0])
-        q, k, v = torch.cat(mixed).view(-1, 3, h, d).unbind(1)
+        history = self.conv.shape[-1] - 1
+        layout = batch.layout((ConvRows, history), lambda: ConvRows.of(
+            [batch.spans[i].new for i in batch.multi_token], history, qkv.device))
+        mixed, conv[slot_ids] = kernel("short_conv_varlen", dev)(qkv[rows], conv[slot_ids], self.conv, layout)
+        q, k, v = mixed.view(-1, 3, h, d).unbind(1)
         g = forget_gate(forget[rows], self.dt_bias, self.decay_rate, cfg.gate_lower_bound)
         out = kernel("kda_prefill", dev)(q, k, v, g, torch.sigmoid(beta_logits[rows]), rec, slot_ids, cu_seqlens)
         return gated_rms_norm(out, gate_out[rows].view(-1, h, d), self.o_norm, cfg.rms_norm_eps).flatten(1)

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import json
+from collections import Counter
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Iterator
 
 import pytest
 import torch
@@ -13,6 +15,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from engine.checkpoint.quant import dequantize_fp8_block, dequantize_nvfp4
+from engine.kernels.dispatch import kernel, register
 from engine.tiny.factory import write_tiny_model
 
 if TYPE_CHECKING:  # imported where used: transformers takes seconds to import, most tests never need it
@@ -140,6 +143,27 @@ def reference(tmp_path_factory):
 def random_prompt(length: int, seed: int = 0) -> list[int]:
     """Random token ids inside the tiny tokenizer's vocabulary."""
     return torch.randint(0, 283, (length,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+@contextmanager
+def count_kernel_calls(ops: tuple[str, ...]) -> Iterator[Counter]:
+    """Calls of these ops' torch implementations inside the block: how often a step launches each."""
+    calls: Counter = Counter()
+    originals = {op: kernel(op, "cpu") for op in ops}
+
+    def counted(op: str):
+        def call(*args, **kwargs):
+            calls[op] += 1
+            return originals[op](*args, **kwargs)
+        return call
+
+    for op in ops:
+        register(op, "torch")(counted(op))
+    try:
+        yield calls
+    finally:
+        for op, fn in originals.items():
+            register(op, "torch")(fn)
 
 
 def run_together(core: "EngineCore", seqs: list["Sequence"]) -> list["Sequence"]:

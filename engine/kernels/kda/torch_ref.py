@@ -6,6 +6,8 @@ inverse taken by `solve_triangular` instead of a row loop; it equals the token r
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import torch.nn.functional as F
 
@@ -18,17 +20,60 @@ def _l2norm(x: torch.Tensor) -> torch.Tensor:
     return x / torch.sqrt((x * x).sum(dim=-1, keepdim=True) + 1e-6)
 
 
-@register("short_conv", "torch")
 def short_conv(x: torch.Tensor, state: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Depthwise causal conv + SiLU. x [B, n, C], state [B, C, k-1] (previous inputs), weight [C, k] fp32.
 
     Returns (y [B, n, C] in x's dtype, new state [B, C, k-1]).
     """
-    n, c = x.shape[1:]
     k = weight.shape[-1]
     seq = torch.cat([state.to(x.dtype), x.transpose(1, 2)], dim=-1)  # [B, C, k-1+n]
-    out = F.conv1d(seq.to(weight.dtype), weight.unsqueeze(1), groups=c)  # [B, C, n]
-    return F.silu(out).to(x.dtype).transpose(1, 2), seq[:, :, seq.shape[-1] - (k - 1):].clone()
+    return _conv_silu(seq, weight).transpose(1, 2), seq[:, :, seq.shape[-1] - (k - 1):].clone()
+
+
+class ConvRows(NamedTuple):
+    """Where `short_conv_varlen` puts B sequences in one buffer: each sequence's k-1 previous inputs (`held`),
+    then its tokens (`tokens`). `windows` are the conv outputs of the tokens (the window ending at each), `last`
+    the rows of each sequence's last k-1 inputs (its new state). All int64 on the step's device."""
+
+    tokens: torch.Tensor  # [N]
+    windows: torch.Tensor  # [N]
+    held: torch.Tensor  # [B, k-1]
+    last: torch.Tensor  # [B, k-1]
+
+    @classmethod
+    def of(cls, lengths: list[int], history: int, device: torch.device) -> "ConvRows":
+        """Built on the host and moved in one copy: a step computes it once for all its KDA layers."""
+        firsts = torch.tensor([0] + lengths[:-1]).cumsum(0) + torch.arange(len(lengths)) * history
+        held = firsts.unsqueeze(1) + torch.arange(history)
+        tokens = torch.cat([torch.arange(f + history, f + history + n) for f, n in zip(firsts.tolist(), lengths)])
+        last = held + torch.tensor(lengths).unsqueeze(1)
+        packed = torch.cat([tokens, tokens - history, held.flatten(), last.flatten()]).to(device)
+        n, b = tokens.shape[0], len(lengths)
+        return cls(packed[:n], packed[n:2 * n], packed[2 * n:2 * n + b * history].view(b, history),
+                   packed[2 * n + b * history:].view(b, history))
+
+
+@register("short_conv_varlen", "torch")
+def short_conv_varlen(x: torch.Tensor, state: torch.Tensor, weight: torch.Tensor,
+                      rows: ConvRows) -> tuple[torch.Tensor, torch.Tensor]:
+    """`short_conv` of B sequences of any lengths at once (a prefill step's spans: one set of launches, not one
+    per span). x [N, C] the sequences' tokens one after another, state [B, C, k-1]; `rows` places them in one
+    buffer, each sequence after its previous inputs, and one conv runs over it (outputs whose window reaches
+    into the sequence before are never read).
+
+    Returns (y [N, C] in x's dtype, new state [B, C, k-1]).
+    """
+    seq = x.new_empty(rows.tokens.shape[0] + rows.held.numel(), x.shape[1])
+    seq[rows.held.flatten()] = state.to(x.dtype).transpose(1, 2).flatten(0, 1)
+    seq[rows.tokens] = x
+    return _conv_silu(seq.t().unsqueeze(0), weight)[0].t()[rows.windows], seq[rows.last].transpose(1, 2)
+
+
+def _conv_silu(seq: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """seq [B, C, L] -> SiLU of the depthwise conv of each window of k, [B, C, L-k+1] in seq's dtype (computed in
+    the weight's fp32)."""
+    out = F.conv1d(seq.to(weight.dtype), weight.unsqueeze(1), groups=seq.shape[1])
+    return F.silu(out).to(seq.dtype)
 
 
 @register("kda_chunk", "torch")

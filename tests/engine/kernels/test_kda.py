@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from engine.kernels.kda.torch_ref import kda_chunk, kda_step, short_conv
+from engine.kernels.kda.torch_ref import ConvRows, kda_chunk, kda_step, short_conv, short_conv_varlen
 from tests.engine.conftest import use_reference_kernels
 
 
@@ -78,3 +78,18 @@ def test_short_conv_prefill_then_steps():
         pieces.append(yt)
     assert torch.allclose(torch.cat(pieces, 1), want, atol=1e-6)
     assert torch.equal(state1, state)
+
+
+def test_short_conv_varlen_equals_each_sequence_alone():
+    """A prefill step's spans in one conv: sequences shorter than the kernel (their new state still holds
+    previous inputs) and a lone token among them."""
+    g = torch.Generator().manual_seed(1)
+    channels, width, lengths = 6, 4, [5, 1, 2, 9, 3]
+    w = torch.randn(channels, width, generator=g)
+    xs = [torch.randn(1, n, channels, generator=g) for n in lengths]
+    states = torch.randn(len(lengths), channels, width - 1, generator=g)
+    rows = ConvRows.of(lengths, width - 1, torch.device("cpu"))
+    y, state = short_conv_varlen(torch.cat([x[0] for x in xs]), states, w, rows)
+    alone = [short_conv(x, states[i:i + 1], w) for i, x in enumerate(xs)]
+    assert torch.allclose(y, torch.cat([a[0][0] for a in alone]), atol=1e-6)
+    assert torch.equal(state, torch.cat([a[1] for a in alone]))
