@@ -54,6 +54,13 @@ def test_a_copy_keeps_every_byte(dtype):
     assert torch.equal(out.view(torch.uint8), src.view(torch.uint8))
 
 
+def test_a_copy_with_spare_rows_ends_in_zeros():
+    """A host bank with room for swaps: the experts, then spare entries that hold nothing."""
+    src = torch.randint(1, 256, (4, 3 << 20), dtype=torch.uint8)
+    out = host_copy(src, spare_rows=2)
+    assert out.shape == (6, 3 << 20) and torch.equal(out[:4], src) and not out[4:].any()
+
+
 def test_a_small_buffer_comes_from_torch():
     t = host_empty((2, 3), torch.float32)
     assert t.shape == (2, 3) and not t.any()
