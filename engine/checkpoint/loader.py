@@ -31,7 +31,7 @@ from engine.checkpoint.shards import (CheckpointError, Chunk, ReadTiming, Stored
                                       read_chunks, read_header, staging_buffer)
 from engine.config import ModelConfig
 from engine.offload.host_memory import host_empty
-from engine.offload.placement import HOST_SPARES, WeightBytes
+from engine.offload.placement import WeightBytes, spare_entries
 from engine.weights import DenseWeight, Fp8BlockWeight, Nvfp4Weight, SplitStack, Weight, map_tensors, tensor_fields
 
 log = logging.getLogger("glmflash.engine")
@@ -392,7 +392,7 @@ class _ExpertStacks:
         if self.device_slots is None:
             return _empty_stack(weight, count, self.device, pin=False)
         slots = min(self.device_slots, count)
-        spare = HOST_SPARES if slots < count else 0
+        spare = spare_entries(count - slots)
         return SplitStack(_empty_stack(weight, slots, self.device, pin=False, zero=True),
                           _empty_stack(weight, count - slots + spare, torch.device("cpu"),
                                        pin=self.device.type == "cuda"), spare)

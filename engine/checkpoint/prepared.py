@@ -21,7 +21,7 @@ import torch
 from engine.checkpoint.layout import is_expert_stack
 from engine.checkpoint.loader import LoadedWeights
 from engine.offload.host_memory import host_empty
-from engine.offload.placement import HOST_SPARES, WeightBytes
+from engine.offload.placement import WeightBytes, spare_entries
 from engine.weights import DenseWeight, Fp8BlockWeight, Nvfp4Weight, SplitStack
 from engine.checkpoint.availability import ExpertAvailability, ExpertUnit
 from engine.checkpoint.prepared_store import (PIECE_BYTES, PreparedPlan, PreparedSnapshotError, ReadStats, Region,
@@ -148,7 +148,7 @@ def allocate(meta: dict, device: torch.device | str = "cpu", expert_slots: int |
             continue
         count = next(iter(specs.values()))["shape"][0]
         slots = min(expert_slots, count)
-        spare = HOST_SPARES if slots < count else 0  # read into by no region: room for swaps
+        spare = spare_entries(count - slots)  # read into by no region: room for swaps
         if device.type != "cpu":
             on_device = {f: empty(b, [slots, *b["shape"][1:]], device) for f, b in specs.items()}
             if zero_device_experts:

@@ -34,7 +34,7 @@ from engine.offload.cuda_driver import copy_async
 from engine.offload.fetch import ExpertFetcher, Stacks
 from engine.offload.host_memory import host_copy
 from engine.offload.host_steps import HostSteps
-from engine.offload.placement import HOST_SPARES, slots_per_layer
+from engine.offload.placement import slots_per_layer, spare_entries
 from engine.weights import SplitStack, map_tensors, tensor_fields
 
 log = logging.getLogger("glmflash.engine")
@@ -114,7 +114,7 @@ class LayerExperts:
     def split(cls, stacks: Stacks, resident: list[int], device: torch.device) -> "LayerExperts":
         """Whole stacks (anywhere) -> the resident experts copied to `device`, the rest to host RAM."""
         hosted = [e for e in range(stacks[0].shape[0]) if e not in set(resident)]
-        pin, spare = device.type == "cuda", HOST_SPARES if hosted else 0
+        pin, spare = device.type == "cuda", spare_entries(len(hosted))
         on_device = tuple(map_tensors(s, lambda t: t[torch.tensor(resident)].to(device)) for s in stacks) \
             if resident else None
         on_host = tuple(map_tensors(s, lambda t: host_copy(t[torch.tensor(hosted, dtype=torch.long)], pin, spare))
@@ -368,7 +368,7 @@ class HybridExperts:
         """Start moving up to `max_swaps` experts routed more often than a resident one into its slot, and put
         those whose copies are done in place; -> moves started. A move's copies run on copy streams beside the
         steps, which read both experts where they were until a later call commits it: no step waits on a
-        swap. Each layer has as many moves under way as spare host entries (HOST_SPARES)."""
+        swap. Each layer has as many moves under way as spare host entries (`spare_entries`)."""
         if self.swaps_held:
             return 0
         if self.settle_all:  # a calibration ran while swaps were held: its whole placement, once, exactly
