@@ -39,6 +39,9 @@ from ops.bench_cpu_moe import read_bandwidth
 from ops.bench_engine import nbytes, copy_bandwidth, reference_model, slice_text_config, sync, time_reference
 
 FULL_LAYERS = 45
+# Hybrid figures start once swaps have settled (see settle_swaps): a window of steps, and a cap on the warm-up.
+SETTLE_WINDOW = 16
+SETTLE_MAX_STEPS = 384
 
 
 def timed(fn: Callable[[], Any], device: torch.device) -> float:
@@ -192,7 +195,7 @@ def main() -> None:
             "build_s": time.perf_counter() - start})
     bandwidth = copy_bandwidth(device, 4 << 30 if device.type == "cuda" else 256 << 20) * 1e9
     report({"copy_bandwidth_gbs": bandwidth / 1e9})
-    max_len = max(contexts + prefills) + args.steps + 8
+    max_len = max(contexts + prefills) + args.steps + (SETTLE_MAX_STEPS if hybrid else 0) + 8
     start = time.perf_counter()
     budget = slots * round(sizes[1]) * len(cfg.moe_layers) if hybrid else None
     llm = LLM.from_weights(cfg, weights, max_num_seqs=max(batches + [1]), max_model_len=max_len,
@@ -259,14 +262,13 @@ def hybrid_decode_figures(name: str, llm: LLM, batch: int, context: int, steps: 
     in a device slot, the CPU executor's read rate on the misses, and the host side's roofline (the missed
     experts' bytes over the host read rate measured in this run)."""
     core = llm.core
-    params = SamplingParams(max_tokens=steps + 8, temperature=0.0, ignore_eos=True)
+    params = SamplingParams(max_tokens=steps + SETTLE_MAX_STEPS + 8, temperature=0.0, ignore_eos=True)
     seqs = [llm._sequence(p, params) for p in prompts(batch, context, llm.config.vocab_size, seed=batch + context)]
     for seq in seqs:
         core.add(seq)
     while any(not seq.output_token_ids for seq in seqs):
         core.step()
-    for _ in range(4):  # warm: the decode shapes, the first swaps after the prefill's counts
-        core.step()
+    warm = settle_swaps(core)
     before = dataclasses.replace(core.offload.stats)
     sync(llm.model.device)
     start = time.perf_counter()
@@ -282,7 +284,7 @@ def hybrid_decode_figures(name: str, llm: LLM, batch: int, context: int, steps: 
                    "swaps")}
     pairs = d["device_pairs"] + d["host_pairs"] + d["fetched_pairs"]
     host_ms = (d["host_bytes"] + d["fetched_bytes"]) / steps / (host_read * 1e9) * 1e3  # every miss read from RAM
-    return {f"{name}_step_ms": seconds * 1e3, f"{name}_tok_s": batch / seconds,
+    return {f"{name}_warm_steps": warm, f"{name}_step_ms": seconds * 1e3, f"{name}_tok_s": batch / seconds,
             f"{name}_hit_rate": d["device_pairs"] / max(pairs, 1),
             f"{name}_ideal_hit_rate": ideal_hit_rate(core.offload.counts.cpu(), len(core.offload.resident[
                 core.offload.layers[0]])),
@@ -293,6 +295,20 @@ def hybrid_decode_figures(name: str, llm: LLM, batch: int, context: int, steps: 
             f"{name}_cpu_GBps": d["host_bytes"] / d["host_seconds"] / 1e9 if d["host_seconds"] > 0 else 0.0,
             f"{name}_cpu_ms_per_step": d["host_seconds"] / steps * 1e3,
             f"{name}_host_roofline_ms": host_ms, f"{name}_ratio_to_host_roofline": seconds * 1e3 / max(host_ms, 1e-9)}
+
+
+def settle_swaps(core: Any) -> int:
+    """Decode until the placement has followed the routing (at most SETTLE_WINDOW // 4 swaps in the last
+    SETTLE_WINDOW steps, or SETTLE_MAX_STEPS in all): the figures are the steady state a serving engine
+    reaches after a few seconds, not the first steps after a load placed the experts by id. Returns the steps."""
+    history: list[int] = []
+    while len(history) < SETTLE_MAX_STEPS:
+        before = core.offload.stats.swaps
+        core.step()
+        history.append(core.offload.stats.swaps - before)
+        if len(history) >= SETTLE_WINDOW and sum(history[-SETTLE_WINDOW:]) <= SETTLE_WINDOW // 4:
+            break
+    return len(history)
 
 
 def skew_routing(cfg: ModelConfig, weights: dict, skew: float, seed: int = 7) -> None:
@@ -326,26 +342,37 @@ def auto_slots(cfg: ModelConfig, fmt: str, device: torch.device) -> int:
 
 
 def profile_step(llm: LLM, device: torch.device, steps: int = 8) -> None:
-    """Top ops of `steps` eager batch-1 decode steps after a 16-token prompt (the prefill is a small share)."""
+    """Top ops of `steps` eager batch-1 decode steps (the prompt's prefill runs before the profile), and the
+    device's kernel time per step: next to the graphed step's wall time, what launches and gaps cost."""
     from torch.profiler import ProfilerActivity, profile
 
-    ps = prompts(1, 16, llm.config.vocab_size, seed=3)
-    params = SamplingParams(max_tokens=steps + 1, temperature=0.0, ignore_eos=True)
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
-    llm.generate(ps, params)
+    core = llm.core
+    params = SamplingParams(max_tokens=2 * steps + 8, temperature=0.0, ignore_eos=True)
+    seq = llm._sequence(prompts(1, 16, llm.config.vocab_size, seed=3)[0], params)
+    core.add(seq)
+    while not seq.output_token_ids:
+        core.step()
     graphs, llm.runner.graphs = llm.runner.graphs, None  # eager, so the profile names each op
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
     try:
+        for _ in range(steps):  # warm the eager shapes
+            core.step()
+        sync(device)
         with profile(activities=activities) as prof:
-            llm.generate(ps, params)
+            for _ in range(steps):
+                core.step()
             sync(device)
     finally:
         llm.runner.graphs = graphs
+        core.abort(seq.request_id)
     sort = "cuda_time_total" if device.type == "cuda" else "cpu_time_total"
-    print(f"profile: {steps} decode steps + one 16-token prefill, {llm.config.num_layers} layers", flush=True)
+    print(f"profile: {steps} eager batch-1 decode steps, {llm.config.num_layers} layers", flush=True)
     print(prof.key_averages().table(sort_by=sort, row_limit=45, max_name_column_width=70), flush=True)
     if device.type == "cuda":
         kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
-        print(f"profile_kernels_per_step={len(kernels) / (steps + 1):.0f}", flush=True)
+        print(f"profile_kernels_per_step={len(kernels) / steps:.0f}", flush=True)
+        print(f"profile_kernel_ms_per_step={sum(e.device_time for e in kernels) / steps / 1e3:.3f}", flush=True)
+
 
 if __name__ == "__main__":
     main()
