@@ -7,10 +7,14 @@ Each is timed as LAYERS back-to-back calls on separate per-layer states (as in t
 layers x 4 MiB per request cannot stay in L2), both captured in a CUDA graph (the serving path: no
 Python or launch overhead) and eagerly; the Triton op is also timed at every (block_v, num_warps) in TILE_SWEEP.
 
+Short spans (`kda_spans`, B requests adding L tokens each, a cached turn's shape): the Triton recurrence
+against the chunked path (ragged conv, gates, fla's chunk_kda, gated norm), eagerly as a prefill step runs
+them, so a path's host time counts where the device would wait for it.
+
 Prefill (`kda_prefill`, one sequence of N tokens): fla's chunk_kda (after warm_up_kda_prefill, so
 no autotuning is timed) against the torch reference, eagerly, as the engine runs it.
 
-    python -m ops.bench_kda                       # B=1,8 decode; 512/2048/8192-token prefill
+    python -m ops.bench_kda                       # B=1,8 decode; 1x16/8x50/1x128 spans; 512/2048/8192 prefill
     python -m ops.bench_kda --json kda.json
 """
 
@@ -23,7 +27,7 @@ from typing import Any, Callable
 
 import torch
 
-from engine.kernels.kda import fla_prefill, torch_ref, triton_decode
+from engine.kernels.kda import fla_prefill, torch_ref, triton_decode, triton_spans
 from ops.bench_engine import copy_bandwidth
 
 CONV = 4
@@ -91,6 +95,21 @@ def fla_recurrence(args: dict[str, Any], heads: int, dim: int) -> Callable[[], A
         use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True, lower_bound=LOWER_BOUND)
 
 
+def spans_args(b: int, n: int, heads: int, dim: int, dtype: torch.dtype) -> dict[str, Any]:
+    """`kda_spans` arguments: b requests of n new tokens each, on their own slots."""
+    def rnd(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, device="cuda")
+
+    p, rows = heads * dim, b * n
+    return {"qkv": rnd(rows, 3 * p).to(dtype), "f": rnd(rows, p).to(dtype), "beta_logits": rnd(rows, heads).to(dtype),
+            "gate_out": rnd(rows, p).to(dtype), "conv_state": rnd(b, 3 * p, CONV - 1).to(dtype),
+            "conv_weight": rnd(3 * p, CONV) * 0.5, "rec_state": rnd(b, heads, dim, dim) * 0.1,
+            "slots": torch.arange(b, device="cuda"), "cu_seqlens": torch.arange(b + 1, device="cuda") * n,
+            "conv_rows": torch_ref.ConvRows.of([n] * b, CONV - 1, torch.device("cuda")), "longest": n,
+            "decay_rate": rnd(heads).exp(), "dt_bias": rnd(p), "o_norm": (1 + 0.1 * rnd(dim)).to(dtype),
+            "lower_bound": LOWER_BOUND, "eps": EPS}
+
+
 def decode_bytes(b: int, heads: int, dim: int, elt: int) -> int:
     """Fewest bytes one layer's decode moves: fp32 state and conv state read + written, activations, params."""
     p = heads * dim
@@ -111,6 +130,7 @@ def main() -> None:
     parser.add_argument("--dim", type=int, default=128)
     parser.add_argument("--layers", type=int, default=34, help="decode calls per timed pass (KDA layers)")
     parser.add_argument("--batches", default="1,8")
+    parser.add_argument("--spans", default="1x16,8x50,1x128", help="short spans: requests x tokens each")
     parser.add_argument("--prefills", default="512,2048,8192")
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     parser.add_argument("--reps", type=int, default=50)
@@ -160,6 +180,12 @@ def main() -> None:
         del layers, impls
 
     fla_prefill.warm_up_kda_prefill("cuda", h, d, dtype)
+    for shape in [x for x in args.spans.split(",") if x]:
+        b, n = (int(x) for x in shape.split("x"))
+        spans = spans_args(b, n, h, d, dtype)
+        for name, fn in (("triton", triton_spans.kda_spans), ("chunked", torch_ref.kda_spans)):
+            us = per_call_us([lambda fn=fn: fn(**spans)], args.reps, graph=False)
+            report({f"spans_{shape}_{name}_us_per_layer": us})
     for n in [int(x) for x in args.prefills.split(",") if x]:
         q, k, v = (torch.randn(n, h, d, device="cuda", dtype=dtype) for _ in range(3))
         g = LOWER_BOUND * torch.sigmoid(torch.randn(n, h, d, device="cuda"))

@@ -7,7 +7,7 @@ import torch
 from engine.cache import RequestSlots
 from engine.config import ModelConfig
 from engine.kernels import kernel
-from engine.kernels.kda.torch_ref import ConvRows, forget_gate, gated_rms_norm
+from engine.kernels.kda.torch_ref import ConvRows
 from engine.model.batch import ForwardBatch
 from engine.model.layers import FusedLinear, linear
 
@@ -52,15 +52,12 @@ class KdaMixer:
 
     def _prefill(self, qkv: torch.Tensor, forget: torch.Tensor, beta_logits: torch.Tensor, gate_out: torch.Tensor,
                  rec: torch.Tensor, conv: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
-        """Every multi-token span at once: one short conv over the ragged batch, then one chunked KDA."""
-        cfg, dev = self.cfg, qkv.device.type
-        h, d = cfg.linear_num_heads, cfg.linear_head_dim
+        """Every multi-token span at once: conv, gates, delta rule and gated norm in one op over the ragged batch."""
+        cfg = self.cfg
         rows, slot_ids, cu_seqlens = batch.prefill_layout
         history = self.conv.shape[-1] - 1
-        layout = batch.layout((ConvRows, history), lambda: ConvRows.of(
-            [batch.spans[i].new for i in batch.multi_token], history, qkv.device))
-        mixed, conv[slot_ids] = kernel("short_conv_varlen", dev)(qkv[rows], conv[slot_ids], self.conv, layout)
-        q, k, v = mixed.view(-1, 3, h, d).unbind(1)
-        g = forget_gate(forget[rows], self.dt_bias, self.decay_rate, cfg.gate_lower_bound)
-        out = kernel("kda_prefill", dev)(q, k, v, g, torch.sigmoid(beta_logits[rows]), rec, slot_ids, cu_seqlens)
-        return gated_rms_norm(out, gate_out[rows].view(-1, h, d), self.o_norm, cfg.rms_norm_eps).flatten(1)
+        lengths = [batch.spans[i].new for i in batch.multi_token]
+        layout = batch.layout((ConvRows, history), lambda: ConvRows.of(lengths, history, qkv.device))
+        return kernel("kda_spans", qkv.device.type)(
+            qkv[rows], forget[rows], beta_logits[rows], gate_out[rows], conv, self.conv, rec, slot_ids, cu_seqlens,
+            layout, max(lengths), self.decay_rate, self.dt_bias, self.o_norm, cfg.gate_lower_bound, cfg.rms_norm_eps)

@@ -121,3 +121,27 @@ def test_prefill_matches_reference(lengths, dtype):
     untouched = torch.ones(len(state), dtype=torch.bool, device=DEVICE)
     untouched[slots] = False
     assert torch.equal(rec[untouched], state[untouched])
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("lengths", [[2, 50, 17], [128], [3, 3, 3, 3, 3, 3, 3, 3]])
+def test_short_spans_match_reference(lengths, dtype, monkeypatch):
+    """The Triton recurrence over short spans against the torch reference (conv, gates, chunked KDA, norm)."""
+    from engine.kernels.kda import triton_spans
+
+    first = decode_args(sum(lengths), 2 * len(lengths) + 1, dtype, seed=0)
+    slots = first["slots"][:len(lengths)]
+    layout = {"slots": slots, "cu_seqlens": torch.tensor([0] + lengths, device=DEVICE).cumsum(0),
+              "conv_rows": torch_ref.ConvRows.of(lengths, CONV - 1, torch.device(DEVICE)), "longest": max(lengths)}
+    got_args = {**first, **layout, "conv_state": first["conv_state"].clone(), "rec_state": first["rec_state"].clone()}
+    want_args = {**first, **layout, "conv_state": first["conv_state"].clone(), "rec_state": first["rec_state"].clone()}
+    got = triton_spans.kda_spans(**got_args)
+    monkeypatch.setenv("GLMFLASH_KERNELS", "torch")  # the reference's chunked KDA, not fla's
+    want = torch_ref.kda_spans(**want_args)
+    assert not got.isnan().any()
+    assert rel(got, want) < PREFILL_TOL[dtype]
+    assert rel(got_args["rec_state"], want_args["rec_state"]) < PREFILL_TOL[dtype]
+    assert torch.equal(got_args["conv_state"], want_args["conv_state"])
+    untouched = torch.ones(len(first["rec_state"]), dtype=torch.bool, device=DEVICE)
+    untouched[slots] = False
+    assert torch.equal(got_args["rec_state"][untouched], first["rec_state"][untouched])

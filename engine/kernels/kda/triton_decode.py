@@ -84,6 +84,17 @@ def _shift_conv_state(x_row, state_row, ch, CONV: tl.constexpr, CP2: tl.constexp
 
 
 @triton.jit
+def _gated_norm(out, gate_out, o_norm, row, i_h, eps, P: tl.constexpr, D: tl.constexpr):
+    """Row `row`, head `i_h` of o: RMSNorm(o) * o_norm * sigmoid(gate), in place."""
+    o_d = tl.arange(0, D)
+    p_o = out + row * P + i_h * D + o_d
+    o = tl.load(p_o).to(tl.float32)
+    normed = tl.load(o_norm + o_d).to(tl.float32) * (o * tl.rsqrt(tl.sum(o * o, axis=0) / D + eps))
+    gate = tl.load(gate_out + row * P + i_h * D + o_d).to(tl.float32)
+    tl.store(p_o, (normed * tl.sigmoid(gate)).to(out.dtype.element_ty))
+
+
+@triton.jit
 def _norm_kernel(qkv, gate_out, conv_state, slots, o_norm, out, eps,
                  P: tl.constexpr, H: tl.constexpr, D: tl.constexpr, CONV: tl.constexpr, CP2: tl.constexpr):
     """Program (request b, head h): RMSNorm(o) * o_norm * sigmoid(gate) in place, then the conv state shift."""
@@ -91,11 +102,7 @@ def _norm_kernel(qkv, gate_out, conv_state, slots, o_norm, out, eps,
     i_b = i_bh // H
     i_h = i_bh % H
     o_d = tl.arange(0, D)
-    p_o = out + i_b * P + i_h * D + o_d
-    o = tl.load(p_o).to(tl.float32)
-    normed = tl.load(o_norm + o_d).to(tl.float32) * (o * tl.rsqrt(tl.sum(o * o, axis=0) / D + eps))
-    gate = tl.load(gate_out + i_b * P + i_h * D + o_d).to(tl.float32)
-    tl.store(p_o, (normed * tl.sigmoid(gate)).to(out.dtype.element_ty))
+    _gated_norm(out, gate_out, o_norm, i_b, i_h, eps, P, D)
 
     slot = tl.load(slots + i_b).to(tl.int64)
     x_row = qkv + i_b.to(tl.int64) * 3 * P

@@ -147,3 +147,57 @@ def test_l2_normalized_matches_float64(dtype):
     assert got.dtype == dtype and torch.equal(got[0, 0], torch.zeros(128, dtype=dtype))
     tol = 1e-6 if dtype == torch.float32 else 2 ** -8
     torch.testing.assert_close(got.double(), want, rtol=tol, atol=tol)
+
+
+def spans_inputs(lengths: list[int], h: int, d: int, dtype: torch.dtype, seed: int = 0) -> dict:
+    """`kda_spans` arguments: multi-token spans of these lengths, one after another, on shuffled slots."""
+    first = decode_inputs(sum(lengths), h, d, dtype, seed)
+    slots = torch.randperm(SLOTS, generator=torch.Generator().manual_seed(seed + 1))[:len(lengths)]
+    rows = torch_ref.ConvRows.of(lengths, CONV - 1, torch.device("cpu"))
+    return {**first, "slots": slots, "cu_seqlens": torch.tensor([0] + lengths).cumsum(0), "conv_rows": rows,
+            "longest": max(lengths)}
+
+
+@pytest.mark.parametrize("lengths", [[2, 5, 9], [70], [3, 2]])
+def test_spans_reference_equals_decode_steps(lengths):
+    """Independent of the chunked form: each span fed one token at a time through the fused decode reference."""
+    args = spans_inputs(lengths, 3, 16, torch.float32)
+    conv, rec = args["conv_state"].clone(), args["rec_state"].clone()
+    got = torch_ref.kda_spans(**args)
+    bounds = args["cu_seqlens"].tolist()
+    for i, slot in enumerate(args["slots"].tolist()):
+        for t in range(bounds[i], bounds[i + 1]):
+            one = {k: args[k][t:t + 1] for k in ("qkv", "f", "beta_logits", "gate_out")}
+            want = torch_ref.kda_decode(**one, conv_state=conv, conv_weight=args["conv_weight"], rec_state=rec,
+                                        slots=torch.tensor([slot]), decay_rate=args["decay_rate"],
+                                        dt_bias=args["dt_bias"], o_norm=args["o_norm"],
+                                        lower_bound=args["lower_bound"], eps=args["eps"])
+            torch.testing.assert_close(got[t:t + 1], want, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(args["rec_state"], rec, rtol=1e-4, atol=1e-5)
+    assert torch.equal(args["conv_state"], conv)
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 1.5e-2)])
+@pytest.mark.parametrize("lengths,h,d,block_v", [([2, 5, 9], 2, 16, None), ([3, 2], 3, 32, 16), ([2], 2, 32, 32)])
+def test_triton_spans_match_reference(dtype, tol, lengths, h, d, block_v):
+    from engine.kernels.kda.triton_spans import kda_spans as triton_kda_spans
+
+    got_args, want_args = spans_inputs(lengths, h, d, dtype), spans_inputs(lengths, h, d, dtype)
+    got = triton_kda_spans(**got_args, block_v=block_v)
+    want = torch_ref.kda_spans(**want_args)
+    assert not got.isnan().any()
+    assert rel(got, want) < tol
+    assert rel(got_args["rec_state"], want_args["rec_state"]) < tol
+    assert torch.equal(got_args["conv_state"], want_args["conv_state"])  # copied values, never rounded
+    untouched = torch.ones(SLOTS, dtype=torch.bool)
+    untouched[got_args["slots"]] = False
+    assert torch.equal(got_args["rec_state"][untouched], spans_inputs(lengths, h, d, dtype)["rec_state"][untouched])
+
+
+def test_triton_spans_past_the_short_limit_take_the_chunked_path(monkeypatch):
+    from engine.kernels.kda import triton_spans
+
+    monkeypatch.setattr(triton_spans, "SHORT_SPAN_TOKENS", 4)
+    got_args, want_args = spans_inputs([3, 6], 2, 16, torch.float32), spans_inputs([3, 6], 2, 16, torch.float32)
+    assert torch.equal(triton_spans.kda_spans(**got_args), torch_ref.kda_spans(**want_args))
+    assert torch.equal(got_args["rec_state"], want_args["rec_state"])
