@@ -2,7 +2,10 @@
 
 Every step first gives each decoding request its one token, then spends what is left of the
 budget on prefill chunks (requests already prefilling first, then newly admitted ones), so a
-long prompt never stalls running decodes. A request is admitted when a state slot and the cache
+long prompt never stalls running decodes. A step where some prompt has only its last token left
+(the prefix cache stops a prefill one token short, to snapshot there) runs those tokens and the
+decodes alone: a one-token step is a decode step (a CUDA graph), so that request's first token
+does not wait for a step of other requests' prefill chunks, which start one short step later. A request is admitted when a state slot and the cache
 pages for prompt + max_tokens are free; it reserves them, so it never waits for memory later.
 The waiting queue is bounded: past it `add` raises QueueFull and the caller answers "retry later".
 
@@ -68,6 +71,9 @@ class Scheduler:
         plan: dict[Sequence, int] = {}
         decoding = [s for s in self.running if s.pending == 1 and s.cached >= len(s.prompt_token_ids)]
         prefilling = [s for s in self.running if s not in decoding]
+        finishing = [s for s in prefilling if s.pending == 1]
+        if finishing:  # prompts' last tokens (the prefix cache held them back for a snapshot)
+            return [(seq, 1) for seq in decoding + finishing]
         for seq in decoding:
             plan[seq] = 1
             budget -= 1

@@ -226,3 +226,23 @@ def test_abort_of_a_sharing_request_leaves_the_others_intact(tiny_dir, prompt):
     for i in (0, 2):
         assert seqs[i].output_token_ids == run(plain, [others[i]], greedy(12))[0]
     no_leaks(engine)
+
+
+def test_a_prompts_held_back_token_runs_in_a_decode_step(tiny_dir, prompt):
+    """The prefill stops one token short for its snapshot; that last token runs with the decodes alone (a
+    decode step), not beside another request's prefill chunk, which starts in the step after."""
+    engine = core(tiny_dir("bf16"))
+    decoder = Sequence("decoder", prompt(5, seed=1), greedy(20))
+    engine.add(decoder)
+    engine.step()
+    held = Sequence("held", prompt(40, seed=2), greedy(4))
+    engine.add(held)
+    engine.step()
+    assert held.cached == 39 and not held.output_token_ids  # stopped at its snapshot
+    engine.add(Sequence("new", prompt(30, seed=3), greedy(4)))
+    plan = {seq.request_id: n for seq, n in engine.scheduler.schedule()}
+    assert plan == {"decoder": 1, "held": 1}
+    outputs = {o.request_id for o in engine.step()}
+    assert outputs == {"decoder", "held"}
+    # Now the new prompt's chunk (up to its own snapshot, one token short) runs beside the decodes.
+    assert {seq.request_id: n for seq, n in engine.scheduler.schedule()} == {"decoder": 1, "held": 1, "new": 29}
