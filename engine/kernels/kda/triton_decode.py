@@ -36,6 +36,15 @@ def _l2norm(x):
 
 
 @triton.jit
+def _delta_rule(s, q, k, v, g, beta):
+    """One token of the gated delta rule on a [D, BV] state slice -> (new slice, the token's output [BV])."""
+    s = s * tl.exp(g)[:, None]
+    err = v - tl.sum(s * k[:, None], axis=0)
+    s = s + k[:, None] * (beta * err)[None, :]
+    return s, tl.sum(s * q[:, None], axis=0)
+
+
+@triton.jit
 def _step_kernel(qkv, f, beta_logits, conv_state, conv_weight, rec_state, slots, decay_rate, dt_bias, out,
                  lower_bound, scale, P: tl.constexpr, H: tl.constexpr, D: tl.constexpr, BV: tl.constexpr,
                  CONV: tl.constexpr):
@@ -63,10 +72,7 @@ def _step_kernel(qkv, f, beta_logits, conv_state, conv_weight, rec_state, slots,
     logit = tl.load(beta_logits + i_b * H + i_h)
     beta = tl.sigmoid(logit.to(tl.float32)).to(logit.dtype).to(tl.float32)
 
-    s = s * tl.exp(g)[:, None]
-    err = v - tl.sum(s * k[:, None], axis=0)
-    s = s + k[:, None] * (beta * err)[None, :]
-    o = tl.sum(s * q[:, None], axis=0)
+    s, o = _delta_rule(s, q, k, v, g, beta)
     tl.store(p_s, s)
     tl.store(out + i_b * P + i_h * D + o_v, o.to(out.dtype.element_ty))
 

@@ -19,7 +19,7 @@ import triton.language as tl
 
 from engine.kernels.dispatch import register
 from engine.kernels.kda.torch_ref import ConvRows, kda_spans as chunked_spans
-from engine.kernels.kda.triton_decode import _gated_norm, _l2norm
+from engine.kernels.kda.triton_decode import _delta_rule, _gated_norm, _l2norm
 
 # The longest span (tokens) the recurrence takes: its programs walk the span in series, ~1-3 us a token
 # (est.), so up to here it costs less device time than the chunked path's host time.
@@ -72,10 +72,7 @@ def _spans_step_kernel(qkv, f, beta_logits, conv_state, conv_weight, rec_state, 
         g = lower_bound * tl.sigmoid(rate * (tl.load(f + row * P + i_h * D + o_k).to(tl.float32) + bias))
         logit = tl.load(beta_logits + row * H + i_h)
         beta = tl.sigmoid(logit.to(tl.float32)).to(logit.dtype).to(tl.float32)
-        s = s * tl.exp(g)[:, None]
-        err = v - tl.sum(s * k[:, None], axis=0)
-        s = s + k[:, None] * (beta * err)[None, :]
-        o = tl.sum(s * q[:, None], axis=0)
+        s, o = _delta_rule(s, q, k, v, g, beta)
         tl.store(out + row * P + i_h * D + o_v, o.to(out.dtype.element_ty))
         t += 1
     tl.store(p_s, s)
