@@ -5,14 +5,20 @@ A registry per app, so several servers (tests) can live in one process.
 
 from __future__ import annotations
 
+import time
+from typing import Callable
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 
 
 class Metrics:
-    def __init__(self) -> None:
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
         self.registry = r = CollectorRegistry()
+        self.clock = clock
+        # (when, CPU-read bytes, PCIe-copied bytes) at the previous refresh: the transfer rates' baseline.
+        self._last_transfer = (clock(), 0, 0)
         self.requests = Counter("glmflash_requests", "Finished HTTP requests by route and status code",
                                 ["route", "status"], registry=r)
         self.prompt_tokens = Counter("glmflash_prompt_tokens", "Prompt tokens processed", registry=r)
@@ -55,6 +61,10 @@ class Metrics:
                                          "Share of decode misses sent over PCIe (the rest run on the CPU)", registry=r)
         self.expert_rate_at_load = Gauge("glmflash_expert_rate_at_load_gbps",
                                          "Missed-expert rates measured at load, by path", ["path"], registry=r)
+        self.expert_transfer = Gauge("glmflash_expert_transfer_gbps",
+                                     "Expert bytes read from host RAM per second of wall time since the previous "
+                                     "refresh, by path: cpu (the CPU executor's reads), pcie (copies to the GPU)",
+                                     ["path"], registry=r)
         # Prefix cache totals since start (engine counters, mirrored at every refresh).
         self.prefix_requests = Gauge("glmflash_prefix_cache_requests", "Requests looked up in the prefix cache",
                                      registry=r)
@@ -91,8 +101,19 @@ class Metrics:
             self.expert_pcie_percent.set(offload.pcie_percent)
             self.expert_rate_at_load.labels("cpu").set(offload.cpu_rate_at_load / 1e9)
             self.expert_rate_at_load.labels("pcie").set(offload.pcie_rate_at_load / 1e9)
+            self._observe_transfer(offload.host_bytes, offload.fetched_bytes)
         if stats.prefix is not None:
             self.observe_prefix_cache(stats.prefix)
+
+    def _observe_transfer(self, host_bytes: int, fetched_bytes: int) -> None:
+        """What crossed each path since the previous refresh, over the wall time between the two (the CPU
+        executor's own rate while it runs is glmflash_expert_host_gbps)."""
+        now = self.clock()
+        then, host_before, fetched_before = self._last_transfer
+        if now > then:
+            self.expert_transfer.labels("cpu").set((host_bytes - host_before) / (now - then) / 1e9)
+            self.expert_transfer.labels("pcie").set((fetched_bytes - fetched_before) / (now - then) / 1e9)
+            self._last_transfer = (now, host_bytes, fetched_bytes)
 
     def observe_prefix_cache(self, prefix) -> None:
         self.prefix_requests.set(prefix.requests)

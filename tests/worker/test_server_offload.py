@@ -37,6 +37,8 @@ def test_split_misses_answer_the_same_and_show_the_split(tmp_path_factory):
         metrics = split.metrics()
         assert metrics["glmflash_expert_pcie_percent"] == 50
         assert metrics["glmflash_expert_fetched_pairs"] > 0 and 0 < metrics["glmflash_expert_cpu_share"] < 1
+        assert metrics['glmflash_expert_transfer_gbps{path="pcie"}'] > 0  # bytes over the time since start
+        assert metrics['glmflash_expert_transfer_gbps{path="cpu"}'] > 0
     finally:
         for server in servers:
             stop_server(server)
