@@ -84,26 +84,52 @@ static const int8_t E2M1_X2[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -
 
 /* The integer NVFP4 paths (AVX2, AVX-512 VNNI) read x as 16-bit integers: per group of 16 columns a float
  * scale (the group's largest |x| over 32767) and the columns rounded to it, so the products of the int8
- * weights (x2) and x add up exactly in int32 (16 of them per vpmaddwd on AVX2, 32 per vpdpwssd with
- * VNNI), where a float path widens every weight to float and needs an FMA per 8 or 16. The rounding
- * is the only change: at most half a step, 1/65534 of the group's largest |x| (bf16 activations round
- * ~100x coarser). A prepared row of k columns (in the k floats the other paths use): k int16, the even
- * columns then the odd ones, then each group's float scale (4 copies of it on AVX2: a 2-group step loads them
- * as one vector). */
+ * weights (x2) and x add up exactly in int32, where a float path widens every weight to float and needs an
+ * FMA per 8 or 16. The rounding is the only change: at most half a step, 1/65534 of the group's largest |x|
+ * (bf16 activations round ~100x coarser). A prepared row of k columns takes the k floats the other paths use:
+ * its 2k bytes of integers, then each group's float scale.
+ * AVX2 (vpmaddwd, 16 products a step): k int16, the even columns then the odd ones; 4 copies of each scale (a
+ * 2-group step loads them as one vector).
+ * AVX-512 VNNI (vpdpbusd, 64 products of a byte of x and an int8 weight): each x + 32768 (so it fits 16 bits
+ * unsigned) split into its low and high bytes, 4 planes of k/2: low bytes of the even columns, of the odd,
+ * high bytes of the even, of the odd. The weights stay the bytes one shuffle looks up (no widening to 16
+ * bits): sum w x = 256 sum w hi + sum w lo - 32768 sum w, exactly, in int32. */
 #define X16_SCALES(k) ((k) / 2) /* float offset of a prepared row's scales */
+
+/* Group `g` of src rounded to int16 as above -> its scale. */
+static float x16_group(const float *src, int64_t g, int16_t q[GROUP]) {
+    float top = 0.0f;
+    for (int j = 0; j < GROUP; j++) top = fmaxf(top, fabsf(src[g * GROUP + j]));
+    const float inverse = top > 0.0f ? 32767.0f / top : 0.0f;
+    for (int j = 0; j < GROUP; j++) q[j] = (int16_t)lrintf(src[g * GROUP + j] * inverse);
+    return top / 32767.0f;
+}
 
 static void prepare_row_x16(const float *src, int64_t k, float *dst, int copies) {
     const int64_t half_k = k / 2;
-    int16_t *q = (int16_t *)dst;
+    int16_t *out = (int16_t *)dst, q[GROUP];
     for (int64_t g = 0; g < k / GROUP; g++) {
-        float top = 0.0f;
-        for (int j = 0; j < GROUP; j++) top = fmaxf(top, fabsf(src[g * GROUP + j]));
-        const float inverse = top > 0.0f ? 32767.0f / top : 0.0f;
+        const float scale = x16_group(src, g, q);
         for (int j = 0; j < GROUP / 2; j++) {
-            q[g * 8 + j] = (int16_t)lrintf(src[g * GROUP + 2 * j] * inverse);
-            q[half_k + g * 8 + j] = (int16_t)lrintf(src[g * GROUP + 2 * j + 1] * inverse);
+            out[g * 8 + j] = q[2 * j];
+            out[half_k + g * 8 + j] = q[2 * j + 1];
         }
-        for (int c = 0; c < copies; c++) dst[X16_SCALES(k) + g * copies + c] = top / 32767.0f;
+        for (int c = 0; c < copies; c++) dst[X16_SCALES(k) + g * copies + c] = scale;
+    }
+}
+
+static void prepare_row_x8_planes(const float *src, int64_t k, float *dst) {
+    const int64_t half_k = k / 2;
+    uint8_t *planes = (uint8_t *)dst;
+    int16_t q[GROUP];
+    for (int64_t g = 0; g < k / GROUP; g++) {
+        dst[X16_SCALES(k) + g] = x16_group(src, g, q);
+        for (int j = 0; j < GROUP; j++) {
+            const uint16_t shifted = (uint16_t)(q[j] + 32768);
+            const int64_t at = (j % 2) * half_k + g * 8 + j / 2; /* even columns' plane, then the odd */
+            planes[at] = (uint8_t)(shifted & 255);
+            planes[k + at] = (uint8_t)(shifted >> 8);
+        }
     }
 }
 
@@ -224,31 +250,36 @@ __attribute__((target("avx512f,avx512bw"), always_inline)) static inline __m512 
     return _mm512_cvtph_ps(_mm256_or_si256(sign, rest));
 }
 
-/* Groups g..g+3 (32 bytes: 64 codes) against `rows` prepared rows: byte shuffles look the low nibbles
- * (even columns) and the high ones (odd) up as int8 weights x2, widened to int16; two vpdpwssd give 16
- * int32 sums, 4 per group, scaled by weight scale x x scale. Past the last group every load is masked:
- * the weights there are zero and so are the scales. */
+/* Groups g..g+7 (64 bytes: 128 codes) against `rows` prepared rows (byte planes): byte shuffles look the low
+ * nibbles (even columns) and the high ones (odd) up as int8 weights x2; per row four vpdpbusd against the low
+ * and high bytes of x give 16 int32 sums, 2 per group, corrected for x's offset by the weights' own sums, and
+ * scaled by weight scale x x scale. Past the last group every load is masked: the weights there are zero and
+ * so are the scales. */
 __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni"), always_inline)) static inline void
-nvfp4_step_x16(const int rows, const float *xs, int64_t x_stride, int64_t half_k, const uint8_t *codes,
-               const float *wscale, int64_t g, int64_t groups, __m512 *acc) {
+nvfp4_step_x8(const int rows, const float *xs, int64_t x_stride, int64_t half_k, const uint8_t *codes,
+              const float *wscale, int64_t g, int64_t groups, __m512 *acc) {
     const int64_t left = groups - g;
-    const __mmask32 lanes = left >= 4 ? 0xFFFFFFFFu : (1u << (8 * left)) - 1; /* a code byte (x lane) each */
-    const __mmask8 quad = left >= 4 ? 0xF : (1u << left) - 1;                   /* a group each */
-    const __m256i table = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)E2M1_X2));
-    const __m256i nibble = _mm256_set1_epi8(15);
-    const __m256i bytes = _mm256_maskz_loadu_epi8(lanes, codes + g * 8);
-    const __m512i we = _mm512_cvtepi8_epi16(_mm256_shuffle_epi8(table, _mm256_and_si256(bytes, nibble)));
-    const __m512i wo = _mm512_cvtepi8_epi16(
-        _mm256_shuffle_epi8(table, _mm256_and_si256(_mm256_srli_epi16(bytes, 4), nibble)));
-    const __m128 ws = _mm_maskz_loadu_ps(quad, wscale);
-    const __m512i spread = _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0);
+    const __mmask64 lanes = left >= 8 ? ~0ULL : (1ULL << (8 * left)) - 1; /* a code byte (x byte) each */
+    const __mmask8 eight = left >= 8 ? 0xFF : (1u << left) - 1;          /* a group each */
+    const __m512i table = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)E2M1_X2));
+    const __m512i nibble = _mm512_set1_epi8(15), ones = _mm512_set1_epi8(1);
+    const __m512i bytes = _mm512_maskz_loadu_epi8(lanes, codes + g * 8);
+    const __m512i we = _mm512_shuffle_epi8(table, _mm512_and_si512(bytes, nibble));
+    const __m512i wo = _mm512_shuffle_epi8(table, _mm512_and_si512(_mm512_srli_epi16(bytes, 4), nibble));
+    const __m512i offset = _mm512_slli_epi32(
+        _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), ones, we), ones, wo), 15);
+    const __m256 ws = _mm256_maskz_loadu_ps(eight, wscale);
+    const __m512i spread = _mm512_set_epi32(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0);
     for (int r = 0; r < rows; r++) {
         const float *row = xs + r * x_stride;
-        const int16_t *e = (const int16_t *)row + g * 8;
-        __m512i sums = _mm512_dpwssd_epi32(_mm512_setzero_si512(), we, _mm512_maskz_loadu_epi16(lanes, e));
-        sums = _mm512_dpwssd_epi32(sums, wo, _mm512_maskz_loadu_epi16(lanes, e + half_k));
-        const __m128 scale4 = _mm_mul_ps(ws, _mm_maskz_loadu_ps(quad, row + X16_SCALES(2 * half_k) + g));
-        const __m512 scale = _mm512_permutexvar_ps(spread, _mm512_castps128_ps512(scale4));
+        const uint8_t *low = (const uint8_t *)row + g * 8, *high = low + 2 * half_k;
+        __m512i lo = _mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_maskz_loadu_epi8(lanes, low), we);
+        lo = _mm512_dpbusd_epi32(lo, _mm512_maskz_loadu_epi8(lanes, low + half_k), wo);
+        __m512i hi = _mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_maskz_loadu_epi8(lanes, high), we);
+        hi = _mm512_dpbusd_epi32(hi, _mm512_maskz_loadu_epi8(lanes, high + half_k), wo);
+        const __m512i sums = _mm512_sub_epi32(_mm512_add_epi32(_mm512_slli_epi32(hi, 8), lo), offset);
+        const __m256 scale8 = _mm256_mul_ps(ws, _mm256_maskz_loadu_ps(eight, row + X16_SCALES(2 * half_k) + g));
+        const __m512 scale = _mm512_permutexvar_ps(spread, _mm512_castps256_ps512(scale8));
         acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums), scale, acc[r]);
     }
 }
@@ -256,8 +287,13 @@ nvfp4_step_x16(const int rows, const float *xs, int64_t x_stride, int64_t half_k
 /* The weight row's group scales are widened 16 at a time (e4m3_scaled16, the /256 folded into the global)
  * into a block on the stack before its steps; the last few one by one from the table. */
 #define SCALE_BLOCK 64
+/* Bytes of codes ahead of the step that each cache line's prefetch asks for (rows of a tile are contiguous,
+ * so the stream runs on into the next row). */
+#ifndef PREFETCH_AHEAD
+#define PREFETCH_AHEAD 1024
+#endif
 __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni"), always_inline)) static inline void
-nvfp4_rows_x16(const int rows, const float *xs, int64_t x_stride, int64_t half_k, const uint8_t *codes,
+nvfp4_rows_x8(const int rows, const float *xs, int64_t x_stride, int64_t half_k, const uint8_t *codes,
                const uint8_t *scales, const float *fp8_table, float global, float *out, int64_t out_stride) {
     const int64_t groups = half_k / 8;
     float wscale[SCALE_BLOCK];
@@ -268,16 +304,18 @@ nvfp4_rows_x16(const int rows, const float *xs, int64_t x_stride, int64_t half_k
         int64_t g = b0;
         for (; g + 16 <= b1; g += 16) _mm512_storeu_ps(wscale + (g - b0), e4m3_scaled16(scales + g));
         for (; g < b1; g++) wscale[g - b0] = fp8_table[scales[g]] / 256.0f;
-        for (g = b0; g < b1; g += 4)
-            nvfp4_step_x16(rows, xs, x_stride, half_k, codes, wscale + (g - b0), g, b1, acc);
+        for (g = b0; g < b1; g += 8) {
+            _mm_prefetch((const char *)(codes + g * 8) + PREFETCH_AHEAD, _MM_HINT_T0);
+            nvfp4_step_x8(rows, xs, x_stride, half_k, codes, wscale + (g - b0), g, b1, acc);
+        }
     }
     for (int r = 0; r < rows; r++) out[r * out_stride] = _mm512_reduce_add_ps(acc[r]) * 128.0f * global;
 }
 
 __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni"))) static void
-nvfp4_row_x16(const float *xs, int64_t x_stride, int64_t rows, int64_t half_k, const uint8_t *codes,
+nvfp4_row_x8(const float *xs, int64_t x_stride, int64_t rows, int64_t half_k, const uint8_t *codes,
               const uint8_t *scales, const float *fp8_table, float global, float *out, int64_t out_stride) {
-    ROWS_DISPATCH(rows, nvfp4_rows_x16, xs, x_stride, half_k, codes, scales, fp8_table, global, out, out_stride)
+    ROWS_DISPATCH(rows, nvfp4_rows_x8, xs, x_stride, half_k, codes, scales, fp8_table, global, out, out_stride)
 }
 
 /* ---------------------------------------------------------------- FP8 block rows */
@@ -421,7 +459,7 @@ static void project_rows(const matrix *m, int64_t expert, int64_t row0, int64_t 
                 const float gs = global[row * m->global_stride];
                 float *out = y + r0 * y_stride + row;
                 if (level == AVX512_VNNI)
-                    nvfp4_row_x16(xr, x_stride, count, half_k, c, s, fp8_table, gs, out, y_stride);
+                    nvfp4_row_x8(xr, x_stride, count, half_k, c, s, fp8_table, gs, out, y_stride);
                 else if (level == AVX512)
                     nvfp4_row_avx512(xr, x_stride, count, half_k, c, s, fp8_table, gs, out, y_stride);
                 else if (level == AVX2)
@@ -451,14 +489,18 @@ static void project_rows(const matrix *m, int64_t expert, int64_t row0, int64_t 
 }
 
 /* Row `src` (k values) into the layout the matrix's code path reads (in k floats): NVFP4 splits even and
- * odd columns, as 16-bit integers on the integer paths (AVX2, AVX-512 VNNI). */
+ * odd columns, as integers on the integer paths (16-bit on AVX2, byte planes on AVX-512 VNNI). */
 static void prepare_row(const matrix *m, const float *src, float *dst, int level) {
     if (m->format != NVFP4) {
         memcpy(dst, src, sizeof(float) * (size_t)m->k);
         return;
     }
-    if (level == AVX512_VNNI || level == AVX2) {
-        prepare_row_x16(src, m->k, dst, level == AVX2 ? 4 : 1);
+    if (level == AVX2) {
+        prepare_row_x16(src, m->k, dst, 4);
+        return;
+    }
+    if (level == AVX512_VNNI) {
+        prepare_row_x8_planes(src, m->k, dst);
         return;
     }
     const int64_t half_k = m->k / 2;
