@@ -9,7 +9,8 @@
 # skew:  the same under a Zipf-like routing trace with swaps on;
 # slice: scenario (a), a 32 GB-class budget (18 slots per MoE layer) on an 8-layer slice;
 # swaps: the same slice without swaps and with its CPU threads unpinned, each against the default, in one run
-#        (what a swap costs the CPU pass, what pinning does with swaps running);
+#        (what the settled placement gives against none, what pinning does with swaps running; ops.bench_decode
+#        times each once the swaps have settled);
 # threads: an 8-layer slice with every miss on the CPU at 14, 15 and 16 CPU threads (the default is every
 #          core but one; more threads than cores should degrade, not stall), then the default unpinned.
 # offload: whole, swaps and skew one after the other (~6 minutes on a fresh H200 machine), each part's output
@@ -39,9 +40,9 @@ case "$part" in
   skew) timeout 540 $decode --layers 45 --expert-slots auto --routing-skew 2 --json "$out/skew.json" 2>&1 | tail -45 ;;
   slice) timeout 540 $decode --layers 8 --expert-slots 18 --json "$out/slice.json" 2>&1 | tail -45 ;;
   swaps) for flags in "" "--max-expert-swaps 0" "--no-cpu-pin"; do  # the first run also compiles: 180 s
-           echo "== 8 layers, 18 slots ${flags:-(4 swaps per step, pinned)}"
+           echo "== 8 layers, 18 slots ${flags:-(swaps on, at most 4 a step, pinned)}"
            timeout 180 $decode --layers 8 --expert-slots 18 --prefills 512 $flags 2>&1 \
-             | grep -E "event=(cpu_experts|miss_split)|step_ms|cpu_GBps|hit_rate|swaps_per_step|extrapolated"
+             | grep -E "event=(cpu_experts|miss_split)|warm_steps|step_ms|cpu_GBps|hit_rate|swaps_per_step|extrapolated"
          done ;;
   threads) for t in 14 15 16; do
              echo "== $t threads"
