@@ -46,11 +46,11 @@ def main() -> None:
         model = args.model or write_tiny_model(Path(tmp) / "tiny", seed=0)
         llm = LLM(model, device=args.device, dtype=args.dtype, max_num_seqs=args.decoders + 1,
                   max_model_len=args.prompt_tokens + args.new_tokens + 4096)
-        profile(llm.core, llm, args)
+        profile(llm, args)
 
 
-def profile(core: EngineCore, llm: LLM, args: argparse.Namespace) -> None:
-    rng = random.Random(0)
+def profile(llm: LLM, args: argparse.Namespace) -> None:
+    core, rng = llm.core, random.Random(0)
     vocab = llm.config.vocab_size
 
     def tokens(n: int) -> list[int]:

@@ -289,12 +289,10 @@ nvfp4_step_x8(const int rows, const float *xs, int64_t x_stride, int64_t half_k,
 #define SCALE_BLOCK 64
 /* Bytes of codes ahead of the step that each cache line's prefetch asks for (rows of a tile are contiguous,
  * so the stream runs on into the next row). */
-#ifndef PREFETCH_AHEAD
 #define PREFETCH_AHEAD 1024
-#endif
 __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni"), always_inline)) static inline void
 nvfp4_rows_x8(const int rows, const float *xs, int64_t x_stride, int64_t half_k, const uint8_t *codes,
-               const uint8_t *scales, const float *fp8_table, float global, float *out, int64_t out_stride) {
+              const uint8_t *scales, const float *fp8_table, float global, float *out, int64_t out_stride) {
     const int64_t groups = half_k / 8;
     float wscale[SCALE_BLOCK];
     __m512 acc[MAX_ROWS];
@@ -314,7 +312,7 @@ nvfp4_rows_x8(const int rows, const float *xs, int64_t x_stride, int64_t half_k,
 
 __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni"))) static void
 nvfp4_row_x8(const float *xs, int64_t x_stride, int64_t rows, int64_t half_k, const uint8_t *codes,
-              const uint8_t *scales, const float *fp8_table, float global, float *out, int64_t out_stride) {
+             const uint8_t *scales, const float *fp8_table, float global, float *out, int64_t out_stride) {
     ROWS_DISPATCH(rows, nvfp4_rows_x8, xs, x_stride, half_k, codes, scales, fp8_table, global, out, out_stride)
 }
 
