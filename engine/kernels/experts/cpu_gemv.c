@@ -22,6 +22,8 @@
 #define _POSIX_C_SOURCE 199309L /* clock_gettime under -std=c11 */
 #include <immintrin.h>
 #include <math.h>
+#include <sched.h>
+#include <stdatomic.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -105,10 +107,10 @@ static float x16_group(const float *src, int64_t g, int16_t q[GROUP]) {
     return top / 32767.0f;
 }
 
-static void prepare_row_x16(const float *src, int64_t k, float *dst, int copies) {
+static void prepare_row_x16(const float *src, int64_t k, float *dst, int copies, int64_t g0, int64_t g1) {
     const int64_t half_k = k / 2;
     int16_t *out = (int16_t *)dst, q[GROUP];
-    for (int64_t g = 0; g < k / GROUP; g++) {
+    for (int64_t g = g0; g < g1; g++) {
         const float scale = x16_group(src, g, q);
         for (int j = 0; j < GROUP / 2; j++) {
             out[g * 8 + j] = q[2 * j];
@@ -118,11 +120,11 @@ static void prepare_row_x16(const float *src, int64_t k, float *dst, int copies)
     }
 }
 
-static void prepare_row_x8_planes(const float *src, int64_t k, float *dst) {
+static void prepare_row_x8_planes(const float *src, int64_t k, float *dst, int64_t g0, int64_t g1) {
     const int64_t half_k = k / 2;
     uint8_t *planes = (uint8_t *)dst;
     int16_t q[GROUP];
-    for (int64_t g = 0; g < k / GROUP; g++) {
+    for (int64_t g = g0; g < g1; g++) {
         dst[X16_SCALES(k) + g] = x16_group(src, g, q);
         for (int j = 0; j < GROUP; j++) {
             const uint16_t shifted = (uint16_t)(q[j] + 32768);
@@ -486,23 +488,25 @@ static void project_rows(const matrix *m, int64_t expert, int64_t row0, int64_t 
     }
 }
 
-/* Row `src` (k values) into the layout the matrix's code path reads (in k floats): NVFP4 splits even and
- * odd columns, as integers on the integer paths (16-bit on AVX2, byte planes on AVX-512 VNNI). */
-static void prepare_row(const matrix *m, const float *src, float *dst, int level) {
+/* Columns [c0, c1) of row `src` (k values) into the layout the matrix's code path reads (the whole row in k
+ * floats): NVFP4 splits even and odd columns, as integers on the integer paths (16-bit on AVX2, byte planes
+ * on AVX-512 VNNI); for NVFP4 c0 and c1 are multiples of GROUP (or c1 = k). Any split of a row into column
+ * ranges gives the same bytes as the whole row at once. */
+static void prepare_columns(const matrix *m, const float *src, float *dst, int level, int64_t c0, int64_t c1) {
     if (m->format != NVFP4) {
-        memcpy(dst, src, sizeof(float) * (size_t)m->k);
+        memcpy(dst + c0, src + c0, sizeof(float) * (size_t)(c1 - c0));
         return;
     }
     if (level == AVX2) {
-        prepare_row_x16(src, m->k, dst, 4);
+        prepare_row_x16(src, m->k, dst, 4, c0 / GROUP, c1 / GROUP);
         return;
     }
     if (level == AVX512_VNNI) {
-        prepare_row_x8_planes(src, m->k, dst);
+        prepare_row_x8_planes(src, m->k, dst, c0 / GROUP, c1 / GROUP);
         return;
     }
     const int64_t half_k = m->k / 2;
-    for (int64_t j = 0; j < half_k; j++) {
+    for (int64_t j = c0 / 2; j < c1 / 2; j++) {
         dst[j] = src[2 * j];
         dst[half_k + j] = src[2 * j + 1];
     }
@@ -544,7 +548,7 @@ int gemv(const matrix *m, const float *x, int64_t rows, float *y, const float *f
     float *prepared = malloc(sizeof(float) * (size_t)(rows * m->k + 1));
     if (!prepared) return -1;
     const int path = level_for(level);
-    for (int64_t r = 0; r < rows; r++) prepare_row(m, x + r * m->k, prepared + r * m->k, path);
+    for (int64_t r = 0; r < rows; r++) prepare_columns(m, x + r * m->k, prepared + r * m->k, path, 0, m->k);
     gemv_job job = {m, prepared, rows, y, fp8_table, path, 0};
     pool_run(threads, gemv_share, &job, 0);
     free(prepared);
@@ -553,8 +557,14 @@ int gemv(const matrix *m, const float *x, int64_t rows, float *y, const float *f
 
 static inline float silu(float v) { return v / (1.0f + expf(-v)); }
 
-/* The routed experts' MLP over pairs grouped by expert, in four fork-joins of the pool: inputs
- * prepared, gate and up tiles, SwiGLU (prepared for down), down tiles. */
+/* The routed experts' MLP over pairs grouped by expert, in one fork-join of the pool. Its units of work,
+ * claimed in this order: each pair's input prepared, PREPARE_COLUMNS columns a unit; per expert, a tile of
+ * gate and up rows with the SwiGLU of those columns, prepared for down; per expert, a tile of down rows.
+ * A unit waits only for what it reads (counters per pair and per expert), never for a whole phase: at
+ * batch 1 a layer's pass is one or two experts, where three barriers and a SwiGLU on one thread per pair
+ * took a large part of it. Units are claimed in order and run to the end, so every wait is on a unit a
+ * running thread holds. */
+#define PREPARE_COLUMNS 1024
 typedef struct {
     const matrix *gate, *up, *down;
     const float *x;
@@ -565,54 +575,65 @@ typedef struct {
     float *out, *xin, *g_out, *u_out, *h;
     const float *fp8_table;
     int level;
+    int64_t chunks, tiles_in, tiles_out; /* preparing units per pair; gate-up and down tiles per expert */
+    _Atomic int64_t *prepared;           /* per pair: chunks prepared */
+    _Atomic int64_t *activated;          /* per group: gate-up tiles done */
     int64_t next_unit;
 } experts_job;
 
-static void prepare_inputs(void *context, int id, int team) {
-    experts_job *j = context;
-    const int64_t d = j->gate->k;
-    for (int64_t p = id; p < j->pairs; p += team) prepare_row(j->gate, j->x + p * d, j->xin + p * d, j->level);
-}
-
-static void gate_up_tiles(void *context, int id, int team) {
-    (void)id, (void)team;
-    experts_job *j = context;
-    const int64_t d = j->gate->k, inter = j->gate->n, tiles = (inter + TILE - 1) / TILE;
-    for (int64_t unit = pool_claim(&j->next_unit); unit < j->groups * 2 * tiles; unit = pool_claim(&j->next_unit)) {
-        const int64_t g = unit / (2 * tiles), t = unit % tiles;
-        const int is_up = (unit / tiles) % 2;
-        const int64_t row0 = t * TILE, row1 = row0 + TILE < inter ? row0 + TILE : inter;
-        const int64_t p0 = j->starts[g], count = j->starts[g + 1] - j->starts[g];
-        project_rows(is_up ? j->up : j->gate, j->experts[g], row0, row1, j->xin + p0 * d, d, count,
-                     (is_up ? j->u_out : j->g_out) + p0 * inter, inter, j->fp8_table, j->level);
+static void wait_for(_Atomic int64_t *counter, int64_t target) {
+    for (unsigned spins = 1; atomic_load_explicit(counter, memory_order_acquire) < target; spins++) {
+        _mm_pause();
+        if (spins % 1024 == 0) sched_yield(); /* more threads than cores: let the holder of the unit run */
     }
 }
 
-static void activation(void *context, int id, int team) {
-    experts_job *j = context;
-    const int64_t inter = j->gate->n;
-    for (int64_t p = id; p < j->pairs; p += team) {
+static void prepare_unit(experts_job *j, int64_t unit) {
+    const int64_t d = j->gate->k, p = unit / j->chunks, c0 = unit % j->chunks * PREPARE_COLUMNS;
+    prepare_columns(j->gate, j->x + p * d, j->xin + p * d, j->level, c0, c0 + PREPARE_COLUMNS < d ? c0 + PREPARE_COLUMNS : d);
+    atomic_fetch_add_explicit(&j->prepared[p], 1, memory_order_release);
+}
+
+static void gate_up_unit(experts_job *j, int64_t g, int64_t t) {
+    const int64_t d = j->gate->k, inter = j->gate->n, p0 = j->starts[g], count = j->starts[g + 1] - p0;
+    const int64_t row0 = t * TILE, row1 = row0 + TILE < inter ? row0 + TILE : inter;
+    for (int64_t p = p0; p < p0 + count; p++) wait_for(&j->prepared[p], j->chunks);
+    project_rows(j->gate, j->experts[g], row0, row1, j->xin + p0 * d, d, count, j->g_out + p0 * inter, inter,
+                 j->fp8_table, j->level);
+    project_rows(j->up, j->experts[g], row0, row1, j->xin + p0 * d, d, count, j->u_out + p0 * inter, inter,
+                 j->fp8_table, j->level);
+    for (int64_t p = p0; p < p0 + count; p++) {
         float *act = j->g_out + p * inter; /* the activation overwrites the gate, then is prepared */
-        for (int64_t i = 0; i < inter; i++) {
-            const float gv = fminf(act[i], j->limit), uv = fminf(fmaxf(j->u_out[p * inter + i], -j->limit), j->limit);
-            act[i] = silu(gv) * uv;
-        }
-        prepare_row(j->down, act, j->h + p * inter, j->level);
+        const float *up = j->u_out + p * inter;
+        for (int64_t i = row0; i < row1; i++)
+            act[i] = silu(fminf(act[i], j->limit)) * fminf(fmaxf(up[i], -j->limit), j->limit);
+        prepare_columns(j->down, act, j->h + p * inter, j->level, row0, row1);
     }
+    atomic_fetch_add_explicit(&j->activated[g], 1, memory_order_release);
 }
 
-static void down_tiles(void *context, int id, int team) {
+static void down_unit(experts_job *j, int64_t g, int64_t t) {
+    const int64_t d = j->down->n, inter = j->down->k, p0 = j->starts[g], count = j->starts[g + 1] - p0;
+    const int64_t row0 = t * TILE, row1 = row0 + TILE < d ? row0 + TILE : d;
+    wait_for(&j->activated[g], j->tiles_in);
+    project_rows(j->down, j->experts[g], row0, row1, j->h + p0 * inter, inter, count, j->out + p0 * d, d,
+                 j->fp8_table, j->level);
+    for (int64_t p = p0; p < p0 + count; p++)
+        for (int64_t c = row0; c < row1; c++) j->out[p * d + c] *= j->pair_weights[p];
+}
+
+static void expert_units(void *context, int id, int team) {
     (void)id, (void)team;
     experts_job *j = context;
-    const int64_t d = j->down->n, inter = j->down->k, tiles = (d + TILE - 1) / TILE;
-    for (int64_t unit = pool_claim(&j->next_unit); unit < j->groups * tiles; unit = pool_claim(&j->next_unit)) {
-        const int64_t g = unit / tiles, t = unit % tiles;
-        const int64_t row0 = t * TILE, row1 = row0 + TILE < d ? row0 + TILE : d;
-        const int64_t p0 = j->starts[g], count = j->starts[g + 1] - j->starts[g];
-        project_rows(j->down, j->experts[g], row0, row1, j->h + p0 * inter, inter, count, j->out + p0 * d, d,
-                     j->fp8_table, j->level);
-        for (int64_t p = p0; p < p0 + count; p++)
-            for (int64_t c = row0; c < row1; c++) j->out[p * d + c] *= j->pair_weights[p];
+    const int64_t prepare = j->pairs * j->chunks, gate_up = prepare + j->groups * j->tiles_in;
+    const int64_t total = gate_up + j->groups * j->tiles_out;
+    for (int64_t unit = pool_claim(&j->next_unit); unit < total; unit = pool_claim(&j->next_unit)) {
+        if (unit < prepare)
+            prepare_unit(j, unit);
+        else if (unit < gate_up)
+            gate_up_unit(j, (unit - prepare) / j->tiles_in, (unit - prepare) % j->tiles_in);
+        else
+            down_unit(j, (unit - gate_up) / j->tiles_out, (unit - gate_up) % j->tiles_out);
     }
 }
 
@@ -631,14 +652,14 @@ int experts_forward(const matrix *gate, const matrix *up, const matrix *down, co
     if (up->k != d || up->n != inter || down->k != inter || down->n != d || up->format != gate->format ||
         pairs < 0 || groups < 0)
         return -1;
+    _Atomic int64_t *counters = calloc((size_t)(pairs + groups + 1), sizeof(_Atomic int64_t));
+    if (!counters) return -1;
     float *xin = workspace, *g_out = xin + pairs * d, *u_out = g_out + pairs * inter, *h = u_out + pairs * inter;
     experts_job job = {gate, up, down, x, pairs, groups, experts, starts, pair_weights, limit, out, xin, g_out,
-                       u_out, h, fp8_table, level_for(level), 0};
-    pool_run(threads, prepare_inputs, &job, spin_ns);
-    pool_run(threads, gate_up_tiles, &job, spin_ns);
-    pool_run(threads, activation, &job, spin_ns);
-    job.next_unit = 0;
-    pool_run(threads, down_tiles, &job, spin_ns);
+                       u_out, h, fp8_table, level_for(level), (d + PREPARE_COLUMNS - 1) / PREPARE_COLUMNS,
+                       (inter + TILE - 1) / TILE, (d + TILE - 1) / TILE, counters, counters + pairs, 0};
+    pool_run(threads, expert_units, &job, spin_ns);
+    free(counters);
     return 0;
 }
 
