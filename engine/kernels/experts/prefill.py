@@ -1,6 +1,6 @@
 """Prefill-shaped MoE (many tokens): grouped GEMMs over (token, expert) pairs sorted and padded per expert.
 
-`align_by_expert` sorts the T*k pairs by expert with device-side torch ops and pads each expert's
+`align_by_expert` groups the T*k pairs by expert in one device program and pads each expert's
 run to BLOCK_M rows (the moe-align layout); the number of row blocks is a static bound, blocks past
 the end carry expert id E and exit at once. Each program of the gate/up launch multiplies one block
 of rows by BLOCK_N rows of its expert's gate and up (tiles dequantized in registers, tl.dot on the
@@ -41,26 +41,64 @@ class PrefillTiles:
     num_stages: int = 3
 
 
+@triton.jit(do_not_specialize=["pairs", "blocks"])  # per-step counts: one build for all
+def _align_kernel(ids_ptr, work_ptr, rows_ptr, block_expert_ptr, pairs, blocks, EXPERTS: tl.constexpr,
+                  EXPERTS_POW2: tl.constexpr, BLOCK_M: tl.constexpr, CHUNK: tl.constexpr,
+                  BLOCKS_CHUNK: tl.constexpr):
+    """One program: count the pairs per expert, lay the experts' padded runs end to end (block experts,
+    padding rows), then place each pair at its expert's next free row (an atomic cursor per expert).
+    work: 2 * EXPERTS_POW2 int32 zeros (counts, then cursors)."""
+    start = 0
+    while start < pairs:
+        at = start + tl.arange(0, CHUNK)
+        expert = tl.load(ids_ptr + at, mask=at < pairs, other=0)
+        tl.atomic_add(work_ptr + expert, 1, mask=at < pairs)
+        start += CHUNK
+    tl.debug_barrier()
+    experts = tl.arange(0, EXPERTS_POW2)
+    real = experts < EXPERTS
+    counts = tl.load(work_ptr + experts, mask=real, other=0, volatile=True)
+    padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    end = tl.cumsum(padded, 0)
+    tl.store(work_ptr + EXPERTS_POW2 + experts, end - padded, mask=real)  # cursors start at each run's first row
+    block = 0
+    while block < blocks:  # a block's expert: how many runs end at or before its first row (EXPERTS: none left)
+        at = block + tl.arange(0, BLOCKS_CHUNK)
+        ended = (end[None, :] <= (at * BLOCK_M)[:, None]) & real[None, :]
+        tl.store(block_expert_ptr + at, tl.sum(ended.to(tl.int32), 1), mask=at < blocks)
+        block += BLOCKS_CHUNK
+    row = 0
+    while row < blocks * BLOCK_M:  # padding, until a pair takes the row
+        at = row + tl.arange(0, CHUNK)
+        tl.store(rows_ptr + at, tl.full([CHUNK], pairs, tl.int32), mask=at < blocks * BLOCK_M)
+        row += CHUNK
+    tl.debug_barrier()
+    start = 0
+    while start < pairs:
+        at = start + tl.arange(0, CHUNK)
+        expert = tl.load(ids_ptr + at, mask=at < pairs, other=0)
+        row = tl.atomic_add(work_ptr + EXPERTS_POW2 + expert, 1, mask=at < pairs)
+        tl.store(rows_ptr + row, at, mask=at < pairs)
+        start += CHUNK
+
+
 def align_by_expert(expert_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
     """[T, k] expert ids -> (pair index per padded row [B * block_m], expert per row block [B]).
 
-    Padding rows hold T*k; row blocks past the last expert's hold `num_experts`. B is the static
-    bound cdiv(T*k, block_m) + min(E, T*k): each expert that gets pairs adds at most one part block.
+    Each expert's pairs fill whole blocks of block_m rows (one launch; pairs of an expert in no particular
+    order: each row of a block is computed on its own). Padding rows hold T*k; row blocks past the last
+    expert's hold `num_experts`. B is the static bound cdiv(T*k, block_m) + min(E, T*k): each expert that
+    gets pairs adds at most one part block.
     """
-    flat = expert_ids.flatten().long()
+    flat = expert_ids.flatten().to(torch.int32)
     pairs = flat.numel()
     blocks = triton.cdiv(pairs, block_m) + min(num_experts, pairs)
-    counts = torch.zeros(num_experts, dtype=torch.int64, device=flat.device)
-    counts.scatter_add_(0, flat, torch.ones_like(flat))  # bincount would sync to size its output
-    padded = (counts + block_m - 1) // block_m * block_m
-    padded_end = padded.cumsum(0)
-    order = flat.argsort(stable=True)
-    by_expert = flat[order]
-    rank = torch.arange(pairs, device=flat.device) - (counts.cumsum(0) - counts)[by_expert]
-    rows = torch.full((blocks * block_m,), pairs, dtype=torch.int32, device=flat.device)
-    rows.scatter_(0, (padded_end - padded)[by_expert] + rank, order.to(torch.int32))
-    starts = torch.arange(blocks, device=flat.device) * block_m
-    block_expert = torch.searchsorted(padded_end, starts, right=True).to(torch.int32)
+    pow2 = triton.next_power_of_2(num_experts)
+    work = torch.zeros(2 * pow2, dtype=torch.int32, device=flat.device)
+    rows = torch.empty(blocks * block_m, dtype=torch.int32, device=flat.device)
+    block_expert = torch.empty(blocks, dtype=torch.int32, device=flat.device)
+    _align_kernel[(1,)](flat, work, rows, block_expert, pairs, blocks, EXPERTS=num_experts, EXPERTS_POW2=pow2,
+                        BLOCK_M=block_m, CHUNK=1024, BLOCKS_CHUNK=max(16, 32768 // pow2), num_warps=8)
     return rows, block_expert
 
 

@@ -152,18 +152,35 @@ def test_several_row_tiles_and_k_steps(run, tokens, dtype):
     check(nvfp4_layer(5), torch.randn(tokens, D, generator=g).to(dtype), ids, w, run)
 
 
-def test_align_by_expert_groups_pairs_in_padded_blocks():
-    ids = torch.tensor([[4, 1], [4, 2], [1, 4], [4, 0], [4, 1]])
-    rows, block_expert = align_by_expert(ids, 8, 4)
+def check_alignment(ids: torch.Tensor, experts: int, block_m: int) -> list[tuple[int, list[int]]]:
+    """align_by_expert's layout, checked: each pair once, in a block of its expert; blocks in expert order, each
+    expert's run as short as its pairs allow; padding rows and trailing blocks marked. -> (expert, pairs) by block."""
+    rows, block_expert = align_by_expert(ids, experts, block_m)
     pairs = ids.numel()
-    assert len(block_expert) == 3 + 8 and rows.shape == (4 * len(block_expert),)  # cdiv(10, 4) + min(8, 10)
-    blocks = rows.view(-1, 4)
-    live = [(int(b), [int(p) for p in blk if p < pairs]) for b, blk in zip(block_expert, blocks)]
-    assert [e for e, _ in live] == [0, 1, 2, 4, 4] + [8] * 6  # sorted by expert; 5 pairs on expert 4 take 2 blocks
+    assert len(block_expert) == -(-pairs // block_m) + min(experts, pairs) and rows.shape == (block_m * len(block_expert),)
+    live = [(int(b), [int(p) for p in blk if p < pairs]) for b, blk in zip(block_expert, rows.view(-1, block_m))]
     assert sorted(p for _, ps in live for p in ps) == list(range(pairs))  # each pair exactly once
     for expert, ps in live:
         assert all(ids.flatten()[p] == expert for p in ps)
-    assert all(not ps for e, ps in live if e == 8)
+    counts = torch.bincount(ids.flatten(), minlength=experts).tolist()
+    want = [e for e in range(experts) for _ in range(-(-counts[e] // block_m))]
+    assert [e for e, _ in live] == want + [experts] * (len(live) - len(want))
+    for (e, ps), (after, _) in zip(live, live[1:]):
+        assert len(ps) == block_m or after != e or e == experts  # an expert's blocks are full but its last
+    return live
+
+
+def test_align_by_expert_groups_pairs_in_padded_blocks():
+    ids = torch.tensor([[4, 1], [4, 2], [1, 4], [4, 0], [4, 1]])
+    live = check_alignment(ids, 8, 4)
+    assert [e for e, _ in live] == [0, 1, 2, 4, 4] + [8] * 6  # sorted by expert; 5 pairs on expert 4 take 2 blocks
+
+
+def test_align_by_expert_at_the_release_width():
+    """288 experts (a padded count of 512 in the kernel), more pairs and blocks than one pass of its loops."""
+    g = gen(11)
+    ids = torch.multinomial(torch.rand(288, generator=g) ** 4, 300 * 8, replacement=True, generator=g).view(300, 8)
+    check_alignment(ids, 288, 16)
 
 
 def test_other_formats_go_to_their_kernel_or_the_reference():
