@@ -70,7 +70,7 @@ def _align_kernel(ids_ptr, work_ptr, rows_ptr, block_expert_ptr, pairs, blocks, 
     row = 0
     while row < blocks * BLOCK_M:  # padding, until a pair takes the row
         at = row + tl.arange(0, CHUNK)
-        tl.store(rows_ptr + at, tl.full([CHUNK], pairs, tl.int32), mask=at < blocks * BLOCK_M)
+        tl.store(rows_ptr + at, tl.zeros([CHUNK], tl.int32) + pairs, mask=at < blocks * BLOCK_M)
         row += CHUNK
     tl.debug_barrier()
     start = 0
