@@ -77,8 +77,8 @@ def _align_kernel(ids_ptr, work_ptr, rows_ptr, block_expert_ptr, pairs, blocks, 
     while start < pairs:
         at = start + tl.arange(0, CHUNK)
         expert = tl.load(ids_ptr + at, mask=at < pairs, other=0)
-        row = tl.atomic_add(work_ptr + EXPERTS_POW2 + expert, 1, mask=at < pairs)
-        tl.store(rows_ptr + row, at, mask=at < pairs)
+        slot = tl.atomic_add(work_ptr + EXPERTS_POW2 + expert, 1, mask=at < pairs)
+        tl.store(rows_ptr + slot, at, mask=at < pairs)
         start += CHUNK
 
 
