@@ -590,7 +590,8 @@ static void wait_for(_Atomic int64_t *counter, int64_t target) {
 
 static void prepare_unit(experts_job *j, int64_t unit) {
     const int64_t d = j->gate->k, p = unit / j->chunks, c0 = unit % j->chunks * PREPARE_COLUMNS;
-    prepare_columns(j->gate, j->x + p * d, j->xin + p * d, j->level, c0, c0 + PREPARE_COLUMNS < d ? c0 + PREPARE_COLUMNS : d);
+    const int64_t c1 = c0 + PREPARE_COLUMNS < d ? c0 + PREPARE_COLUMNS : d;
+    prepare_columns(j->gate, j->x + p * d, j->xin + p * d, j->level, c0, c1);
     atomic_fetch_add_explicit(&j->prepared[p], 1, memory_order_release);
 }
 

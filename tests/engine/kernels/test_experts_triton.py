@@ -157,7 +157,8 @@ def check_alignment(ids: torch.Tensor, experts: int, block_m: int) -> list[tuple
     expert's run as short as its pairs allow; padding rows and trailing blocks marked. -> (expert, pairs) by block."""
     rows, block_expert = align_by_expert(ids, experts, block_m)
     pairs = ids.numel()
-    assert len(block_expert) == -(-pairs // block_m) + min(experts, pairs) and rows.shape == (block_m * len(block_expert),)
+    assert len(block_expert) == -(-pairs // block_m) + min(experts, pairs)
+    assert rows.shape == (block_m * len(block_expert),)
     live = [(int(b), [int(p) for p in blk if p < pairs]) for b, blk in zip(block_expert, rows.view(-1, block_m))]
     assert sorted(p for _, ps in live for p in ps) == list(range(pairs))  # each pair exactly once
     for expert, ps in live:
