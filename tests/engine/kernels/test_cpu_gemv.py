@@ -156,6 +156,21 @@ def test_the_thread_pool_serves_several_callers_and_a_forked_child():
 
 
 @pytest.mark.parametrize("mode", ["auto", "avx512", "avx2", "portable"])
+def test_inputs_wider_than_one_preparing_unit_give_every_team_the_same_pass(monkeypatch, mode):
+    """The pass prepares each input 1,024 columns a unit and a gate-up tile waits for all of its pair's units:
+    2,080 columns (two whole units and a part), every team size equal to one thread exactly, and to the
+    reference."""
+    monkeypatch.setenv("GLMFLASH_CPU_KERNELS", mode)
+    stacks = nvfp4_stacks(2080, 96, 3, seed=7)
+    g = torch.Generator().manual_seed(8)
+    x, ids, w = torch.randn(3, 2080, generator=g), torch.tensor([[0, 2], [2, 1], [0, 1]]), torch.rand(3, 2, generator=g)
+    alone = CpuExperts(stacks, 1.5, threads=1)(0, x, ids, w)
+    for team in (2, 3, 7):
+        assert torch.equal(CpuExperts(stacks, 1.5, threads=team)(0, x, ids, w), alone)
+    torch.testing.assert_close(alone, TorchExperts(stacks, 1.5)(0, x, ids, w), rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("mode", ["auto", "avx512", "avx2", "portable"])
 @pytest.mark.parametrize("fmt", ["nvfp4", "fp8"])
 @pytest.mark.parametrize("d,i,tokens", [(128, 64, 5), (96, 80, 12)])
 def test_cpu_experts_equal_the_reference_on_quantized_experts(monkeypatch, mode, fmt, d, i, tokens):
