@@ -7,7 +7,10 @@ token, top-8 misses), the case hybrid offload lives on. Its thread pool waits aw
 does on a GPU host where one is present (`--spin-us` sets it). The bank (2 GiB by
 default) is several times the last-level cache, so the experts come from DRAM as they do in serving. In
 the same run, on the same threads, a STREAM-style read (a sum over a buffer larger than the caches)
-gives the ceiling. Prints one JSON line: executor_GBps, read_GBps, ratio.
+gives the ceiling. The host's read rate drifts while a run lasts (other tenants of a cloud host: 77-137 GB/s
+seen within minutes on 16 cores), so the two alternate for `--rounds` rounds and each round's executor rate is
+taken over the read rate beside it. Prints one JSON line: executor_GBps, read_GBps and ratio (the medians over
+the rounds) and each round's ratio.
 
     python -m ops.bench_cpu_moe --json            # every core torch sees
     python -m ops.bench_cpu_moe --threads 2 --json
@@ -22,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import time
 
 import torch
@@ -55,12 +59,11 @@ BANKS = {
 }
 
 
-def read_bandwidth(nbytes: int, reps: int = 5) -> float:
-    """GB/s of a summing read over `nbytes` (fp32), the best of `reps`."""
-    buf = torch.ones(nbytes // 4)
+def read_bandwidth(buf: torch.Tensor, reps: int = 5) -> float:
+    """GB/s of a summing read over `buf` (beyond the caches), the best of `reps`."""
     buf.sum()
     best = min(timed(buf.sum) for _ in range(reps))
-    return nbytes / best / 1e9
+    return buf.numel() * buf.element_size() / best / 1e9
 
 
 def timed(fn) -> float:
@@ -84,7 +87,8 @@ def main() -> None:
                         "(default: as the engine sets it here, awake with a GPU, asleep at once without)")
     parser.add_argument("--pin", action="store_true", help="pin the pool's workers to one core each, as the engine "
                         "does with a GPU (engine/offload/cpu_cores.py picks the cores)")
-    parser.add_argument("--steps", type=int, default=40)
+    parser.add_argument("--steps", type=int, default=40, help="calls timed per round")
+    parser.add_argument("--rounds", type=int, default=5, help="rounds of calls, each next to a read of its own")
     parser.add_argument("--json", action="store_true", help="print only the JSON line")
     args = parser.parse_args()
     if args.threads:
@@ -100,24 +104,31 @@ def main() -> None:
     pin_workers(pinned)
     x = torch.randn(1, D).to(torch.bfloat16)
     weights = torch.full((1, args.misses), 1.0 / args.misses)
-    steps = [torch.randperm(args.experts, generator=gen)[:args.misses].unsqueeze(0) for _ in range(args.steps + 2)]
-    for ids in steps[:2]:
-        host.run(0, x, ids, weights)
-    seconds = 0.0
-    for ids in steps[2:]:
-        seconds += timed(lambda ids=ids: host.run(0, x, ids, weights))
-        time.sleep(args.gap_us / 1e6)
-    seconds /= args.steps
+    for _ in range(2):  # compiles, page faults, the pool's threads
+        host.run(0, x, torch.randperm(args.experts, generator=gen)[:args.misses].unsqueeze(0), weights)
     moved = args.misses * expert_nbytes(stacks)
-    read = read_bandwidth(2 << 30)
+    buf = torch.ones((2 << 30) // 4)
+    rates, reads = [], []
+    for _ in range(args.rounds):
+        seconds = 0.0
+        for _ in range(args.steps):
+            ids = torch.randperm(args.experts, generator=gen)[:args.misses].unsqueeze(0)
+            seconds += timed(lambda ids=ids: host.run(0, x, ids, weights))
+            time.sleep(args.gap_us / 1e6)
+        rates.append(moved * args.steps / seconds / 1e9)
+        reads.append(read_bandwidth(buf))
+    ratios = [rate / read for rate, read in zip(rates, reads)]
+    rate = statistics.median(rates)
     result = {"threads": torch.get_num_threads(), "format": args.format, "bank": args.bank, "batch": 1,
               "simd_path": ["portable", "avx2", "avx512", "avx512vnni"][simd_path()],
               "misses": args.misses, "gap_us": args.gap_us, "spin_us": host.spin_ns / 1e3, "pinned": pinned,
-              "step_ms": seconds * 1e3, "bytes_per_step": moved,
-              "executor_GBps": moved / seconds / 1e9, "read_GBps": read, "ratio": moved / seconds / 1e9 / read}
+              "step_ms": moved / rate / 1e6, "bytes_per_step": moved, "executor_GBps": rate,
+              "read_GBps": statistics.median(reads), "ratio": statistics.median(ratios), "rounds": args.rounds,
+              "round_ratios": [round(r, 3) for r in ratios]}
     if not args.json:
-        print(f"executor: {result['executor_GBps']:.2f} GB/s ({seconds * 1e3:.2f} ms per call for {args.misses} "
-              f"experts, {moved / 2 ** 20:.1f} MiB); read: {read:.1f} GB/s on {result['threads']} threads")
+        print(f"executor: {rate:.2f} GB/s ({result['step_ms']:.2f} ms per call for {args.misses} experts, "
+              f"{moved / 2 ** 20:.1f} MiB); read: {result['read_GBps']:.1f} GB/s on {result['threads']} threads; "
+              f"ratio {result['ratio']:.2f} (medians of {args.rounds} rounds)")
     print(json.dumps(result))
 
 
