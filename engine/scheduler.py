@@ -5,8 +5,9 @@ budget on prefill chunks (requests already prefilling first, then newly admitted
 long prompt never stalls running decodes. A step where some prompt has only its last token left
 (the prefix cache stops a prefill one token short, to snapshot there) runs those tokens and the
 decodes alone: a one-token step is a decode step (a CUDA graph), so that request's first token
-does not wait for a step of other requests' prefill chunks, which start one short step later. A request is admitted when a state slot and the cache
-pages for prompt + max_tokens are free; it reserves them, so it never waits for memory later.
+does not wait for a step of other requests' prefill chunks, which start one short step later.
+A request is admitted when a state slot and the cache pages for prompt + max_tokens are free; it
+reserves them, so it never waits for memory later.
 The waiting queue is bounded: past it `add` raises QueueFull and the caller answers "retry later".
 
 With a prefix cache, admission starts a request from its longest cached prefix (cached pages it

@@ -12,9 +12,9 @@
  *   portable C (the reference), AVX2 (NVFP4: a byte shuffle looks up exact int8 weights, multiplied with
  *   x in 16-bit integers by vpmaddwd; FP8: F16C widens e4m3), AVX-512 (one permute looks 16 codes up as
  *   floats; e4m3 widened 16 at a time), and, where the CPU has AVX-512 VNNI, NVFP4 with x in 16-bit
- *   integers again (see prepare_row_x16; FP8 takes the AVX-512 path there).
+ *   integers split into byte planes (see prepare_row_x8_planes; FP8 takes the AVX-512 path there).
  * The expert pass runs on the kernels' own thread pool (thread_pool.c), sized by the caller, whose
- * workers stay awake between a decode step's layers.
+ * workers stay awake between a decode step's layers; one fork-join a pass (experts_forward).
  *
  * Called through ctypes (no Python or torch headers): buffers are contiguous, the fp8 -> float table
  * comes from the caller so the codec lives in one place.
@@ -22,7 +22,6 @@
 #define _POSIX_C_SOURCE 199309L /* clock_gettime under -std=c11 */
 #include <immintrin.h>
 #include <math.h>
-#include <sched.h>
 #include <stdatomic.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -582,10 +581,7 @@ typedef struct {
 } experts_job;
 
 static void wait_for(_Atomic int64_t *counter, int64_t target) {
-    for (unsigned spins = 1; atomic_load_explicit(counter, memory_order_acquire) < target; spins++) {
-        _mm_pause();
-        if (spins % 1024 == 0) sched_yield(); /* more threads than cores: let the holder of the unit run */
-    }
+    for (unsigned turn = 1; atomic_load_explicit(counter, memory_order_acquire) < target; turn++) pool_relax(turn);
 }
 
 static void prepare_unit(experts_job *j, int64_t unit) {

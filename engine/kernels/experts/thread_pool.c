@@ -51,12 +51,6 @@ static void place(int id) {
     pthread_setaffinity_np(pool.threads[id], sizeof set, &set); /* a CPU outside the cgroup: stays unpinned */
 }
 
-static inline void relax(void) {
-#if defined(__x86_64__) || defined(__i386__)
-    __builtin_ia32_pause();
-#endif
-}
-
 static void futex(_Atomic uint32_t *word, int op, uint32_t value) {
     syscall(SYS_futex, (uint32_t *)word, op, value, NULL, NULL, 0);
 }
@@ -67,7 +61,7 @@ static uint32_t next_job(uint32_t seen, int64_t spin_ns) {
     for (unsigned spins = 1;; spins++) {
         const uint32_t now = atomic_load_explicit(&pool.generation, memory_order_acquire);
         if (now != seen) return now;
-        relax();
+        pool_pause();
         if (spin_ns && spins % 1024) continue;
         sched_yield(); /* more threads than cores (a caller's choice): let a preempted one finish its share */
         if (!since) {
@@ -135,10 +129,7 @@ void pool_run(int team, pool_task task, void *context, int64_t spin_ns) {
     atomic_fetch_add(&pool.generation, 1);
     if (atomic_load(&pool.sleepers)) futex(&pool.generation, FUTEX_WAKE_PRIVATE, INT_MAX);
     task(context, 0, pool.team);
-    for (unsigned spins = 1; atomic_load_explicit(&pool.pending, memory_order_acquire); spins++) {
-        relax();
-        if (spins % 1024 == 0) sched_yield();
-    }
+    for (unsigned turn = 1; atomic_load_explicit(&pool.pending, memory_order_acquire); turn++) pool_relax(turn);
     pthread_mutex_unlock(&pool.submit);
 }
 

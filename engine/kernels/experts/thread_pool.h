@@ -2,6 +2,7 @@
 #ifndef GLMFLASH_THREAD_POOL_H
 #define GLMFLASH_THREAD_POOL_H
 
+#include <sched.h>
 #include <stdint.h>
 #include <time.h>
 
@@ -19,6 +20,20 @@ void pool_pin(const int32_t *cpus, int count);
 
 /* Claims the next unit of a shared counter (dynamic scheduling): < limit while work remains. */
 int64_t pool_claim(int64_t *counter);
+
+/* A spin-wait hint to the core. */
+static inline void pool_pause(void) {
+#if defined(__x86_64__) || defined(__i386__)
+    __builtin_ia32_pause();
+#endif
+}
+
+/* Turn `turn` (1, 2, ...) of a busy wait: a pause, and at every 1,024th a yield (more threads than cores, a
+ * caller's choice: let the thread waited for run). */
+static inline void pool_relax(unsigned turn) {
+    pool_pause();
+    if (turn % 1024 == 0) sched_yield();
+}
 
 static inline int64_t pool_now_ns(void) {
     struct timespec t;
