@@ -26,7 +26,6 @@ from pathlib import Path
 from engine.engine_core import EngineCore
 from engine.llm import LLM
 from engine.sampling_params import SamplingParams
-from engine.sequence import Sequence
 from engine.tiny.factory import write_tiny_model
 
 
