@@ -18,7 +18,7 @@ from typing import AsyncIterator
 from tokenizers import Tokenizer
 
 from engine.detokenizer import IncrementalDetokenizer
-from engine.engine_core import EngineCore, EngineStats, StepOutput
+from engine.engine_core import EngineCore, EngineStats, RequestPhases, StepOutput
 from engine.sampler import TokenLogprobs
 from engine.sampling_params import SamplingParams
 from engine.scheduler import QueueFull
@@ -42,6 +42,7 @@ class GenerationDelta:
     text_offsets: list[int] = field(default_factory=list)
     cached_tokens: int = 0  # prompt tokens restored from the prefix cache (the same in every delta)
     prompt_logprobs: list[TokenLogprobs] | None = None  # in the first delta, when the params ask (prompt tokens 1..)
+    phases: RequestPhases | None = None  # in the first delta: where its time to first token went in the engine
 
 
 class _RequestStream:
@@ -140,7 +141,7 @@ class AsyncEngine:
     def _delta(outputs: list[StepOutput], params: SamplingParams,
                detok: IncrementalDetokenizer | None) -> GenerationDelta:
         delta = GenerationDelta([], "", cached_tokens=outputs[0].cached_tokens,
-                                prompt_logprobs=outputs[0].prompt_logprobs)
+                                prompt_logprobs=outputs[0].prompt_logprobs, phases=outputs[0].phases)
         for out in outputs:
             delta.token_ids.append(out.token_id)
             delta.text_offsets.append(detok.decoded_chars if detok is not None else 0)

@@ -55,6 +55,35 @@ class StepOutput:
     finish_reason: str | None
     cached_tokens: int = 0  # prompt tokens the request restored from the prefix cache
     prompt_logprobs: list[TokenLogprobs] | None = None  # on a request's first token, when its params ask
+    phases: RequestPhases | None = None  # on a request's first token
+
+
+@dataclass(frozen=True)
+class RequestPhases:
+    """Where a request's time to first token went inside the engine: queued (taken, not yet in a step: waiting
+    for a slot, the step already running, or a prefix another request is computing) and prefilling (from its
+    first step to the end of the step that sampled its first token)."""
+
+    queued_s: float
+    prefill_s: float
+
+
+@dataclass(frozen=True)
+class StepTimes:
+    """Steps run since start and their wall time, by kind: decode (every request runs one token, a CUDA
+    graph where captured) and prefill (some request runs a prompt chunk)."""
+
+    decode_steps: int = 0
+    decode_seconds: float = 0.0
+    prefill_steps: int = 0
+    prefill_seconds: float = 0.0
+
+    def plus(self, prefill: bool, seconds: float) -> "StepTimes":
+        if prefill:
+            return dataclasses.replace(self, prefill_steps=self.prefill_steps + 1,
+                                       prefill_seconds=self.prefill_seconds + seconds)
+        return dataclasses.replace(self, decode_steps=self.decode_steps + 1,
+                                   decode_seconds=self.decode_seconds + seconds)
 
 
 @dataclass(frozen=True)
@@ -67,6 +96,7 @@ class EngineStats:
     pages_total: int
     offload: OffloadStats | None = None  # hybrid expert placement's totals (None: every expert resident)
     prefix: PrefixCacheStats | None = None  # prefix cache totals (None: no prefix cache)
+    steps: StepTimes = StepTimes()
 
 
 @dataclass(frozen=True)
@@ -146,6 +176,7 @@ class EngineCore:
         self._by_id: dict[str, Sequence] = {}
         self.grammars = GrammarCompiler(tokenizer, config.vocab_size, config.eos_token_ids) if tokenizer else None
         self.masks = GrammarMasks(config.vocab_size, options.max_num_seqs, dev)
+        self.step_times = StepTimes()
         if dev.type == "cuda" and fast_kernels_enabled():
             self._warm_up(options)
         self._report_decode_rate()
@@ -304,6 +335,7 @@ class EngineCore:
             raise ValueError(f"request id {seq.request_id!r} is already in use")
         if seq.constraint is None:
             seq.constraint = self.constraint(seq.request_id, seq.params)
+        seq.arrived = time.perf_counter()
         self.scheduler.add(seq)
         self._by_id[seq.request_id] = seq
 
@@ -339,9 +371,12 @@ class EngineCore:
     def step(self) -> list[StepOutput]:
         if self.pending is not None and self.pending.availability.complete:
             self._experts_complete()
+        start = time.perf_counter()
         scheduled = self.scheduler.schedule()
         if not scheduled:
             return []
+        for seq, _ in scheduled:
+            seq.started = start if seq.started is None else seq.started
         done = [seq for seq, new in scheduled if seq.cached + new == seq.num_tokens]  # the logits rows, in order
         masks = self.masks.start(done)  # filled on the CPU while the forward runs
         logits = self.runner.run(scheduled)
@@ -351,13 +386,17 @@ class EngineCore:
         if masks is not None:
             self.masks.apply(logits, masks)
         outputs = []
-        for seq, (token, logprobs) in zip(done, sample_batch(logits, done)):
+        sampled = sample_batch(logits, done)
+        end = time.perf_counter()
+        self.step_times = self.step_times.plus(any(new > 1 for _, new in scheduled), end - start)
+        for seq, (token, logprobs) in zip(done, sampled):
             seq.append(token, self.config.eos_token_ids)
             if seq.constraint is not None:
                 seq.constraint.accept(token)
-            first = len(seq.output_token_ids) == 1 and seq.params.prompt_logprobs is not None
+            first = len(seq.output_token_ids) == 1
             outputs.append(StepOutput(seq.request_id, token, logprobs, seq.finish_reason, seq.cached_prompt_tokens,
-                                      seq.prompt_logprobs if first else None))
+                                      seq.prompt_logprobs if first and seq.params.prompt_logprobs is not None else None,
+                                      RequestPhases(seq.started - seq.arrived, end - seq.started) if first else None))
             if seq.finished:
                 self.scheduler.finish(seq)
                 del self._by_id[seq.request_id]
@@ -368,4 +407,4 @@ class EngineCore:
                            self.slots.num_slots - self.slots.free_count, self.slots.num_slots,
                            self.cache.num_pages - self.cache.free_pages, self.cache.num_pages,
                            None if self.offload is None else self.offload.stats,
-                           None if self.prefix is None else self.prefix.stats())
+                           None if self.prefix is None else self.prefix.stats(), self.step_times)

@@ -29,6 +29,9 @@ class Sequence:
     constraint: RequestConstraint | None = None  # grammar / reasoning budget state, when the params ask for one
     # With params.prompt_logprobs: prompt tokens 1.. as their prefill chunks ran (token 0 has none).
     prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)
+    # time.perf_counter() when the engine took the request and when a step first ran it (None: not yet).
+    arrived: float = 0.0
+    started: float | None = None
 
     def __post_init__(self) -> None:
         if self.params.seed is not None and self.generator is None:

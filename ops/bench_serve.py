@@ -18,7 +18,9 @@ Each request gets its own seeded random word prompt (~1 token per word), so pref
 each `--turns` chat turns over one shared system prompt of `--system-tokens` random words plus tool
 definitions; every turn sends the whole history (the previous answers included) and a new user message
 of `--user-tokens` words. It reports TTFT p50/p90 over all turns and prefill tokens computed (prompt
-tokens less the cached ones, from each response's usage.prompt_tokens_details.cached_tokens). With
+tokens less the cached ones, from each response's usage.prompt_tokens_details.cached_tokens), and from a
+glmflash server's /metrics where its TTFT went: mean time queued and prefilling per request, steps run
+and their mean wall time by kind. With
 `--serve MODEL` (a snapshot, or `tiny` for the embedded tiny model) it starts glmflash itself on
 `--device`, once with the prefix cache on and once off (each run's line printed as it ends), and compares
 the two runs.
@@ -361,11 +363,50 @@ async def run_agent(args: argparse.Namespace, base_url: str, name: str) -> dict[
                                      timeout=aiohttp.ClientTimeout(total=args.timeout)) as session:
         model = args.model or await first_model(session, base_url.rstrip("/"))
         url = f"{base_url.rstrip('/')}/chat/completions"
+        before = await server_metrics(session, base_url)
         start = time.perf_counter()
         runs = await asyncio.gather(*(run_conversation(session, url, args, model, system, i)
                                       for i in range(args.conversations)))
         wall = time.perf_counter() - start
-    return {**agent_stats(name, [x for run in runs for x in run], wall), "model": model, "url": base_url}
+        after = await server_metrics(session, base_url)
+    return {**agent_stats(name, [x for run in runs for x in run], wall), **engine_breakdown(before, after),
+            "model": model, "url": base_url}
+
+
+async def server_metrics(session: aiohttp.ClientSession, base_url: str) -> dict[str, float]:
+    """Sample name (labels included, as written) -> value from the server's /metrics; empty when it has none."""
+    root = base_url.rstrip("/").removesuffix("/v1")
+    try:
+        async with session.get(f"{root}/metrics") as resp:
+            text = await resp.text() if resp.status == 200 else ""
+    except aiohttp.ClientError:
+        return {}
+    samples = {}
+    for line in text.splitlines():
+        name, _, value = line.rpartition(" ")
+        if name and not line.startswith("#"):
+            samples[name] = float(value)
+    return samples
+
+
+def engine_breakdown(before: dict[str, float], after: dict[str, float]) -> dict[str, float | None]:
+    """Where the run's time to first token went inside a glmflash engine (its /metrics over the run): mean
+    queue and prefill time per request, and steps run with their mean wall time by kind."""
+    def gained(name: str) -> float:
+        return after.get(name, 0.0) - before.get(name, 0.0)
+
+    def mean_ms(total: str, count: str) -> float | None:
+        return round(gained(total) / gained(count) * 1000, 2) if gained(count) else None
+
+    out: dict[str, float | None] = {}
+    for part in ("queue", "prefill"):
+        metric = f"glmflash_request_{part}_time_seconds"
+        out[f"engine_{part}_mean_ms"] = mean_ms(f"{metric}_sum", f"{metric}_count")
+    for kind in ("prefill", "decode"):
+        steps = f'glmflash_engine_steps{{kind="{kind}"}}'
+        out[f"{kind}_steps"] = gained(steps) if steps in after else None
+        out[f"{kind}_step_mean_ms"] = mean_ms(f'glmflash_engine_step_seconds{{kind="{kind}"}}', steps)
+    return out
 
 
 def free_port() -> int:

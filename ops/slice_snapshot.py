@@ -2,13 +2,14 @@
 
 Every tensor has the release's full width (hidden 4096, vocabulary 154,880, 2048-wide experts) and
 is stored the way the chosen release stores it; the size decides how many MoE layers the slice has
-and, below one full layer, how many routed experts a layer has. Values are random; one random matrix
+and, below one full layer, how many routed experts a layer has (`--layers` fixes the depth instead, and
+the size the experts per layer). Values are random; one random matrix
 per layer and projection is quantized and then stored once per expert, so writing hundreds of GB
 does not mean quantizing hundreds of GB. Config, generation config and the tiny model's tokenizer
 are written beside the shards, so `glmflash boot --model DIR` serves it; the output head keeps random
 rows only for the tokenizer's printable ASCII bytes (see `text_only_head`), so a served slice writes text.
 
-    python -m ops.slice_snapshot /workspace/slice-20g --gib 20 [--format nvfp4-ct] [--shard-gib 4]
+    python -m ops.slice_snapshot /workspace/slice-20g --gib 20 [--format nvfp4-ct] [--shard-gib 4] [--layers N]
 """
 
 from __future__ import annotations
@@ -62,25 +63,29 @@ def slice_config(fmt: str, layers: int, experts: int) -> dict:
     return {**config, "quantization_config": quantization} if quantization else config
 
 
-def plan_slice(target_bytes: int, fmt: str) -> tuple[int, int]:
+def plan_slice(target_bytes: int, fmt: str, layers: int | None = None) -> tuple[int, int]:
     """(MoE layers, routed experts per layer) whose snapshot comes closest to `target_bytes` from below
-    (at least one layer of MIN_EXPERTS experts)."""
-    def size(layers: int, experts: int) -> int:
-        cfg = ModelConfig.from_dict(slice_config(fmt, layers, experts))
+    (at least one layer of MIN_EXPERTS experts). `layers` fixes the depth and sizes the experts to fit: a
+    deeper slice with fewer experts keeps a prefill's per-layer work (tokens x top-k, whatever the expert
+    count) and the layers' 3:1 KDA:DSA mix, where a shallow one of full layers has neither."""
+    def size(depth: int, experts: int) -> int:
+        cfg = ModelConfig.from_dict(slice_config(fmt, depth, experts))
         return sum(stored_bytes(s, fmt, cfg) for s in text_specs(cfg))
 
-    head = size(1, MIN_EXPERTS)
-    per_layer = size(2, FULL_EXPERTS) - size(1, FULL_EXPERTS)
-    if target_bytes >= size(1, FULL_EXPERTS):
-        return max(1, 1 + (target_bytes - size(1, FULL_EXPERTS)) // per_layer), FULL_EXPERTS
-    per_expert = (size(1, FULL_EXPERTS) - head) / (FULL_EXPERTS - MIN_EXPERTS)
-    return 1, max(MIN_EXPERTS, MIN_EXPERTS + int((target_bytes - head) // per_expert))
+    if layers is None:
+        per_layer = size(2, FULL_EXPERTS) - size(1, FULL_EXPERTS)
+        if target_bytes >= size(1, FULL_EXPERTS):
+            return max(1, 1 + (target_bytes - size(1, FULL_EXPERTS)) // per_layer), FULL_EXPERTS
+        layers = 1
+    least = size(layers, MIN_EXPERTS)
+    per_expert = (size(layers, FULL_EXPERTS) - least) / (FULL_EXPERTS - MIN_EXPERTS)
+    return layers, min(FULL_EXPERTS, max(MIN_EXPERTS, MIN_EXPERTS + int((target_bytes - least) // per_expert)))
 
 
 def write_slice_snapshot(out_dir: Path, gib: float, fmt: str = "nvfp4-ct", shard_gib: float = 4.0,
-                         seed: int = 0) -> tuple[Path, int]:
+                         seed: int = 0, layers: int | None = None) -> tuple[Path, int]:
     """Write the slice into out_dir; returns (out_dir, bytes of its shards)."""
-    layers, experts = plan_slice(int(gib * 2**30), fmt)
+    layers, experts = plan_slice(int(gib * 2**30), fmt, layers)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     tok = write_tokenizer(out)
@@ -137,8 +142,10 @@ def main() -> None:
     parser.add_argument("--gib", type=float, required=True, help="snapshot size to aim for (weights), in GiB")
     parser.add_argument("--format", default="nvfp4-ct", choices=["bf16", "fp8", "nvfp4-ct", "nvfp4-modelopt"])
     parser.add_argument("--shard-gib", type=float, default=4.0)
+    parser.add_argument("--layers", type=int, help="MoE layers (default: full layers of 288 experts as the size "
+                        "allows); with it, the routed experts per layer are what the size allows")
     args = parser.parse_args()
-    out, total = write_slice_snapshot(args.out_dir, args.gib, args.format, args.shard_gib)
+    out, total = write_slice_snapshot(args.out_dir, args.gib, args.format, args.shard_gib, layers=args.layers)
     cfg = ModelConfig.from_dir(out)
     print(f"snapshot={out} bytes={total} layers={cfg.num_layers} experts={cfg.n_routed_experts} "
           f"format={args.format}", flush=True)

@@ -33,6 +33,19 @@ class Metrics:
                              buckets=LATENCY_BUCKETS, registry=r)
         self.e2e = Histogram("glmflash_request_latency_seconds", "Request latency, first byte in to last byte out",
                              buckets=LATENCY_BUCKETS, registry=r)
+        # Time to first token inside the engine, in two parts (the rest of it is the HTTP path: template,
+        # tokenizer, handing the request over and the first chunk back).
+        self.queue_time = Histogram("glmflash_request_queue_time_seconds",
+                                    "From the engine taking a request to its first step (a slot, the step already "
+                                    "running, a prefix another request computes)", buckets=LATENCY_BUCKETS,
+                                    registry=r)
+        self.prefill_time = Histogram("glmflash_request_prefill_time_seconds",
+                                      "From a request's first step to the end of the step that sampled its first "
+                                      "token", buckets=LATENCY_BUCKETS, registry=r)
+        self.engine_steps = Gauge("glmflash_engine_steps", "Engine steps run since start, by kind (decode: one token "
+                                  "per request; prefill: some prompt chunk)", ["kind"], registry=r)
+        self.engine_step_seconds = Gauge("glmflash_engine_step_seconds", "Wall time of those steps since start, by "
+                                         "kind", ["kind"], registry=r)
         self.running = Gauge("glmflash_requests_running", "Requests holding a state slot", registry=r)
         self.waiting = Gauge("glmflash_requests_waiting", "Requests queued for a slot", registry=r)
         self.slots_used = Gauge("glmflash_state_slots_used", "Per-request state slots in use", registry=r)
@@ -86,6 +99,10 @@ class Metrics:
         self.slots_used.set(stats.slots_used)
         self.slots_total.set(stats.slots_total)
         self.cache_usage.set(stats.pages_used / stats.pages_total if stats.pages_total else 0.0)
+        for kind, steps, seconds in (("decode", stats.steps.decode_steps, stats.steps.decode_seconds),
+                                     ("prefill", stats.steps.prefill_steps, stats.steps.prefill_seconds)):
+            self.engine_steps.labels(kind).set(steps)
+            self.engine_step_seconds.labels(kind).set(seconds)
         offload = stats.offload
         if offload is None:  # every expert resident
             self.expert_hit.set(1.0)

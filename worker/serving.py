@@ -180,7 +180,7 @@ async def collect(streams: list[AsyncIterator[GenerationDelta]], timing: "Timing
     try:
         async for index, delta in events:
             out.completion_tokens += len(delta.token_ids)
-            timing.tokens(index, len(delta.token_ids))
+            timing.tokens(index, delta)
             out.texts[index] += delta.text
             out.deltas[index].append(delta)
             out.cached[index] = delta.cached_tokens
@@ -204,12 +204,16 @@ class Timing:
         self.metrics, self.start = metrics, time.perf_counter()
         self.last: dict[int, float] = {}
 
-    def tokens(self, index: int, count: int) -> None:
+    def tokens(self, index: int, delta: GenerationDelta) -> None:
+        count = len(delta.token_ids)
         if not count:
             return
         now = time.perf_counter()
         if index not in self.last:
             self.metrics.ttft.observe(now - self.start)
+            if delta.phases is not None:
+                self.metrics.queue_time.observe(delta.phases.queued_s)
+                self.metrics.prefill_time.observe(delta.phases.prefill_s)
         else:
             gap = (now - self.last[index]) / count
             for _ in range(count):

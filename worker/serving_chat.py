@@ -141,7 +141,7 @@ async def _chunks(body: ChatCompletionRequest, model: ServedModel, parsers: list
         async for index, delta in events:
             completion_tokens += len(delta.token_ids)
             cached[index] = delta.cached_tokens
-            timing.tokens(index, len(delta.token_ids))
+            timing.tokens(index, delta)
             message = parsers[index].feed(delta.text)
             logprobs = chat_logprobs(model, delta)
             if message.model_dump() or logprobs is not None:

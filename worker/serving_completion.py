@@ -116,7 +116,7 @@ async def _chunks(body: CompletionRequest, model: ServedModel, streams, echoes: 
         async for index, delta in events:
             completion_tokens += len(delta.token_ids)
             cached[index] = delta.cached_tokens
-            timing.tokens(index, len(delta.token_ids))
+            timing.tokens(index, delta)
             text = delta.text if started[index] else echoes[index] + delta.text
             started[index] = True
             choice = CompletionChoice(index=index, text=text, logprobs=builders[index].add(delta),

@@ -167,6 +167,7 @@ def test_agent_workload_sends_growing_histories_and_counts_computed_tokens(tmp_p
     second = [b["messages"] for b in bodies if len(b["messages"]) == 4]
     assert len(second) == 3 and all(m[2] == {"role": "assistant", "content": " w1 w2"} for m in second)
     assert "computed_fraction=0.2857" in capsys.readouterr().out
+    assert run["engine_prefill_mean_ms"] is None and run["decode_steps"] is None  # no glmflash /metrics there
 
 
 def test_agent_workload_starts_glmflash_with_the_cache_on_and_off(tmp_path: Path, capsys) -> None:
@@ -183,6 +184,10 @@ def test_agent_workload_starts_glmflash_with_the_cache_on_and_off(tmp_path: Path
     # Each second turn restores its first turn's prompt (less its last token): about half of all prompt tokens.
     assert off["cached_tokens"] == 0 and on["cached_tokens"] > on["prompt_tokens"] * 0.4
     assert report["computed_drop"] > 0.4
+    for run in (on, off):  # where TTFT went, from the server's /metrics over the run
+        assert 0 <= run["engine_queue_mean_ms"] and 0 < run["engine_prefill_mean_ms"] <= run["ttft_mean_ms"]
+        assert run["prefill_steps"] >= 1 and run["decode_steps"] >= 2  # each request's second token in a decode step
+        assert run["prefill_step_mean_ms"] > 0 and run["decode_step_mean_ms"] > 0
     assert "compare computed_drop=" in capsys.readouterr().out
 
 

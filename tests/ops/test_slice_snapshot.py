@@ -36,6 +36,18 @@ def test_slices_grow_by_layers_then_shrink_by_experts():
     assert plan_slice(1, "nvfp4-ct") == (1, MIN_EXPERTS)
 
 
+def test_a_fixed_depth_sizes_the_experts_to_fit():
+    layers, experts = plan_slice(12 * 2**30, "nvfp4-ct", layers=12)
+    cfg = ModelConfig.from_dict(slice_config("nvfp4-ct", layers, experts))
+    grown = ModelConfig.from_dict(slice_config("nvfp4-ct", layers, experts + 1))
+    total = sum(stored_bytes(s, "nvfp4-ct", cfg) for s in text_specs(cfg))
+    assert layers == 12 and MIN_EXPERTS < experts < FULL_EXPERTS
+    assert total <= 12 * 2**30 < sum(stored_bytes(s, "nvfp4-ct", grown) for s in text_specs(grown))
+    assert cfg.dsa_layers == [3, 7, 11]  # the release's 3:1 KDA:DSA mix
+    assert plan_slice(1, "nvfp4-ct", layers=12) == (12, MIN_EXPERTS)
+    assert plan_slice(10**15, "nvfp4-ct", layers=3) == (3, FULL_EXPERTS)
+
+
 def test_greedy_tokens_of_the_head_decode_to_text():
     generator = torch.Generator().manual_seed(0)
     value = torch.randn(1000, 64, generator=generator)  # more ids than the tokenizer has, as in the release

@@ -325,6 +325,22 @@ def test_metrics_count_requests_and_tokens(server, client):
     assert 0.0 <= after["glmflash_cache_usage_ratio"] <= 1.0
 
 
+def test_metrics_split_the_first_token_wait_into_queue_and_prefill(server, client):
+    before = server.metrics()
+    client.completions.create(model=MODEL_NAME, prompt="where did the time go", max_tokens=5, temperature=0,
+                              extra_body={"ignore_eos": True})
+    after = server.metrics()
+    gained = {name: after.get(name, 0) - before.get(name, 0) for name in after}
+    assert gained["glmflash_request_queue_time_seconds_count"] == 1
+    assert gained["glmflash_request_prefill_time_seconds_count"] == 1
+    queued, prefill = (gained[f"glmflash_request_{part}_time_seconds_sum"] for part in ("queue", "prefill"))
+    assert 0 < prefill <= queued + prefill <= gained["glmflash_time_to_first_token_seconds_sum"]
+    # the prompt in one prefill step (its first token), then a decode step for each of the other four
+    assert gained['glmflash_engine_steps{kind="prefill"}'] == 1
+    assert gained['glmflash_engine_steps{kind="decode"}'] == 4
+    assert all(gained[f'glmflash_engine_step_seconds{{kind="{kind}"}}'] > 0 for kind in ("prefill", "decode"))
+
+
 def test_metrics_show_a_running_request(server):
     async def scenario():
         async with aiohttp.ClientSession() as session:
