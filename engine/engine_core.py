@@ -21,6 +21,7 @@ from engine.cache.prefix_cache import PrefixCache, PrefixCacheStats, TierSize
 from engine.cache.state_rows import state_bytes
 from engine.checkpoint.loader import LoadedWeights, checkpoint_sizes, load_weights
 from engine.kernels.dispatch import fast_kernels_enabled
+from engine.kernels.experts.prefill import expert_tile_rows
 from engine.kernels.kda.fla_prefill import start_kda_warm_up
 from engine.kernels.kda.fla_tuning import use_tuned_configs
 from engine.kernels.kernel_manifest import COMPILES, model_shapes, start_preload
@@ -124,9 +125,17 @@ class EngineOptions:
     prefix_cache_host_bytes: int = 0  # host RAM for prefixes evicted from the device (0: none, evictions drop)
 
 
-# Prompt lengths the start prefills once: 2,048 tokens take 64-row expert tiles (more than 32 pairs per
-# expert of 288 at top-8), 1,024 take 32, 320 and 40 take 16; FP8 linears tile 128 rows above 64, 64 below.
-WARM_UP_PREFILLS = (2048, 1024, 320, 40)
+SHORT_PREFILL = 40  # FP8 linears tile 64 rows up to 64 tokens, 128 above: the longer lengths take the latter
+
+
+def warm_up_lengths(config: ModelConfig, longest: int) -> list[int]:
+    """Prompt lengths the start prefills once, so every kernel variant a step's token count picks is built then
+    and not inside a request: for each routed-expert tile height (expert_tile_rows, from the mean pairs per
+    expert) the longest length that takes it, and SHORT_PREFILL. (mHC builds one variant per token tile
+    whatever T; the decode graphs cover steps of up to max_num_seqs tokens.)"""
+    by_height = {expert_tile_rows(t * config.num_experts_per_tok, config.n_routed_experts): t
+                 for t in range(1, longest + 1)}
+    return sorted({*by_height.values(), min(SHORT_PREFILL, longest)}, reverse=True)
 
 
 def graph_sizes(max_num_seqs: int) -> tuple[int, ...]:
@@ -201,14 +210,14 @@ class EngineCore:
             self._capture_graphs()
 
     def warm_up_prefills(self) -> None:
-        """One prefill of each size whose kernels differ (routed-expert tiles of 64, 32 and 16 rows, FP8 tiles
-        of 128 and 64 rows), of random tokens, so the compiles those sizes need happen in the start, not in
-        the first requests; the engine is idle after, its slots free."""
+        """One prefill of each length whose kernels differ (warm_up_lengths), of random tokens, so the compiles
+        those lengths need happen in the start, not in the first requests; the engine is idle after, its
+        slots free."""
         if self.has_work:
             raise RuntimeError("the prefill warm-up needs an idle engine")
         start = time.perf_counter()
         longest = min(self.options.max_num_batched_tokens, self.options.max_model_len - 1)
-        lengths = sorted({min(n, longest) for n in WARM_UP_PREFILLS}, reverse=True)
+        lengths = warm_up_lengths(self.config, longest)
         g = torch.Generator().manual_seed(0)
         for index, length in enumerate(lengths):
             prompt = torch.randint(self.config.vocab_size, (length,), generator=g).tolist()

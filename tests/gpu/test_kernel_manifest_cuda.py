@@ -25,15 +25,16 @@ from engine import LLM, SamplingParams
 from engine.kernels.kernel_manifest import COMPILES
 
 llm = LLM(sys.argv[1], "cuda", "bfloat16", max_model_len=256, kernels_file=Path(sys.argv[2]))
-at_ready = COMPILES.count
-prompts = [[5, 9, 13, 200, 7] * k for k in (1, 6, 20)]
+at_ready, compiled = COMPILES.count, dict(COMPILES.by_kernel)
+prompts = [[5, 9, 13, 200, 7] * k for k in json.loads(sys.argv[3])]
 out = llm.generate(prompts, SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True))
-print(json.dumps({"at_ready": at_ready, "total": COMPILES.count, "tokens": [o.token_ids for o in out]}))
+late = sorted(name for name in COMPILES.by_kernel if COMPILES.by_kernel[name] != compiled.get(name))
+print(json.dumps({"at_ready": at_ready, "total": COMPILES.count, "tokens": [o.token_ids for o in out], "late": late}))
 """
 
 
-def start(snapshot: Path, manifest: Path, triton_cache: Path) -> dict:
-    done = subprocess.run([sys.executable, "-c", CHILD, str(snapshot), str(manifest)],
+def start(snapshot: Path, manifest: Path, triton_cache: Path, repeats: tuple[int, ...] = (1, 6, 20)) -> dict:
+    done = subprocess.run([sys.executable, "-c", CHILD, str(snapshot), str(manifest), json.dumps(repeats)],
                           env=child_env(TRITON_CACHE_DIR=str(triton_cache)), capture_output=True,
                           text=True, timeout=900)
     assert done.returncode == 0, done.stderr[-3000:]
@@ -54,6 +55,15 @@ def test_a_second_start_preloads_what_the_first_compiled(tmp_path):
     assert len(binaries) <= len(kept) + 5, (len(binaries), len(kept))
     assert second["total"] - second["at_ready"] == 0, "requests compiled kernels the preload should have"
     assert second["at_ready"] <= len(kept) + 5  # the preload's compiles, and little besides
+
+
+def test_a_first_start_leaves_no_compile_to_steps_of_any_length(tmp_path):
+    """No manifest, an empty Triton cache: the start's warm-up builds every variant a step's token count can
+    pick (mHC builds one per token tile, the expert tiles one per height), so prompts of assorted lengths,
+    batched into steps of assorted sizes, compile nothing after the start."""
+    snapshot = write_tiny_model(tmp_path / "tiny", "nvfp4-ct")
+    first = start(snapshot, tmp_path / "kernels.json", tmp_path / "triton", repeats=(1, 4, 11, 19, 29, 40))
+    assert first["total"] - first["at_ready"] == 0, f"compiled while serving: {first['late']}"
 
 
 def test_a_start_seeded_with_prebuilt_kernels_compiles_none_of_them(tmp_path):

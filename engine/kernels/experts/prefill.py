@@ -181,7 +181,9 @@ def _down_kernel(h_ptr, rows_ptr, block_expert_ptr, route_ptr, y_ptr, w_ptr, s_p
     tl.store(y_ptr + pair[:, None] * stride_yp + cols[None, :], y.to(y_ptr.dtype.element_ty), mask=live[:, None])
 
 
-def _block_m(pairs: int, experts: int, tiles: PrefillTiles) -> int:
+def expert_tile_rows(pairs: int, experts: int, tiles: PrefillTiles = PrefillTiles()) -> int:
+    """Rows of a routed-expert tile for `pairs` (token, expert) pairs over `experts` experts: a kernel variant
+    each, so the start's warm-up prefills one length per height."""
     if tiles.block_m is not None:
         return tiles.block_m
     mean = pairs / experts
@@ -200,7 +202,7 @@ def moe_prefill(x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor
     d = stack_operands(down)
     acts = to_code_order(x, x.dtype) if g.fp4 else x.contiguous()
     route = weights.contiguous().float()
-    block_m, block_k = _block_m(pairs, experts, tiles), tiles.block_k
+    block_m, block_k = expert_tile_rows(pairs, experts, tiles), tiles.block_k
     if x.dtype == torch.float32:  # IEEE fp32 dots run on the FMA units: smaller tiles stay in registers
         block_m, block_k = min(block_m, 32), min(block_k, 32)
     rows, block_expert = align_by_expert(expert_ids, experts, block_m)

@@ -4,8 +4,9 @@ mhc_pre is memory-bound on `fn` at decode (24 x S*D weights per site, 90 sites p
 S*D reduction is split over many programs that each write a partial [24] dot and a partial sum of
 squares; a second kernel sums the partials, applies the norm, gates and Sinkhorn in fp32 and does
 the collapse, parallel over D. For prefill, programs tile tokens so `fn` is read once per tile.
-Shapes decide every launch parameter, so both ops are CUDA-graph capturable; token counts are not
-specialised on, and the split sizes step in powers of two, so few T values compile a new variant.
+Shapes decide every launch parameter, so both ops are CUDA-graph capturable. Nothing a kernel is built
+for depends on the token count beyond its token tile (up to 16 tokens, or more): K splits have one size,
+the D split is a runtime value, so the start's warm-up builds every variant a request can meet.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import triton.language as tl
 from engine.kernels.dispatch import register
 
 _TARGET_PROGRAMS = 256  # about two programs per SM on an H200 (132 SMs)
-_K_GRAIN = 128  # K splits are multiples of this (and so of every K block): at most 128 partials at D = 4096
+_K_SPLIT = 128  # columns of x per partial program, whatever T: 128 partials at S * D = 16,384
 
 
 @triton.jit(do_not_specialize=["T"])
@@ -50,9 +51,9 @@ def _pre_partial_kernel(x_ptr, fn_ptr, dot_ptr, sq_ptr, T, K,
     tl.store(sq_ptr + out, sq, mask=row_ok)
 
 
-@triton.jit(do_not_specialize=["T", "SPLITS"])
+@triton.jit(do_not_specialize=["T", "SPLITS", "D_CHUNK"])
 def _pre_finish_kernel(x_ptr, dot_ptr, sq_ptr, base_ptr, scale_ptr, u_ptr, post_ptr, comb_ptr,
-                       T, D, SPLITS, eps, hc_eps, D_CHUNK: tl.constexpr, ITERS: tl.constexpr,
+                       T, D, SPLITS, eps, hc_eps, D_CHUNK, ITERS: tl.constexpr,
                        S: tl.constexpr, SP: tl.constexpr, NP: tl.constexpr, SPLITS_P: tl.constexpr,
                        BD: tl.constexpr):
     """Program (token, D chunk): reduce the partials, gates + Sinkhorn in fp32, collapse its D chunk."""
@@ -94,13 +95,15 @@ def _pre_finish_kernel(x_ptr, dot_ptr, sq_ptr, base_ptr, scale_ptr, u_ptr, post_
     tl.store(comb_ptr + t * S * S + a[:, None] * S + a[None, :], comb, mask=pair_ok & first)
 
     h_rows = x_ptr + t.to(tl.int64) * K + a[:, None] * D
-    d_start = pid_d * D_CHUNK
-    for d0 in range(0, D_CHUNK, BD):
-        d = d_start + d0 + tl.arange(0, BD)
+    d0 = pid_d * D_CHUNK
+    d_end = d0 + D_CHUNK
+    while d0 < d_end:  # a runtime bound: a while loop (the interpreter takes no runtime range)
+        d = d0 + tl.arange(0, BD)
         d_ok = d < D
         h = tl.load(h_rows + d[None, :], mask=a_ok[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
         u = tl.sum(pre[:, None] * h, axis=0)
         tl.store(u_ptr + t.to(tl.int64) * D + d, u.to(u_ptr.dtype.element_ty), mask=d_ok)
+        d0 += BD
 
 
 @triton.jit
@@ -127,10 +130,7 @@ def _post_kernel(x_ptr, o_ptr, post_ptr, comb_ptr, y_ptr, D,
 
 
 def _split(length: int, block: int, others: int) -> tuple[int, int]:
-    """(pieces, chunk): cut `length` into block-aligned chunks so others * pieces is near the program target.
-
-    Chunks are compile-time loop bounds, so pieces steps in powers of two: few variants over all T.
-    """
+    """(pieces, chunk): cut `length` into block-aligned chunks so others * pieces is near the program target."""
     pieces = min(triton.next_power_of_2(triton.cdiv(_TARGET_PROGRAMS, max(others, 1))), triton.cdiv(length, block))
     chunk = triton.cdiv(triton.cdiv(length, pieces), block) * block
     return triton.cdiv(length, chunk), chunk
@@ -150,7 +150,8 @@ def mhc_pre(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: 
     # An fp32 operand goes through FMA dots that hold whole K slices in registers: narrower K blocks there.
     bk = (128 if t <= 16 else 64) if native else 32
     n_t = triton.cdiv(t, bt)
-    splits, chunk = _split(k, _K_GRAIN, n_t)
+    chunk = min(_K_SPLIT, triton.next_power_of_2(k))
+    splits = triton.cdiv(k, chunk)
     np_ = max(16, triton.next_power_of_2(n))  # tl.dot needs N >= 16
     dots = torch.empty(splits, t, np_, dtype=torch.float32, device=dev)
     sq = torch.empty(splits, t, dtype=torch.float32, device=dev)
@@ -162,8 +163,8 @@ def mhc_pre(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: 
     bd = 256
     d_splits, d_chunk = _split(d, bd, t)
     # One warp: the 4 x 4 Sinkhorn reductions stay in warp shuffles, no barriers on the serial chain.
-    _pre_finish_kernel[(t, d_splits)](x, dots, sq, base, scale, u, post, comb, t, d, splits, eps, hc_eps,
-                                      D_CHUNK=d_chunk, ITERS=sinkhorn_iters, S=s, SP=triton.next_power_of_2(s), NP=np_,
+    _pre_finish_kernel[(t, d_splits)](x, dots, sq, base, scale, u, post, comb, t, d, splits, eps, hc_eps, d_chunk,
+                                      ITERS=sinkhorn_iters, S=s, SP=triton.next_power_of_2(s), NP=np_,
                                       SPLITS_P=triton.next_power_of_2(splits), BD=bd, num_warps=1)
     return u, post, comb
 
