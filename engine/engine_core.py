@@ -21,7 +21,7 @@ from engine.cache.prefix_cache import PrefixCache, PrefixCacheStats, TierSize
 from engine.cache.state_rows import state_bytes
 from engine.checkpoint.loader import LoadedWeights, checkpoint_sizes, load_weights
 from engine.kernels.dispatch import fast_kernels_enabled
-from engine.kernels.experts.prefill import expert_tile_rows
+from engine.kernels.token_variants import covering_lengths
 from engine.kernels.kda.fla_prefill import start_kda_warm_up
 from engine.kernels.kda.fla_tuning import use_tuned_configs
 from engine.kernels.kernel_manifest import COMPILES, model_shapes, start_preload
@@ -125,19 +125,6 @@ class EngineOptions:
     prefix_cache_host_bytes: int = 0  # host RAM for prefixes evicted from the device (0: none, evictions drop)
 
 
-SHORT_PREFILL = 40  # FP8 linears tile 64 rows up to 64 tokens, 128 above: the longer lengths take the latter
-
-
-def warm_up_lengths(config: ModelConfig, longest: int) -> list[int]:
-    """Prompt lengths the start prefills once, so every kernel variant a step's token count picks is built then
-    and not inside a request: for each routed-expert tile height (expert_tile_rows, from the mean pairs per
-    expert) the longest length that takes it, and SHORT_PREFILL. (mHC builds one variant per token tile
-    whatever T; the decode graphs cover steps of up to max_num_seqs tokens.)"""
-    by_height = {expert_tile_rows(t * config.num_experts_per_tok, config.n_routed_experts): t
-                 for t in range(1, longest + 1)}
-    return sorted({*by_height.values(), min(SHORT_PREFILL, longest)}, reverse=True)
-
-
 def graph_sizes(max_num_seqs: int) -> tuple[int, ...]:
     """Powers of two up to the slot count, and the slot count itself: a step pads to the next size."""
     sizes = {1 << i for i in range(max_num_seqs.bit_length()) if 1 << i <= max_num_seqs}
@@ -210,20 +197,28 @@ class EngineCore:
             self._capture_graphs()
 
     def warm_up_prefills(self) -> None:
-        """One prefill of each length whose kernels differ (warm_up_lengths), of random tokens, so the compiles
-        those lengths need happen in the start, not in the first requests; the engine is idle after, its
-        slots free."""
+        """Prefills of random tokens, one step each, so the compiles a step's token count can call for happen in
+        the start, not in the first requests: the longest step, which runs every kernel launcher once, then one
+        length per combination of builds it has not taken (engine/kernels/token_variants.py). Outside the prefix
+        cache (which would hold back a prompt's last token, and keep random prompts); the engine is idle after,
+        its slots free."""
         if self.has_work:
             raise RuntimeError("the prefill warm-up needs an idle engine")
         start = time.perf_counter()
         longest = min(self.options.max_num_batched_tokens, self.options.max_model_len - 1)
-        lengths = warm_up_lengths(self.config, longest)
         g = torch.Generator().manual_seed(0)
-        for index, length in enumerate(lengths):
-            prompt = torch.randint(self.config.vocab_size, (length,), generator=g).tolist()
-            self.add(Sequence(f"warm-up-prefill-{index}", prompt, SamplingParams(max_tokens=1)))
-            while self.has_work:
-                self.step()
+        prefix, self.scheduler.prefix = self.scheduler.prefix, None
+        try:
+            lengths = [longest]
+            for index, length in enumerate(lengths):  # the others join once the longest has run every launcher
+                prompt = torch.randint(self.config.vocab_size, (length,), generator=g).tolist()
+                self.add(Sequence(f"warm-up-prefill-{index}", prompt, SamplingParams(max_tokens=1)))
+                while self.has_work:
+                    self.step()
+                if index == 0:
+                    lengths += covering_lengths(longest, done=lengths)
+        finally:
+            self.scheduler.prefix = prefix
         log.info("event=prefill_warm_up lengths=%s seconds=%.1f", ",".join(map(str, lengths)),
                  time.perf_counter() - start)
 

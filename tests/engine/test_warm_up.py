@@ -7,8 +7,7 @@ import threading
 import torch
 
 from engine.config import ModelConfig
-from engine.engine_core import EngineCore, warm_up_lengths
-from engine.kernels.experts.prefill import expert_tile_rows
+from engine.engine_core import EngineCore
 from engine.kernels.background import OncePerKey
 from engine.kernels.kda import fla_prefill
 from engine.tiny.factory import tiny_config
@@ -54,22 +53,6 @@ def test_the_kda_warm_up_waits_for_the_kernel_preload_whatever_its_outcome(monke
     assert calls == [("cpu", 3, 32, torch.bfloat16)]
 
 
-def test_the_warm_up_lengths_take_every_expert_tile_a_step_can_take():
-    """A step of any token count up to the budget meets only expert-tile variants the warm-up built: at the
-    release's 288 experts (top-8) and at a slice's 38."""
-    from ops.slice_snapshot import slice_config
-
-    for experts, lengths in ((288, [2048, 1152, 576, 40]), (38, [2048, 152, 76, 40])):
-        cfg = ModelConfig.from_dict(slice_config("nvfp4-ct", 2, experts))
-        assert warm_up_lengths(cfg, 2048) == lengths
-
-        def height(tokens: int) -> int:
-            return expert_tile_rows(tokens * cfg.num_experts_per_tok, experts)
-
-        assert {height(t) for t in range(1, 2049)} == {height(t) for t in lengths} == {16, 32, 64}
-    assert warm_up_lengths(cfg, 30) == [30]  # a budget under the short prefill: the budget itself
-
-
 def test_the_prefill_warm_up_leaves_an_idle_engine_that_answers_as_a_fresh_one(tiny_dir, prompt, caplog):
     """On a GPU the start prefills one prompt of each tile size (their compiles happen then); the engine is
     idle after, every slot free, and a request gets the tokens a fresh engine gives."""
@@ -85,7 +68,7 @@ def test_the_prefill_warm_up_leaves_an_idle_engine_that_answers_as_a_fresh_one(t
     warmed, ids = engine(), prompt(30, seed=7)
     with caplog.at_level("INFO", logger="glmflash.engine"):
         warmed.warm_up_prefills()
-    assert "event=prefill_warm_up lengths=128,64,40 " in caplog.text
+    assert "event=prefill_warm_up lengths=128" in caplog.text  # the longest first
     assert not warmed.has_work and warmed.stats().slots_used == 0
     params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
     got = run_together(warmed, [Sequence("after", ids, params)])[0]

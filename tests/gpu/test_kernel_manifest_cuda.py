@@ -57,11 +57,13 @@ def test_a_second_start_preloads_what_the_first_compiled(tmp_path):
     assert second["at_ready"] <= len(kept) + 5  # the preload's compiles, and little besides
 
 
-def test_a_first_start_leaves_no_compile_to_steps_of_any_length(tmp_path):
+@pytest.mark.parametrize("fmt", ["nvfp4-ct", "fp8"])
+def test_a_first_start_leaves_no_compile_to_steps_of_any_length(tmp_path, fmt):
     """No manifest, an empty Triton cache: the start's warm-up builds every variant a step's token count can
-    pick (mHC builds one per token tile, the expert tiles one per height), so prompts of assorted lengths,
-    batched into steps of assorted sizes, compile nothing after the start."""
-    snapshot = write_tiny_model(tmp_path / "tiny", "nvfp4-ct")
+    pick (engine/kernels/token_variants.py: the expert tiles' heights, the FP8 linears' K splits; mHC builds
+    one per token tile), so prompts of assorted lengths, batched into steps of assorted sizes, compile
+    nothing after the start."""
+    snapshot = write_tiny_model(tmp_path / "tiny", fmt)
     first = start(snapshot, tmp_path / "kernels.json", tmp_path / "triton", repeats=(1, 4, 11, 19, 29, 40))
     assert first["total"] - first["at_ready"] == 0, f"compiled while serving: {first['late']}"
 

@@ -22,6 +22,7 @@ from engine.kernels.experts.dequant import (
     code_position, global_multiplier, paired_operands, stack_operands, to_code_order, weight_tile,
 )
 from engine.kernels.experts.epilogue import clamped_swiglu
+from engine.kernels.token_variants import token_variants
 from engine.weights import DenseWeight, Nvfp4Weight
 
 
@@ -181,13 +182,25 @@ def _down_kernel(h_ptr, rows_ptr, block_expert_ptr, route_ptr, y_ptr, w_ptr, s_p
     tl.store(y_ptr + pair[:, None] * stride_yp + cols[None, :], y.to(y_ptr.dtype.element_ty), mask=live[:, None])
 
 
-def expert_tile_rows(pairs: int, experts: int, tiles: PrefillTiles = PrefillTiles()) -> int:
-    """Rows of a routed-expert tile for `pairs` (token, expert) pairs over `experts` experts: a kernel variant
-    each, so the start's warm-up prefills one length per height."""
-    if tiles.block_m is not None:
-        return tiles.block_m
-    mean = pairs / experts
-    return 16 if mean <= 16 else 32 if mean <= 32 else 64
+def _tile(pairs: int, experts: int, tiles: PrefillTiles, f32: bool) -> tuple[int, int]:
+    """(rows, K block) of the kernels' tiles for `pairs` (token, expert) pairs over `experts` experts."""
+    block_m = tiles.block_m
+    if block_m is None:
+        mean = pairs / experts
+        block_m = 16 if mean <= 16 else 32 if mean <= 32 else 64
+    if f32:  # IEEE fp32 dots run on the FMA units: smaller tiles stay in registers
+        return min(block_m, 32), min(tiles.block_k, 32)
+    return block_m, tiles.block_k
+
+
+_LAYERS_RUN: set[tuple[int, int, PrefillTiles, bool]] = set()  # (top-k, experts, tiles, fp32) run so far
+
+
+@token_variants
+def _builds(tokens: int) -> tuple:
+    """The tile a step of `tokens` tokens takes in each kind of MoE layer run so far."""
+    return tuple(_tile(tokens * topk, experts, tiles, f32)
+                 for topk, experts, tiles, f32 in sorted(_LAYERS_RUN, key=repr))
 
 
 def moe_prefill(x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor,
@@ -202,9 +215,9 @@ def moe_prefill(x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor
     d = stack_operands(down)
     acts = to_code_order(x, x.dtype) if g.fp4 else x.contiguous()
     route = weights.contiguous().float()
-    block_m, block_k = expert_tile_rows(pairs, experts, tiles), tiles.block_k
-    if x.dtype == torch.float32:  # IEEE fp32 dots run on the FMA units: smaller tiles stay in registers
-        block_m, block_k = min(block_m, 32), min(block_k, 32)
+    layer = (topk, experts, tiles, x.dtype == torch.float32)
+    _LAYERS_RUN.add(layer)
+    block_m, block_k = _tile(pairs, *layer[1:])
     rows, block_expert = align_by_expert(expert_ids, experts, block_m)
     dot_f32 = x.dtype == torch.float32 or not x.is_cuda  # see _dot_step
     common = dict(BLOCK_M=block_m, NUM_STAGES=tiles.num_stages, DOT_F32=dot_f32, num_warps=tiles.num_warps)

@@ -22,6 +22,7 @@ import triton.language as tl
 from engine.checkpoint.quant import FP8_BLOCK
 from engine.kernels.dispatch import register
 from engine.kernels.linear.torch_ref import linear as torch_linear
+from engine.kernels.token_variants import token_variants
 from engine.weights import Fp8BlockWeight, Weight
 
 DECODE_MAX_ROWS = 16
@@ -155,20 +156,37 @@ def _launch_shape(m: int, a_fp8: bool, f32: bool) -> tuple[int, int, int, int]:
     return 64, 64, 8, 2
 
 
+def _launch(m: int, n: int, k: int, f32: bool, sms: int) -> tuple[bool, int, int, int, int, int]:
+    """(fp8 activations, rows, columns, warps, stages, K split) of the build and launch for x [m, k] @ w [n, k]^T.
+    K is split only when the output tiles alone leave SMs idle (small N, or decode), aiming at two programs
+    per SM."""
+    a_fp8 = m > DECODE_MAX_ROWS and not f32
+    bm, bn, warps, stages = _launch_shape(m, a_fp8, f32)
+    tiles = triton.cdiv(m, bm) * triton.cdiv(n, bn)
+    steps = triton.cdiv(k, QBLOCK.value)
+    split = 1 if tiles >= sms else min(steps, triton.cdiv(2 * sms, tiles))
+    return a_fp8, bm, bn, warps, stages, triton.cdiv(steps, split) * QBLOCK.value
+
+
+_SHAPES_RUN: set[tuple[int, int, bool, int]] = set()  # (N, K, fp32 activations, SMs) of the linears run so far
+
+
+@token_variants
+def _builds(tokens: int) -> tuple:
+    """The K split and tile a step of `tokens` rows takes in each linear run so far."""
+    return tuple(_launch(tokens, *shape) for shape in sorted(_SHAPES_RUN))
+
+
 def fp8_block_linear(x: torch.Tensor, w: Fp8BlockWeight) -> torch.Tensor:
     """x [M, K] (any M, incl. 1) @ dequantize(w)^T -> [M, N] in x's dtype."""
     assert w.block == FP8_BLOCK and w.data.stride(-1) == 1 and w.scale_inv.stride(-1) == 1
     x = x if x.stride(-1) == 1 else x.contiguous()
     m, k = x.shape
     n = w.data.shape[0]
-    a_fp8 = m > DECODE_MAX_ROWS and x.dtype != torch.float32
+    shape = (n, k, x.dtype == torch.float32, sm_count(x.device))
+    _SHAPES_RUN.add(shape)
+    a_fp8, bm, bn, warps, stages, k_split = _launch(m, *shape)
     a, a_s = quantize_activations(x) if a_fp8 else (x, x)  # a_s is never read without fp8 activations
-    bm, bn, warps, stages = _launch_shape(m, a_fp8, x.dtype == torch.float32)
-    tiles = triton.cdiv(m, bm) * triton.cdiv(n, bn)
-    steps = triton.cdiv(k, QBLOCK.value)
-    # Split K only when the output tiles alone leave SMs idle (small N, or decode), aiming at two programs per SM.
-    split = 1 if tiles >= sm_count(x.device) else min(steps, triton.cdiv(2 * sm_count(x.device), tiles))
-    k_split = triton.cdiv(steps, split) * QBLOCK.value
     split = triton.cdiv(k, k_split)
     out = torch.empty(split, m, n, dtype=x.dtype if split == 1 else torch.float32, device=x.device)
     _fp8_linear_kernel[(triton.cdiv(m, bm), triton.cdiv(n, bn), split)](
