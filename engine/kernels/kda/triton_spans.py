@@ -20,6 +20,7 @@ import triton.language as tl
 from engine.kernels.dispatch import register
 from engine.kernels.kda.torch_ref import ConvRows, kda_spans as chunked_spans
 from engine.kernels.kda.triton_decode import _delta_rule, _gated_norm, _l2norm
+from engine.kernels.token_variants import token_variants
 
 # The longest span (tokens) the recurrence takes: its programs walk the span in series, ~1-3 us a token
 # (est.), so up to here it costs less device time than the chunked path's host time.
@@ -27,6 +28,14 @@ SHORT_SPAN_TOKENS = 128
 # One dv-tile width whatever the span count, so one specialization serves every step and a start precompiles
 # it (ops.bench_kda's short spans on an H200, 64 heads of 128: 1 x 128 tokens in 296 us a layer at this width).
 SPAN_BLOCK_V = 32
+_SHAPES_RUN: set[tuple[int, int]] = set()  # (heads, head dim) of the layers run so far
+
+
+@token_variants
+def _builds(tokens: int) -> tuple:
+    """A prefill of one span of `tokens` tokens takes the recurrence, or past SHORT_SPAN_TOKENS the chunked
+    path: different kernels (the warm-up prefills one of each)."""
+    return tuple((shape, tokens <= SHORT_SPAN_TOKENS) for shape in sorted(_SHAPES_RUN))
 
 
 @triton.jit
@@ -114,6 +123,7 @@ def kda_spans(qkv: torch.Tensor, f: torch.Tensor, beta_logits: torch.Tensor, gat
               *, block_v: int | None = None) -> torch.Tensor:
     """Same contract as the torch reference `kda_spans`; spans longer than SHORT_SPAN_TOKENS take its chunked
     path (fla's chunk_kda on CUDA)."""
+    _SHAPES_RUN.add((decay_rate.shape[0], o_norm.shape[0]))
     if longest > SHORT_SPAN_TOKENS:
         return chunked_spans(qkv, f, beta_logits, gate_out, conv_state, conv_weight, rec_state, slots, cu_seqlens,
                              conv_rows, longest, decay_rate, dt_bias, o_norm, lower_bound, eps)

@@ -9,6 +9,7 @@ import torch
 from engine.checkpoint.quant import quantize_fp8_block
 from engine.kernels import token_variants
 from engine.kernels.experts import prefill
+from engine.kernels.kda import triton_spans
 from engine.kernels.linear import triton_linear
 from engine.kernels.token_variants import covering_lengths, variant_key
 from engine.weights import Fp8BlockWeight
@@ -59,3 +60,11 @@ def test_the_expert_tile_each_count_takes_is_one_the_warm_up_takes(monkeypatch, 
     heights = {t: prefill._builds(t)[0][0] for t in range(1, 2049)}
     assert sorted({heights[t] for t in warmed}) == sorted(set(heights.values())) == [16, 32, 64]
     assert len(warmed) == 3
+
+
+def test_a_short_prefill_warms_the_kda_recurrence_and_a_long_one_the_chunked_path(monkeypatch):
+    monkeypatch.setattr(triton_spans, "_SHAPES_RUN", {(64, 128)})
+    monkeypatch.setattr(token_variants, "_VARIANTS", [triton_spans._builds])
+    assert covering_lengths(2048, done=[2048]) == [triton_spans.SHORT_SPAN_TOKENS]
+    monkeypatch.setattr(triton_spans, "_SHAPES_RUN", set())  # a model without KDA layers: nothing to add
+    assert covering_lengths(2048, done=[2048]) == []
