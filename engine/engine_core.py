@@ -21,10 +21,10 @@ from engine.cache.prefix_cache import PrefixCache, PrefixCacheStats, TierSize
 from engine.cache.state_rows import state_bytes
 from engine.checkpoint.loader import LoadedWeights, checkpoint_sizes, load_weights
 from engine.kernels.dispatch import fast_kernels_enabled
-from engine.kernels.token_variants import covering_lengths
 from engine.kernels.kda.fla_prefill import start_kda_warm_up
 from engine.kernels.kda.fla_tuning import use_tuned_configs
 from engine.kernels.kernel_manifest import COMPILES, model_shapes, start_preload
+from engine.kernels.token_variants import covering_lengths
 from engine.config import ModelConfig
 from engine.checkpoint.availability import ExpertAvailability
 from engine.experts import default_executor, executor_class
