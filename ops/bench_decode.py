@@ -36,7 +36,8 @@ from engine.tiny.factory import synthetic_weights, tiny_config
 from engine.checkpoint.layout import EXPERT_KEY, EXPERT_PROJS, text_specs
 from engine.offload.placement import reserve_bytes, slots_per_layer
 from ops.bench_cpu_moe import read_bandwidth
-from ops.bench_engine import nbytes, copy_bandwidth, reference_model, slice_text_config, sync, time_reference
+from ops.bench_engine import (copy_bandwidth, device_kernels, nbytes, reference_model, slice_text_config, sync,
+                              time_reference)
 
 FULL_LAYERS = 45
 # Hybrid figures start once swaps have settled (see settle_swaps): a window of steps, and a cap on the warm-up.
@@ -369,9 +370,9 @@ def profile_step(llm: LLM, device: torch.device, steps: int = 8) -> None:
     print(f"profile: {steps} eager batch-1 decode steps, {llm.config.num_layers} layers", flush=True)
     print(prof.key_averages().table(sort_by=sort, row_limit=45, max_name_column_width=70), flush=True)
     if device.type == "cuda":
-        kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
-        print(f"profile_kernels_per_step={len(kernels) / steps:.0f}", flush=True)
-        print(f"profile_kernel_ms_per_step={sum(e.device_time for e in kernels) / steps / 1e3:.3f}", flush=True)
+        kernels, seconds = device_kernels(prof)
+        print(f"profile_kernels_per_step={kernels / steps:.0f}", flush=True)
+        print(f"profile_kernel_ms_per_step={seconds / steps * 1e3:.3f}", flush=True)
 
 
 if __name__ == "__main__":

@@ -52,6 +52,12 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize()
 
 
+def device_kernels(prof) -> tuple[int, float]:
+    """(kernels, their device seconds) a torch.profiler run recorded: what the device was busy with."""
+    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    return len(kernels), sum(e.device_time for e in kernels) / 1e6
+
+
 def copy_bandwidth(device: torch.device, nbytes: int) -> float:
     """Measured device copy rate in GB/s (bytes read + written)."""
     src = torch.empty(nbytes // 2, dtype=torch.uint8, device=device)

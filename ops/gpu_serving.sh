@@ -8,7 +8,7 @@
 # boot:  process start to /ready and to the first token, cold and fast_resume, against raw reads of the same
 #        bytes with the page cache dropped; then the same with early readiness (tok/s while experts fill in).
 #        On a full-width NVFP4 slice on the local disk, its prepared snapshot beside it in WORK_DIR/cache:
-#          python3 -m ops.slice_snapshot WORK_DIR/slice --gib SLICE_GIB
+#          python3 -m ops.slice_snapshot WORK_DIR/slice --gib SLICE_GIB [--layers SLICE_LAYERS]
 #          python3 -m ops.bench_boot --cache-dir WORK_DIR/cache --model WORK_DIR/slice [--ready-at partial] \
 #              -- --device cuda
 # serve: the multi-turn agent workload on that slice, prefix cache on and off (8 conversations of 8 turns over a
@@ -21,6 +21,9 @@
 # boot run reads the slice six times and writes it once (~1.5 GB/s on an H200 machine's disk). The issue's
 # >= 20 GB (SLICE_GIB=20: 18.8 GiB, 4 layers, one of them DSA) fits a run without the tests:
 #          SLICE_GIB=20 bash ops/gpu_serving.sh OUT_DIR boot serve
+# SLICE_LAYERS fixes the slice's depth instead (its experts per layer what SLICE_GIB allows): SLICE_LAYERS=12
+# gives the release's 3:1 KDA:DSA mix and per-layer prefill work (38 experts a layer at 12 GiB), the slice the
+# agent workload's TTFT is reported on.
 # Each cold start also compiles the full-width Triton kernels (beside its reads: 30-50 s on an H200, fla's tuning
 # shipped), less what the image's build compiled: as the Docker image does, the boot part first compiles the
 # package's manifests into WORK_DIR/prebuilt (`python -m engine.kernels.prebuilt`, timed; PREBUILT=0 leaves it
@@ -41,6 +44,7 @@ exec > >(tee -a "$out/run.log") 2>&1
 device=${DEVICE:-cuda}
 dtype=$([ "$device" = cuda ] && echo bfloat16 || echo float32)
 slice_gib=${SLICE_GIB:-12}
+slice_layers=${SLICE_LAYERS:-}
 agent_args=${AGENT_ARGS:---conversations 8 --turns 8 --system-tokens 330 --user-tokens 8 --max-tokens 16 --ignore-eos}
 structured_args=${STRUCTURED_ARGS:---batch 1 16}
 has() { [[ " $parts " == *" $1 "* ]]; }
@@ -99,7 +103,7 @@ fi
 if has boot; then
   echo "### boot"
   rm -rf "$cache/models"  # bench_boot starts each round without a prepared snapshot anyway
-  [ "$(cat "$work/slice.gib" 2>/dev/null)" = "$slice_gib" ] && [ -e "$slice/model.safetensors.index.json" ] \
+  [ "$(cat "$work/slice.gib" 2>/dev/null)" = "$slice_gib $slice_layers" ] && [ -e "$slice/model.safetensors.index.json" ] \
     || rm -rf "$slice" "$work/slice.gib"
   free_gib=$(df -B1G --output=avail "$work" | tail -1 | tr -d ' ')
   built=$([ -e "$slice/model.safetensors.index.json" ] && echo 0 || echo 1)
@@ -112,7 +116,7 @@ if has boot; then
   df -h "$work" | tee -a "$out/env.log"
   if [ ! -e "$slice/model.safetensors.index.json" ]; then
     step 120 $((160 + reserve_serve)) "$out/boot.log" python3 -m ops.slice_snapshot "$slice" --gib "$slice_gib" \
-      && echo "$slice_gib" > "$work/slice.gib"
+      ${slice_layers:+--layers "$slice_layers"} && echo "$slice_gib $slice_layers" > "$work/slice.gib"
   fi
   if [ "${PREBUILT:-$([ "$device" = cuda ] && echo 1 || echo 0)}" = 1 ]; then  # what the image's build compiles
     rm -rf "$work/prebuilt"

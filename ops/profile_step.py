@@ -6,10 +6,13 @@ runs that shape through `EngineCore` directly (no server): `--decoders` requests
 turn one request whose prompt extends a cached one by `--new-tokens` tokens; each such turn's steps up to
 its first token are timed (wall, device synchronized by the sampler) and profiled with cProfile, which
 on CUDA sees what the host spends per launch and where it waits. Prints the mean step wall time of those
-steps and of plain decode steps, then the top functions by own time and by cumulative time.
+steps and of plain decode steps, then the top functions by own time and by cumulative time. With
+`--profiler torch` the same steps run under torch.profiler instead: the ops and kernels by the device time
+they took (CUDA) and that time per step next to the wall time, i.e. how busy the device was.
 
     python -m ops.profile_step --device cuda                     # the embedded tiny model
     python -m ops.profile_step --model SNAPSHOT --device cuda    # a slice (ops/slice_snapshot.py)
+    python -m ops.profile_step --model SNAPSHOT --device cuda --profiler torch
 """
 
 from __future__ import annotations
@@ -23,10 +26,13 @@ import tempfile
 import time
 from pathlib import Path
 
+import torch
+
 from engine.engine_core import EngineCore
 from engine.llm import LLM
 from engine.sampling_params import SamplingParams
 from engine.tiny.factory import write_tiny_model
+from ops.bench_engine import device_kernels
 
 
 def main() -> None:
@@ -40,6 +46,8 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=50, help="tokens a turn adds to its cached prompt")
     parser.add_argument("--turns", type=int, default=8)
     parser.add_argument("--top", type=int, default=40)
+    parser.add_argument("--profiler", choices=("cprofile", "torch"), default="cprofile",
+                        help="host functions (cProfile) or ops and kernels by device time (torch.profiler)")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         model = args.model or write_tiny_model(Path(tmp) / "tiny", seed=0)
@@ -64,7 +72,7 @@ def profile(llm: LLM, args: argparse.Namespace) -> None:
     decode_s = timed_steps(core, 16)
     first_turn = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
     turn_steps: list[float] = []
-    profiler = cProfile.Profile()
+    profiler = cProfile.Profile() if args.profiler == "cprofile" else TorchProfile(core.runner.model.device)
     for turn in range(args.turns + 1):  # the first turn warms the shapes, unprofiled
         prompt = tokens(args.prompt_tokens)
         first = llm._sequence(prompt, first_turn)
@@ -89,10 +97,44 @@ def profile(llm: LLM, args: argparse.Namespace) -> None:
           f"turns={args.turns} cached_tokens={prefix.hit_tokens if prefix else 0}", flush=True)
     print(f"decode_step_ms={sum(decode_s) / len(decode_s) * 1e3:.2f} "
           f"turn_steps={len(turn_steps)} turn_step_ms={sum(turn_steps) / len(turn_steps) * 1e3:.2f}", flush=True)
+    if isinstance(profiler, TorchProfile):
+        profiler.report(len(turn_steps), sum(turn_steps), args.top)
+        return
     for sort in ("tottime", "cumulative"):
         out = io.StringIO()
         pstats.Stats(profiler, stream=out).sort_stats(sort).print_stats(args.top)
         print(out.getvalue(), flush=True)
+
+
+class TorchProfile:
+    """torch.profiler in cProfile's enable/disable shape: one profile over the steps it is enabled for."""
+
+    def __init__(self, device: torch.device) -> None:
+        from torch.profiler import ProfilerActivity, profile
+
+        self.cuda = device.type == "cuda"
+        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.cuda else [])
+        self.profile = profile(activities=activities)
+        self.started = False
+
+    def enable(self) -> None:
+        if not self.started:
+            self.profile.start()
+            self.started = True
+        self.profile.toggle_collection_dynamic(True, self.profile.activities)
+
+    def disable(self) -> None:
+        self.profile.toggle_collection_dynamic(False, self.profile.activities)
+
+    def report(self, steps: int, wall_s: float, top: int) -> None:
+        """Ops and kernels by device time (CPU time without a GPU), and the device's busy share of the steps."""
+        self.profile.stop()
+        if self.cuda:
+            kernels, busy_s = device_kernels(self.profile)
+            print(f"kernels_per_step={kernels / steps:.0f} device_ms_per_step={busy_s * 1e3 / steps:.2f} "
+                  f"wall_ms_per_step={wall_s * 1e3 / steps:.2f} device_busy={busy_s / wall_s:.2f}", flush=True)
+        sort = "cuda_time_total" if self.cuda else "cpu_time_total"
+        print(self.profile.key_averages().table(sort_by=sort, row_limit=top, max_name_column_width=70), flush=True)
 
 
 def timed_steps(core: EngineCore, steps: int) -> list[float]:
