@@ -184,7 +184,7 @@ def main() -> None:
     slots = None
     if hybrid:
         slots = auto_slots(cfg, args.format, device) if args.expert_slots == "auto" else int(args.expert_slots)
-        report({"expert_slots_per_layer": slots, "host_read_GBps": read_bandwidth(4 << 30)})
+        report({"expert_slots_per_layer": slots, "host_read_GBps": read_bandwidth(torch.ones((4 << 30) // 4))})
     weights = synthetic_weights(cfg, args.format, device, dtype, expert_slots=slots, expert_variety=args.expert_variety)
     if args.routing_skew:
         skew_routing(cfg, weights, args.routing_skew)
