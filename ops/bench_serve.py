@@ -53,6 +53,8 @@ from typing import Any, AsyncIterator, Iterator
 
 import aiohttp
 
+from worker.metrics import samples
+
 WORDS = ("time year people way day man thing woman life child world school state family student group country "
          "problem hand part place case week company system program question work number night point home water "
          "room mother area money story fact month lot right study book eye job word business issue side kind "
@@ -374,19 +376,13 @@ async def run_agent(args: argparse.Namespace, base_url: str, name: str) -> dict[
 
 
 async def server_metrics(session: aiohttp.ClientSession, base_url: str) -> dict[str, float]:
-    """Sample name (labels included, as written) -> value from the server's /metrics; empty when it has none."""
+    """Sample name (labels included) -> value from the server's /metrics; empty when it has none."""
     root = base_url.rstrip("/").removesuffix("/v1")
     try:
         async with session.get(f"{root}/metrics") as resp:
-            text = await resp.text() if resp.status == 200 else ""
+            return samples(await resp.text()) if resp.status == 200 else {}
     except aiohttp.ClientError:
         return {}
-    samples = {}
-    for line in text.splitlines():
-        name, _, value = line.rpartition(" ")
-        if name and not line.startswith("#"):
-            samples[name] = float(value)
-    return samples
 
 
 def engine_breakdown(before: dict[str, float], after: dict[str, float]) -> dict[str, float | None]:

@@ -134,16 +134,11 @@ class Server:
 
     def metrics(self) -> dict[str, float]:
         """Sample name (with labels) -> value, from GET /metrics."""
-        from prometheus_client.parser import text_string_to_metric_families
+        from worker.metrics import samples
 
         status, _, body = self.get("/metrics")
         assert status == 200
-        out: dict[str, float] = {}
-        for family in text_string_to_metric_families(body.decode()):
-            for sample in family.samples:
-                labels = ",".join(f'{k}="{v}"' for k, v in sorted(sample.labels.items()))
-                out[f"{sample.name}{{{labels}}}" if labels else sample.name] = sample.value
-        return out
+        return samples(body.decode())
 
     def metric(self, name: str) -> float:
         return self.metrics().get(name, 0.0)
