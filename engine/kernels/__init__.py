@@ -3,6 +3,7 @@
 from engine.kernels import dispatch
 from engine.kernels.experts import gather as _gather  # noqa: F401
 from engine.kernels.indexer import torch_ref as _indexer  # noqa: F401
+from engine.kernels.indexer import triton_indexer as _indexer_triton  # noqa: F401
 from engine.kernels.kda import fla_prefill as _kda_prefill  # noqa: F401
 from engine.kernels.kda import torch_ref as _kda  # noqa: F401
 from engine.kernels.kda import triton_decode as _kda_decode  # noqa: F401
@@ -16,6 +17,7 @@ from engine.kernels.norm import triton_norm as _norm_triton  # noqa: F401
 from engine.kernels.router import torch_ref as _router  # noqa: F401
 from engine.kernels.router import triton_router as _router_triton  # noqa: F401
 from engine.kernels.sparse_mla import torch_ref as _sparse_mla  # noqa: F401
+from engine.kernels.sparse_mla import triton_sparse_mla as _sparse_mla_triton  # noqa: F401
 
 kernel = dispatch.kernel
 __all__ = ["kernel"]

@@ -18,9 +18,9 @@ from engine.model.layers import FusedLinear, linear, rms_norm
 class SpanRows:
     """A mixed step's multi-token spans as cache rows, built on the host once per step and read by every DSA
     layer: where the new latents go, which keys complete which pools (sources: each span's open pool, B * kpool
-    rows in span order, then the new keys) and which stay open, and per span the rows of all its keys and
-    complete pools. Each layer then writes all spans' latents and pools in a few launches, where computing the
-    rows on the device cost a dozen launches per span and layer."""
+    rows in span order, then the new keys) and which stay open, and the spans' page tables with each new
+    token's span and position. Each layer then writes, selects and attends for all spans in a few launches,
+    where a launch chain per span and layer left the step waiting on the host."""
 
     latents: torch.Tensor  # [N] cache row of each new token, spans one after another
     pool_members: torch.Tensor  # [P, kpool] source rows of each pool the step completes
@@ -28,43 +28,47 @@ class SpanRows:
     open_sources: torch.Tensor  # [M] source rows of the keys left in an open pool
     open_slots: torch.Tensor  # [M] their request slot
     open_places: torch.Tensor  # [M] and place in it (position % kpool)
-    keys: list[torch.Tensor]  # per span: cache rows of positions 0 .. total
-    pools: list[torch.Tensor]  # per span: rows of its complete pools
-    positions: list[torch.Tensor]  # per span: positions of its new tokens
+    seqs: torch.Tensor  # [N] each new token's span (its row of page_table)
+    positions: torch.Tensor  # [N] and position
+    page_table: torch.Tensor  # [B, pages] each span's pages, padded with its last page
+    n_pools: int  # complete pools of the longest span: the columns the indexer scores
 
     @classmethod
     def of(cls, spans: list[SeqSpan], cache: PagedLatents, kpool: int, device: torch.device) -> "SpanRows":
-        parts: dict[str, list[torch.Tensor]] = {name: [] for name in cls.__dataclass_fields__}
+        parts: dict[str, list[torch.Tensor]] = {name: [] for name in cls._index_fields()}
         new_keys = len(spans) * kpool  # source row of the first new key
+        width = max(len(span.pages) for span in spans)
         for index, span in enumerate(spans):
             pages, cached = torch.tensor(span.pages).unsqueeze(0), span.cached
-            everything = torch.arange(span.total)
-            keys = cache.rows_at(pages, everything.unsqueeze(0))[0]
+            new = torch.arange(cached, span.total)
             completed = torch.arange(cached // kpool, span.total // kpool)
             still_open = torch.arange(max(cached, span.total // kpool * kpool), span.total)
             members = completed.unsqueeze(1) * kpool + torch.arange(kpool)
-            parts["latents"].append(keys[cached:])
+            parts["latents"].append(cache.rows_at(pages, new.unsqueeze(0))[0])
             parts["pool_members"].append(_key_sources(members.flatten(), cached, index * kpool, new_keys, kpool))
             parts["pool_targets"].append(cache.pool_rows_at(pages, completed.unsqueeze(0))[0])
             parts["open_sources"].append(_key_sources(still_open, cached, index * kpool, new_keys, kpool))
             parts["open_slots"].append(torch.full_like(still_open, span.slot))
             parts["open_places"].append(still_open % kpool)
-            parts["keys"].append(keys)
-            parts["pools"].append(cache.pool_rows_at(pages, torch.arange(span.total // kpool).unsqueeze(0))[0])
-            parts["positions"].append(everything[cached:])
+            parts["seqs"].append(torch.full_like(new, index))
+            parts["positions"].append(new)
+            parts["page_table"].append(torch.tensor(span.pages + span.pages[-1:] * (width - len(span.pages))))
             new_keys += span.new
-        return cls._packed(parts, kpool, device)
+        return cls._packed(parts, kpool, width, max(span.total for span in spans) // kpool, device)
 
     @classmethod
-    def _packed(cls, parts: dict[str, list[torch.Tensor]], kpool: int, device: torch.device) -> "SpanRows":
-        """Every index tensor to the device in one copy (one host sync); fields are views of it, a field's spans
-        side by side."""
-        names = list(cls.__dataclass_fields__)
+    def _index_fields(cls) -> list[str]:
+        return [name for name in cls.__dataclass_fields__ if name != "n_pools"]
+
+    @classmethod
+    def _packed(cls, parts: dict[str, list[torch.Tensor]], kpool: int, width: int, n_pools: int,
+                device: torch.device) -> "SpanRows":
+        """Every index tensor to the device in one copy (one host sync); fields are views of it."""
+        names = cls._index_fields()
         packed = torch.cat([t for name in names for t in parts[name]]).to(device)
         whole = dict(zip(names, packed.split([sum(t.numel() for t in parts[name]) for name in names])))
-        per_span = {name: list(whole[name].split([t.numel() for t in parts[name]]))
-                    for name in ("keys", "pools", "positions")}
-        return cls(**{**whole, **per_span, "pool_members": whole["pool_members"].view(-1, kpool)})
+        return cls(**{**whole, "pool_members": whole["pool_members"].view(-1, kpool),
+                      "page_table": whole["page_table"].view(-1, width)}, n_pools=n_pools)
 
 
 def _key_sources(positions: torch.Tensor, cached: int, held: int, new: int, kpool: int) -> torch.Tensor:
@@ -106,29 +110,23 @@ class Indexer:
             cache.pool_keys[layer, rows.pool_targets] = pooled
         open_pool[rows.open_slots, rows.open_places] = sources[rows.open_sources]
 
-    def add_and_select_decode(self, q: torch.Tensor, weights: torch.Tensor, keys_gates: torch.Tensor,
-                              meta: DecodeMeta, open_pool: torch.Tensor, cache: PagedLatents,
-                              layer: int) -> torch.Tensor:
-        """Decode step of B requests with static shapes: append each token's key, select over every pool
-        the page table can hold (pools a query cannot see yet are masked). -> pool ids [B, W]."""
+    def add_decode(self, keys_gates: torch.Tensor, meta: DecodeMeta, open_pool: torch.Tensor, cache: PagedLatents,
+                   layer: int) -> None:
+        """Decode step of B requests with static shapes: append each token's key and pool its open pool."""
         kp, d = self.cfg.index_kpool, self.cfg.index_head_dim
         pos = meta.positions
         open_pool[meta.slots, pos % kp] = keys_gates
         groups = open_pool[meta.slots]
-        pooled = kernel("index_pool", q.device.type)(groups[..., :d], groups[..., d:], self.ape)
+        pooled = kernel("index_pool", keys_gates.device.type)(groups[..., :d], groups[..., d:], self.ape)
         # Written at every step: a pool becomes visible only once complete, and its last token rewrites it.
         cache.pool_keys[layer, cache.pool_rows_at(meta.page_table, (pos // kp).unsqueeze(1)).squeeze(1)] = pooled
-        n_pools = meta.page_table.shape[1] * cache.page_size // kp
-        every_pool = torch.arange(n_pools, device=q.device).expand(pos.shape[0], -1)
-        pool_keys = cache.pool_keys[layer, cache.pool_rows_at(meta.page_table, every_pool)]  # [B, P, d]
-        return kernel("index_select", q.device.type)(q, weights, pool_keys, (pos + 1) // kp,
-                                                     self.cfg.index_select_pools)
 
-    def select(self, q: torch.Tensor, weights: torch.Tensor, pools: torch.Tensor, positions: torch.Tensor,
-               cache: PagedLatents, layer: int) -> torch.Tensor:
-        """Pool ids [n, W] for one span's queries at `positions`, among its complete pools (cache rows `pools`)."""
-        return kernel("index_select", q.device.type)(q, weights, cache.pool_keys[layer, pools],
-                                                     (positions + 1) // self.cfg.index_kpool,
+    def select(self, q: torch.Tensor, weights: torch.Tensor, page_table: torch.Tensor, seqs: torch.Tensor | None,
+               positions: torch.Tensor, n_pools: int, cache: PagedLatents, layer: int) -> torch.Tensor:
+        """Pool ids [T, W] for queries at `positions` of the sequences `seqs` (rows of page_table; None: one row
+        per query), among the first `n_pools` pools of their rows that are complete before them."""
+        return kernel("index_select", q.device.type)(q, weights, cache.pool_keys[layer], page_table, seqs,
+                                                     positions, n_pools, cache.per_page_pools, self.cfg.index_kpool,
                                                      self.cfg.index_select_pools)
 
 
@@ -168,12 +166,12 @@ class DsaMixer:
     def _attend_decode(self, q_abs: torch.Tensor, latent: torch.Tensor, iq: torch.Tensor, iw: torch.Tensor,
                        ikg: torch.Tensor, meta: DecodeMeta, open_pool: torch.Tensor,
                        cache: PagedLatents) -> torch.Tensor:
-        cfg, layer = self.cfg, self.cache_index
+        layer = self.cache_index
         cache.latents[layer, cache.rows_at(meta.page_table, meta.positions.unsqueeze(1)).squeeze(1)] = latent
-        pool_ids = self.indexer.add_and_select_decode(iq, iw, ikg, meta, open_pool, cache, layer)
-        return kernel("sparse_mla_decode", q_abs.device.type)(
-            q_abs, cache.latents[layer], pool_ids, meta.positions, meta.page_table, cache.page_size,
-            cfg.index_kpool, cfg.qk_nope_head_dim ** -0.5, cfg.index_always_select_tail)
+        self.indexer.add_decode(ikg, meta, open_pool, cache, layer)
+        every_pool = meta.page_table.shape[1] * cache.per_page_pools
+        pool_ids = self.indexer.select(iq, iw, meta.page_table, None, meta.positions, every_pool, cache, layer)
+        return self._attend(q_abs, pool_ids, meta.positions, meta.page_table, None, cache)
 
     def _attend_spans(self, q_abs: torch.Tensor, latent: torch.Tensor, iq: torch.Tensor, iw: torch.Tensor,
                       ikg: torch.Tensor, batch: ForwardBatch, open_pool: torch.Tensor,
@@ -191,10 +189,14 @@ class DsaMixer:
         rows = batch.layout(SpanRows, lambda: SpanRows.of(multi, cache, cfg.index_kpool, q_abs.device))
         cache.latents[layer, rows.latents] = latent[prefill]
         self.indexer.add_tokens(ikg[prefill], rows, slot_ids, open_pool, cache, layer)
-        for span, keys, pools, positions in zip(multi, rows.keys, rows.pools, rows.positions):
-            sl = span.rows
-            pool_ids = self.indexer.select(iq[sl], iw[sl], pools, positions, cache, layer)
-            out[sl] = kernel("sparse_mla", q_abs.device.type)(
-                q_abs[sl], cache.latents[layer, keys], pool_ids, positions, cfg.index_kpool,
-                cfg.qk_nope_head_dim ** -0.5, cfg.index_always_select_tail)
+        pool_ids = self.indexer.select(iq[prefill], iw[prefill], rows.page_table, rows.seqs, rows.positions,
+                                       rows.n_pools, cache, layer)
+        out[prefill] = self._attend(q_abs[prefill], pool_ids, rows.positions, rows.page_table, rows.seqs, cache)
         return out
+
+    def _attend(self, q_abs: torch.Tensor, pool_ids: torch.Tensor, positions: torch.Tensor,
+                page_table: torch.Tensor, seqs: torch.Tensor | None, cache: PagedLatents) -> torch.Tensor:
+        cfg = self.cfg
+        return kernel("sparse_mla", q_abs.device.type)(
+            q_abs, cache.latents[self.cache_index], pool_ids, positions, page_table, seqs, cache.page_size,
+            cfg.index_kpool, cfg.qk_nope_head_dim ** -0.5, cfg.index_always_select_tail)

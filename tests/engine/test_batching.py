@@ -47,7 +47,8 @@ def test_chunked_prefill_equals_one_prefill(tiny_dir, prompt):
 def test_spans_of_one_step_equal_each_prefill_alone(tiny_dir, prompt):
     """One step continuing several prefills at once (each from mid-pool, across page borders) and a prompt's last
     token: every row equals a single prefill of that prompt, and the step runs its spans together: one short
-    conv per KDA layer, one pooling of the spans' keys and one decode pass for the lone token per DSA layer."""
+    conv per KDA layer; per DSA layer one pooling, selection and attention for the spans and one decode pass
+    for the lone token."""
     llm = LLM(tiny_dir("bf16"), dtype="float32", page_size=8, prefix_cache=False)
     prompts = [prompt(n, seed=40 + n) for n in (50, 61, 37, 20)]
     first = (13, 22, 6, 19)  # held pool keys: 13 % 4, 22 % 4, 6 % 4; the last one has 1 token left
@@ -56,11 +57,11 @@ def test_spans_of_one_step_equal_each_prefill_alone(tiny_dir, prompt):
         assert llm.scheduler.try_admit(seq)
     for seq, n in zip(seqs, first):
         llm.runner.run([(seq, n)], all_rows=True)
-    with count_kernel_calls(("short_conv_varlen", "index_pool", "sparse_mla", "sparse_mla_decode")) as calls:
+    with count_kernel_calls(("short_conv_varlen", "index_pool", "index_select", "sparse_mla")) as calls:
         rows = llm.runner.run([(seq, len(seq.prompt_token_ids) - n) for seq, n in zip(seqs, first)], all_rows=True)
     cfg = llm.core.config
     kda, dsa = len(cfg.kda_layers), len(cfg.dsa_layers)  # index_pool: the spans' pools, the lone token's pool
-    assert calls == {"short_conv_varlen": kda, "index_pool": 2 * dsa, "sparse_mla": 3 * dsa, "sparse_mla_decode": dsa}
+    assert calls == {"short_conv_varlen": kda, "index_pool": 2 * dsa, "index_select": 2 * dsa, "sparse_mla": 2 * dsa}
     for seq in seqs:
         llm.scheduler.finish(seq)
     start = 0

@@ -87,8 +87,10 @@ def test_pool_ties_break_toward_earlier_pools_whatever_the_row_width():
     q = -torch.ones(1, 2, 4)  # every score relu-clips to zero against positive keys
     keys = torch.ones(12, 4)
     weights = torch.ones(1, 2)
-    narrow = index_select(q, weights, keys[:6], torch.tensor([6]), select=3)
-    wide = index_select(q, weights, keys.unsqueeze(0), torch.tensor([6]), select=3)
+    position = torch.tensor([6 * 4 + 3])  # kpool 4: pools 0..6 complete
+    one_page, two_pages = torch.tensor([[0]]), torch.tensor([[0, 1]])
+    narrow = index_select(q, weights, keys, one_page, None, position, 7, 7, 4, select=3)
+    wide = index_select(q, weights, keys, two_pages, None, position, 12, 6, 4, select=3)
     assert narrow.tolist() == wide.tolist() == [[0, 1, 2]]
 
 

@@ -6,6 +6,8 @@ import torch
 
 from engine.kernels.dispatch import register
 
+QUERY_BLOCK = 256  # queries whose gathered pool keys are held at once: [block, pools, d]
+
 
 @register("index_pool", "torch")
 def index_pool(keys: torch.Tensor, gates: torch.Tensor, ape: torch.Tensor) -> torch.Tensor:
@@ -14,24 +16,42 @@ def index_pool(keys: torch.Tensor, gates: torch.Tensor, ape: torch.Tensor) -> to
     return (probs * keys).sum(dim=1)
 
 
-@register("index_select", "torch")
-def index_select(q: torch.Tensor, weights: torch.Tensor, pool_keys: torch.Tensor, visible: torch.Tensor,
-                 select: int) -> torch.Tensor:
-    """Top pools per query. q [T, Hi, d]; weights [T, Hi] fp32 (already scaled by Hi^-0.5);
-    pool_keys [P, d] shared by all queries, or [T, P, d] one set per query (a decode batch);
-    visible [T] = number of complete pools each query may see.
-
-    Returns pool ids [T, min(select, P)], -1 where the query sees fewer pools than that.
-    """
-    n_pools = pool_keys.shape[-2]
-    width = min(select, n_pools)
-    if width == 0:
-        return torch.empty(q.shape[0], 0, dtype=torch.long, device=q.device)
+def pool_scores(q: torch.Tensor, weights: torch.Tensor, pool_keys: torch.Tensor) -> torch.Tensor:
+    """Index scores [T, P] fp32: sum over heads of weight x relu(q . key / sqrt(d)). q [T, Hi, d]; weights
+    [T, Hi] fp32 (already scaled by Hi^-0.5); pool_keys [T, P, d], one row of pools per query."""
     scores = torch.relu((q.float() @ pool_keys.float().transpose(-1, -2)) * q.shape[-1] ** -0.5)  # [T, Hi, P]
-    index = torch.matmul(weights.float().unsqueeze(-2), scores).squeeze(-2)  # [T, P]
-    ok = torch.arange(n_pools, device=q.device) < visible.unsqueeze(-1)
-    index = index.masked_fill(~ok, torch.finfo(index.dtype).min)
+    return torch.matmul(weights.float().unsqueeze(-2), scores).squeeze(-2)
+
+
+def top_pools(scores: torch.Tensor, visible: torch.Tensor, select: int) -> torch.Tensor:
+    """Pool ids [T, min(select, P)] of the highest scores [T, P] among each query's `visible` first pools,
+    -1 where it sees fewer than that."""
+    width = min(select, scores.shape[-1])
+    ok = torch.arange(scores.shape[-1], device=scores.device) < visible.unsqueeze(-1)
+    scores = scores.masked_fill(~ok, torch.finfo(scores.dtype).min)
     # Pools whose heads all clip to zero tie exactly; a stable sort breaks ties toward the earlier pool,
     # so the choice never depends on how many pools the row holds (decode scans a fixed-width row).
-    chosen = index.sort(dim=-1, descending=True, stable=True).indices[..., :width]
+    chosen = scores.sort(dim=-1, descending=True, stable=True).indices[..., :width]
     return chosen.masked_fill(~ok.gather(-1, chosen), -1)
+
+
+@register("index_select", "torch")
+def index_select(q: torch.Tensor, weights: torch.Tensor, pool_keys: torch.Tensor, page_table: torch.Tensor,
+                 seqs: torch.Tensor | None, positions: torch.Tensor, n_pools: int, per_page: int, kpool: int,
+                 select: int) -> torch.Tensor:
+    """Top pools per query, over the paged pooled-key cache.
+
+    q [T, Hi, d]; weights [T, Hi] fp32; pool_keys [rows, d] (one layer's cache); page_table [S, pages]; seqs [T]
+    the page-table row of each query (None: row i for query i); positions [T]; n_pools: the pools each row
+    scores (at most pages x per_page; a query sees the complete ones up to its position).
+    Returns pool ids [T, min(select, n_pools)], -1 where the query sees fewer pools than that.
+    """
+    tables = page_table if seqs is None else page_table[seqs]
+    every_pool = torch.arange(n_pools, device=q.device)
+    scores = torch.empty(q.shape[0], n_pools, dtype=torch.float32, device=q.device)
+    for b0 in range(0, q.shape[0], QUERY_BLOCK):
+        sl = slice(b0, b0 + QUERY_BLOCK)
+        pools = every_pool.expand(tables[sl].shape[0], -1)
+        rows = tables[sl].gather(1, pools // per_page) * per_page + pools % per_page
+        scores[sl] = pool_scores(q[sl], weights[sl], pool_keys[rows])
+    return top_pools(scores, (positions + 1) // kpool, select)

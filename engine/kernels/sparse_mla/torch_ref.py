@@ -1,4 +1,4 @@
-"""Portable sparse MLA: a dense masked attention over the sequence's latents, in query blocks."""
+"""Portable sparse MLA over the paged latent cache: each query reads only the tokens its pools and tail name."""
 
 from __future__ import annotations
 
@@ -6,61 +6,43 @@ import torch
 
 from engine.kernels.dispatch import register
 
-QUERY_BLOCK = 256
+QUERY_BLOCK = 64  # queries whose gathered keys are held at once: [block, keys, R]
 
 
-def selection_mask(pool_ids: torch.Tensor, positions: torch.Tensor, kpool: int, n_keys: int,
-                   with_tail: bool) -> torch.Tensor:
-    """[T, n_keys] bool: tokens of the selected pools, plus the incomplete pool's tokens up to the query."""
-    t = positions.shape[0]
-    n_pools = n_keys // kpool
-    pools = torch.zeros(t, n_pools + 1, dtype=torch.bool, device=positions.device)
-    pools.scatter_(1, torch.where(pool_ids >= 0, pool_ids, n_pools), True)  # column n_pools collects the -1s
-    mask = pools[:, :-1].repeat_interleave(kpool, dim=1)
-    mask = torch.nn.functional.pad(mask, (0, n_keys - mask.shape[1]))
+def attended_tokens(pool_ids: torch.Tensor, positions: torch.Tensor, kpool: int,
+                    with_tail: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """(token positions [T, L], valid [T, L]) each query attends: the tokens of its selected pools (-1 = none),
+    then, with the tail, the incomplete pool's tokens up to the query itself. L = W * kpool (+ kpool - 1)."""
+    offsets = torch.arange(kpool, device=positions.device)
+    tokens = (pool_ids.unsqueeze(-1) * kpool + offsets).flatten(1)  # [T, W * kpool]
+    valid = (pool_ids >= 0).repeat_interleave(kpool, dim=1)
     if with_tail:
-        keys = torch.arange(n_keys, device=positions.device)
-        tail_start = (positions + 1) // kpool * kpool
-        mask |= (keys >= tail_start[:, None]) & (keys <= positions[:, None])
-    return mask
+        tail = ((positions + 1) // kpool * kpool).unsqueeze(1) + offsets[:-1]
+        tokens = torch.cat([tokens, tail], dim=1)
+        valid = torch.cat([valid, tail <= positions.unsqueeze(1)], dim=1)
+    return tokens.masked_fill(~valid, 0), valid
 
 
 @register("sparse_mla", "torch")
 def sparse_mla(q_latent: torch.Tensor, latents: torch.Tensor, pool_ids: torch.Tensor, positions: torch.Tensor,
-               kpool: int, scale: float, with_tail: bool) -> torch.Tensor:
-    """One sequence. q_latent [T, H, R] (queries absorbed into the latent space); latents [N, R];
-    pool_ids [T, K] (-1 = none); positions [T] absolute. Returns the latent outputs [T, H, R]."""
+               page_table: torch.Tensor, seqs: torch.Tensor | None, page_size: int, kpool: int, scale: float,
+               with_tail: bool) -> torch.Tensor:
+    """Queries of any number of sequences (a decode batch, or the spans of a prefill step), each reading only
+    its selected tokens from the paged cache.
+
+    q_latent [T, H, R] (queries absorbed into the latent space); latents [rows, R] (one layer's paged cache);
+    pool_ids [T, W] (-1 = none); positions [T] absolute; page_table [S, pages]; seqs [T] the page-table row of
+    each query (None: row i for query i, a decode batch). Shapes depend only on T, so a decode step can be
+    graph-captured. Returns the latent outputs [T, H, R].
+    """
+    tables = page_table if seqs is None else page_table[seqs]
     out = torch.empty_like(q_latent)
     for b0 in range(0, q_latent.shape[0], QUERY_BLOCK):
         sl = slice(b0, b0 + QUERY_BLOCK)
-        mask = selection_mask(pool_ids[sl], positions[sl], kpool, latents.shape[0], with_tail)
-        scores = torch.einsum("thr,nr->thn", q_latent[sl], latents) * scale
-        scores = scores.masked_fill(~mask.unsqueeze(1), float("-inf"))
+        tokens, valid = attended_tokens(pool_ids[sl], positions[sl], kpool, with_tail)
+        keys = latents[tables[sl].gather(1, tokens // page_size) * page_size + tokens % page_size]  # [t, L, R]
+        scores = torch.einsum("bhr,blr->bhl", q_latent[sl], keys) * scale
+        scores = scores.masked_fill(~valid.unsqueeze(1), float("-inf"))
         probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q_latent.dtype)
-        out[sl] = torch.einsum("thn,nr->thr", probs, latents)
+        out[sl] = torch.einsum("bhl,blr->bhr", probs, keys)
     return out
-
-
-@register("sparse_mla_decode", "torch")
-def sparse_mla_decode(q_latent: torch.Tensor, latents: torch.Tensor, pool_ids: torch.Tensor, positions: torch.Tensor,
-                      page_table: torch.Tensor, page_size: int, kpool: int, scale: float,
-                      with_tail: bool) -> torch.Tensor:
-    """One new token for each of B requests, reading only the selected positions from the paged cache.
-
-    q_latent [B, H, R]; latents [rows, R] (one layer's paged cache); pool_ids [B, W] (-1 = none);
-    positions [B]; page_table [B, pages]. Shapes depend only on B, so the step can be graph-captured.
-    Returns the latent outputs [B, H, R].
-    """
-    offsets = torch.arange(kpool, device=positions.device)
-    tokens = (pool_ids.unsqueeze(-1) * kpool + offsets).flatten(1)  # [B, W * kpool]
-    valid = (pool_ids >= 0).repeat_interleave(kpool, dim=1)
-    if with_tail:  # the raw tokens of the pool the query sits in, up to the query itself
-        tail = ((positions + 1) // kpool * kpool).unsqueeze(1) + offsets[:-1]
-        tokens = torch.cat([tokens, tail], dim=1)
-        valid = torch.cat([valid, tail <= positions.unsqueeze(1)], dim=1)
-    tokens = tokens.masked_fill(~valid, 0)
-    keys = latents[page_table.gather(1, tokens // page_size) * page_size + tokens % page_size]  # [B, L, R]
-    scores = torch.einsum("bhr,blr->bhl", q_latent, keys) * scale
-    scores = scores.masked_fill(~valid.unsqueeze(1), float("-inf"))
-    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q_latent.dtype)
-    return torch.einsum("bhl,blr->bhr", probs, keys)

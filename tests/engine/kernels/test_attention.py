@@ -6,20 +6,27 @@ import torch
 
 from engine.kernels.indexer.torch_ref import index_pool, index_select
 from engine.kernels.mhc.torch_ref import mhc_post, mhc_pre
-from engine.kernels.sparse_mla.torch_ref import selection_mask, sparse_mla
+from engine.kernels.sparse_mla.torch_ref import attended_tokens, sparse_mla
 
 
-def test_selection_mask_pools_and_tail():
-    # Query at position 10 (kpool 4): pools 0 and 2 chosen -> tokens 0-3 and 8-10 (8 is tail start? no: pool 2
-    # = tokens 8..11 is not complete at t=10, so it can't be chosen; tail = tokens 8, 9, 10).
-    mask = selection_mask(torch.tensor([[0, -1]]), torch.tensor([10]), 4, 11, with_tail=True)
-    assert mask[0].nonzero().flatten().tolist() == [0, 1, 2, 3, 8, 9, 10]
+def unpaged(queries: int) -> torch.Tensor:
+    """A page table whose one page holds the whole sequence, a row per query: rows are positions."""
+    return torch.zeros(queries, 1, dtype=torch.long)
+
+
+def attended(pool_ids: torch.Tensor, positions: torch.Tensor, kpool: int, with_tail: bool) -> list[list[int]]:
+    tokens, valid = attended_tokens(pool_ids, positions, kpool, with_tail)
+    return [sorted(row[ok].tolist()) for row, ok in zip(tokens, valid)]
+
+
+def test_attended_tokens_pools_and_tail():
+    # Query at position 10 (kpool 4): pool 2 (tokens 8..11) is not complete at 10, so it can't be chosen;
+    # the tail is tokens 8, 9, 10.
+    assert attended(torch.tensor([[0, -1]]), torch.tensor([10]), 4, with_tail=True) == [[0, 1, 2, 3, 8, 9, 10]]
     # Query at 11 completes pool 2: no tail; pool 2 appears only if selected.
-    mask = selection_mask(torch.tensor([[2, 1]]), torch.tensor([11]), 4, 12, with_tail=True)
-    assert mask[0].nonzero().flatten().tolist() == [4, 5, 6, 7, 8, 9, 10, 11]
+    assert attended(torch.tensor([[2, 1]]), torch.tensor([11]), 4, with_tail=True) == [[4, 5, 6, 7, 8, 9, 10, 11]]
     # -1 entries never knock out a real selection of pool 0.
-    mask = selection_mask(torch.tensor([[-1, 0, -1]]), torch.tensor([4]), 4, 5, with_tail=False)
-    assert mask[0].nonzero().flatten().tolist() == [0, 1, 2, 3]
+    assert attended(torch.tensor([[-1, 0, -1]]), torch.tensor([4]), 4, with_tail=False) == [[0, 1, 2, 3]]
 
 
 def test_just_completed_pool_is_in_only_if_selected():
@@ -27,18 +34,19 @@ def test_just_completed_pool_is_in_only_if_selected():
     kpool, p = 4, 2
     position = torch.tensor([kpool * p + kpool - 1])
     # The indexer sees pools 0..p, all complete, but pool p scores lowest: the top 2 are pools 1 and 0.
-    q, weights, visible = torch.ones(1, 1, 1), torch.ones(1, 1), (position + 1) // kpool
-    chosen = index_select(q, weights, torch.tensor([[2.0], [3.0], [1.0]]), visible, select=2)
+    q, weights = torch.ones(1, 1, 1), torch.ones(1, 1)
+    chosen = index_select(q, weights, torch.tensor([[2.0], [3.0], [1.0]]), unpaged(1), None, position, 3, 3,
+                          kpool, select=2)
     assert sorted(chosen[0].tolist()) == [0, 1]
-    mask = selection_mask(chosen, position, kpool, kpool * (p + 1), with_tail=True)
-    assert mask[0].nonzero().flatten().tolist() == list(range(kpool * p))
+    assert attended(chosen, position, kpool, with_tail=True) == [list(range(kpool * p))]
     # sparse_mla: the latents of pool p do not reach the output.
     g = torch.Generator().manual_seed(4)
-    q_latent, latents = torch.randn(1, 2, 8, generator=g), torch.randn(kpool * (p + 1), 8, generator=g)
-    out = sparse_mla(q_latent, latents, chosen, position, kpool, 0.5, True)
+    n = kpool * (p + 1)
+    q_latent, latents = torch.randn(1, 2, 8, generator=g), torch.randn(n, 8, generator=g)
+    out = sparse_mla(q_latent, latents, chosen, position, unpaged(1), None, n, kpool, 0.5, True)
     changed = latents.clone()
     changed[kpool * p:] = torch.randn(kpool, 8, generator=g)
-    assert torch.equal(out, sparse_mla(q_latent, changed, chosen, position, kpool, 0.5, True))
+    assert torch.equal(out, sparse_mla(q_latent, changed, chosen, position, unpaged(1), None, n, kpool, 0.5, True))
 
 
 def test_absorbed_equals_naive_mla():
@@ -50,12 +58,11 @@ def test_absorbed_equals_naive_mla():
     w_uv = torch.randn(h, dv, r, generator=g, dtype=torch.float64)
     positions = torch.arange(n - t, n)
     pools = torch.tensor([[0, 3, -1], [5, 1, 2], [6, -1, -1], [4, 0, 2], [1, 2, 3], [0, 6, 5]])
-    o_lat = sparse_mla(torch.einsum("thd,hdr->thr", q, w_uk), c, pools, positions, 4, dn ** -0.5, True)
+    o_lat = sparse_mla(torch.einsum("thd,hdr->thr", q, w_uk), c, pools, positions, unpaged(t), None, n, 4,
+                       dn ** -0.5, True)
     ours = torch.einsum("thr,hvr->thv", o_lat, w_uv)
-    mask = selection_mask(pools, positions, 4, n, True)
     keys, values = torch.einsum("nr,hdr->hnd", c, w_uk), torch.einsum("nr,hvr->hnv", c, w_uv)
-    for i in range(t):
-        sel = mask[i].nonzero().flatten()
+    for i, sel in enumerate(attended(pools, positions, 4, True)):
         scores = torch.einsum("hd,hnd->hn", q[i], keys[:, sel]) * dn ** -0.5
         want = torch.einsum("hn,hnv->hv", scores.softmax(-1), values[:, sel])
         assert torch.allclose(ours[i], want, atol=1e-5)  # the op's softmax runs in fp32 by design
@@ -63,12 +70,13 @@ def test_absorbed_equals_naive_mla():
 
 def test_index_select_picks_top_visible_pools():
     g = torch.Generator().manual_seed(1)
-    t, heads, d, pools = 20, 4, 8, 12
+    t, heads, d, pools, kpool = 20, 4, 8, 12, 4
     q = torch.randn(t, heads, d, generator=g)
     w = torch.randn(t, heads, generator=g)
     keys = torch.randn(pools, d, generator=g)
-    visible = torch.tensor([min(pools, i // 2) for i in range(t)])
-    chosen = index_select(q, w, keys, visible, select=5)
+    positions = torch.tensor([min(pools, i // 2) * kpool + i % kpool for i in range(t)])
+    visible = (positions + 1) // kpool
+    chosen = index_select(q, w, keys, unpaged(t), None, positions, pools, pools, kpool, select=5)
     assert chosen.shape == (t, 5)
     for i in range(t):
         scores = [(float((w[i] * torch.relu(q[i] @ keys[p] * d ** -0.5)).sum()), p) for p in range(int(visible[i]))]

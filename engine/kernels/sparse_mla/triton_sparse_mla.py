@@ -1,0 +1,151 @@
+"""Sparse MLA on CUDA over the paged latent cache: one program per query token and block of heads walks the
+tokens the indexer selected (and the tail), gathering latent rows through the page table, with an online
+softmax. Decode and the spans of a prefill step are the same launch (a query names its page-table row), so a
+step attends for all its sequences at once; the work per query is fixed by the selection (index_topk tokens),
+not by the context length. Few queries (decode) split the selected tokens over programs and combine after."""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from engine.kernels.dispatch import register
+from engine.kernels.token_variants import token_variants
+
+BLOCK_N = 32  # selected tokens per iteration
+MAX_SPLITS = 32
+TARGET_PROGRAMS = 264  # two waves of an H100/H200's 132 SMs
+_SHAPES_RUN: set[tuple[int, int]] = set()  # (heads, kpool) of the layers run so far
+
+
+@triton.jit
+def _sparse_mla_kernel(q_ptr, lat_ptr, pool_ptr, pos_ptr, table_ptr, seq_ptr, out_ptr, m_ptr, l_ptr,
+                       T, H, W, L, chunk, page_size, stride_qt, stride_qh, stride_pool, stride_table, scale,
+                       R: tl.constexpr, KPOOL: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
+                       HAS_SEQS: tl.constexpr, SPLIT: tl.constexpr, DOT_F32: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    split = tl.program_id(2)
+    h_ok = heads < H
+    cols = tl.arange(0, R)
+    q = tl.load(q_ptr + t * stride_qt + heads[:, None] * stride_qh + cols[None, :], mask=h_ok[:, None], other=0.0)
+    pos = tl.load(pos_ptr + t)
+    if HAS_SEQS:
+        seq = tl.load(seq_ptr + t)
+    else:
+        seq = t
+    tail_start = (pos + 1) // KPOOL * KPOOL
+    m = tl.full([BLOCK_H], float("-inf"), tl.float32)
+    l = tl.zeros([BLOCK_H], tl.float32)
+    acc = tl.zeros([BLOCK_H, R], tl.float32)
+    n0 = split * chunk
+    end = tl.minimum(n0 + chunk, L)
+    while n0 < end:
+        j = n0 + tl.arange(0, BLOCK_N)
+        in_pools = j < W * KPOOL
+        pool = tl.load(pool_ptr + t * stride_pool + j // KPOOL, mask=in_pools, other=-1)
+        token = tl.where(in_pools, pool * KPOOL + j % KPOOL, tail_start + j - W * KPOOL)
+        valid = tl.where(in_pools, pool >= 0, token <= pos) & (j < end)
+        token = tl.where(valid, token, 0)
+        page = tl.load(table_ptr + seq * stride_table + token // page_size, mask=valid, other=0)
+        row = page * page_size + token % page_size
+        k = tl.load(lat_ptr + row[:, None] * R + cols[None, :], mask=valid[:, None], other=0.0)
+        if DOT_F32:  # fp32 activations (tf32 would lose ~3 digits) and the interpreter (no 16-bit tl.dot)
+            k = k.to(tl.float32)
+            s = tl.dot(q.to(tl.float32), tl.trans(k), input_precision="ieee") * scale
+        else:
+            s = tl.dot(q, tl.trans(k)) * scale
+        s = tl.where(valid[None, :], s, float("-inf"))
+        m_new = tl.maximum(m, tl.max(s, axis=1))
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # a block with nothing selected yet adds nothing
+        alpha = tl.exp(m - m_use)
+        p = tl.exp(s - m_use[:, None])
+        l = l * alpha + tl.sum(p, axis=1)
+        if DOT_F32:
+            acc = acc * alpha[:, None] + tl.dot(p, k, input_precision="ieee")
+        else:
+            acc = acc * alpha[:, None] + tl.dot(p.to(k.dtype), k)
+        m = m_new
+        n0 += BLOCK_N
+    if SPLIT:  # partial sums [splits, T, H, R] and their max / sum [splits, T, H], combined below
+        at = (split * T + t) * H + heads
+        tl.store(out_ptr + at[:, None] * R + cols[None, :], acc, mask=h_ok[:, None])
+        tl.store(m_ptr + at, m, mask=h_ok)
+        tl.store(l_ptr + at, l, mask=h_ok)
+    else:
+        out = acc / tl.where(l > 0, l, 1.0)[:, None]
+        at = t * H + heads
+        tl.store(out_ptr + at[:, None] * R + cols[None, :], out.to(out_ptr.dtype.element_ty), mask=h_ok[:, None])
+
+
+@triton.jit
+def _combine_kernel(part_ptr, m_ptr, l_ptr, out_ptr, TH, splits, R: tl.constexpr, SPLITS: tl.constexpr):
+    """One (token, head): the splits' partial sums rescaled to their common max."""
+    at = tl.program_id(0).to(tl.int64)
+    which = tl.arange(0, SPLITS)
+    m = tl.load(m_ptr + which * TH + at, mask=which < splits, other=float("-inf"))
+    l = tl.load(l_ptr + which * TH + at, mask=which < splits, other=0.0)
+    top = tl.max(m, axis=0)
+    scale = tl.exp(m - tl.where(top == float("-inf"), 0.0, top))
+    total = tl.sum(scale * l, axis=0)
+    cols = tl.arange(0, R)
+    acc = tl.zeros([R], tl.float32)
+    s = 0
+    while s < splits:
+        weight = tl.sum(tl.where(which == s, scale, 0.0), axis=0)
+        acc += weight * tl.load(part_ptr + (s * TH + at) * R + cols)
+        s += 1
+    tl.store(out_ptr + at * R + cols, (acc / tl.where(total > 0, total, 1.0)).to(out_ptr.dtype.element_ty))
+
+
+def _head_block(heads: int) -> int:
+    return 32 if heads >= 32 else 16
+
+
+def _splits(queries: int, head_blocks: int, keys: int) -> int:
+    """Programs a query's selected tokens are spread over: enough for two waves when few queries run."""
+    return max(1, min(MAX_SPLITS, triton.cdiv(keys, BLOCK_N), triton.cdiv(TARGET_PROGRAMS, queries * head_blocks)))
+
+
+@token_variants
+def _builds(tokens: int) -> tuple:
+    """A prefill of one span of `tokens` new tokens splits its queries' selected tokens over programs (and
+    combines them) when they are few: a build of its own (decode batches, captured at start, take theirs)."""
+    return tuple((shape, _splits(tokens, triton.cdiv(shape[0], _head_block(shape[0])), tokens + shape[1] - 1) > 1)
+                 for shape in sorted(_SHAPES_RUN))
+
+
+@register("sparse_mla", "triton")
+def sparse_mla(q_latent: torch.Tensor, latents: torch.Tensor, pool_ids: torch.Tensor, positions: torch.Tensor,
+               page_table: torch.Tensor, seqs: torch.Tensor | None, page_size: int, kpool: int, scale: float,
+               with_tail: bool) -> torch.Tensor:
+    """As the torch reference (engine.kernels.sparse_mla.torch_ref.sparse_mla), scores in fp32."""
+    t, h, r = q_latent.shape
+    out = torch.empty_like(q_latent)
+    if t == 0:
+        return out
+    if q_latent.stride(-1) != 1:
+        q_latent = q_latent.contiguous()
+    w = pool_ids.shape[1]
+    keys = w * kpool + (kpool - 1 if with_tail else 0)
+    _SHAPES_RUN.add((h, kpool))
+    block_h = _head_block(h)
+    head_blocks = triton.cdiv(h, block_h)
+    splits = _splits(t, head_blocks, keys)
+    chunk = triton.cdiv(triton.cdiv(keys, splits), BLOCK_N) * BLOCK_N
+    splits = max(1, triton.cdiv(keys, chunk))
+    meta = dict(R=r, KPOOL=kpool, BLOCK_H=block_h, BLOCK_N=BLOCK_N, HAS_SEQS=seqs is not None,
+                DOT_F32=not (q_latent.is_cuda and q_latent.dtype in (torch.bfloat16, torch.float16)), num_warps=8 if r >= 256 else 4)
+    args = (q_latent, latents, pool_ids, positions, page_table, positions if seqs is None else seqs)
+    shape = (t, h, w, keys, chunk, page_size, q_latent.stride(0), q_latent.stride(1), pool_ids.stride(0),
+             page_table.stride(0), scale)
+    if splits == 1:
+        _sparse_mla_kernel[(t, head_blocks, 1)](*args, out, out, out, *shape, SPLIT=False, **meta)
+        return out
+    parts = torch.empty(splits, t, h, r, dtype=torch.float32, device=q_latent.device)
+    maxes = torch.empty(splits, t, h, dtype=torch.float32, device=q_latent.device)
+    sums = torch.empty_like(maxes)
+    _sparse_mla_kernel[(t, head_blocks, splits)](*args, parts, maxes, sums, *shape, SPLIT=True, **meta)
+    _combine_kernel[(t * h,)](parts, maxes, sums, out, t * h, splits, R=r, SPLITS=MAX_SPLITS, num_warps=4)
+    return out

@@ -1,0 +1,94 @@
+"""Triton sparse MLA and indexer scores (run by Triton's interpreter on CPU) against the torch reference ops, on
+a paged cache shared by several sequences: decode rows (one table row per query) and the spans of a step."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.kernels.indexer import torch_ref as indexer_ref
+from engine.kernels.indexer import triton_indexer
+from engine.kernels.sparse_mla import torch_ref as mla_ref
+from engine.kernels.sparse_mla import triton_sparse_mla
+
+KPOOL, PAGE = 4, 8
+
+
+def paged_case(lengths: list[int], dtype: torch.dtype, heads: int, rank: int, select: int, seed: int):
+    """Sequences of `lengths` tokens on shuffled pages of one cache; queries at each sequence's last few
+    positions. -> latents, pool keys, page table, seqs, positions, q_latent, index q, index weights."""
+    g = torch.Generator().manual_seed(seed)
+    pages_each = [-(-n // PAGE) for n in lengths]
+    order = torch.randperm(sum(pages_each) + 2, generator=g)  # two pages nobody holds
+    width, tables, used = max(pages_each), [], 0
+    for n_pages in pages_each:
+        own = order[used:used + n_pages].tolist()
+        used += n_pages
+        tables.append(own + own[-1:] * (width - n_pages))
+    rows = (len(order)) * PAGE
+    latents = torch.randn(rows, rank, generator=g).to(dtype)
+    pool_keys = torch.randn(rows // KPOOL, 32, generator=g).to(dtype)
+    seqs = torch.cat([torch.full((min(n, 5),), i) for i, n in enumerate(lengths)])
+    positions = torch.cat([torch.arange(max(0, n - 5), n) for n in lengths])
+    q_latent = torch.randn(len(seqs), heads, rank, generator=g).to(dtype)
+    iq = torch.randn(len(seqs), 8, 32, generator=g).to(dtype)
+    iw = torch.randn(len(seqs), 8, generator=g)
+    return latents, pool_keys, torch.tensor(tables), seqs, positions, q_latent, iq, iw
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("as_decode", [False, True])
+def test_index_select_matches_reference(dtype, as_decode):
+    lengths = [3, 37, 70, 12]
+    _, pool_keys, table, seqs, positions, _, iq, iw = paged_case(lengths, dtype, 4, 64, 8, seed=1)
+    if as_decode:  # one page-table row per query, every pool of the row scored
+        table, seqs, n_pools = table[seqs], None, table.shape[1] * PAGE // KPOOL
+    else:
+        n_pools = max(lengths) // KPOOL
+    args = (iq, iw, pool_keys, table, seqs, positions, n_pools, PAGE // KPOOL, KPOOL, 6)
+    got, want = triton_indexer.index_select(*args), indexer_ref.index_select(*args)
+    assert got.shape == want.shape == (len(positions), 6)
+    assert torch.equal(got, want)
+    assert (got[positions < KPOOL - 1] == -1).all() and (got >= 0).any()
+
+
+def reference_inputs(dtype: torch.dtype, heads: int, select: int, seed: int, as_decode: bool):
+    lengths = [3, 37, 70, 12]
+    latents, pool_keys, table, seqs, positions, q_latent, iq, iw = paged_case(lengths, dtype, heads, 64, select,
+                                                                            seed)
+    n_pools = max(lengths) // KPOOL
+    pool_ids = indexer_ref.index_select(iq, iw, pool_keys, table, seqs, positions, n_pools, PAGE // KPOOL, KPOOL,
+                                        select)
+    if as_decode:
+        table, seqs = table[seqs], None
+    return q_latent, latents, pool_ids, positions, table, seqs
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("as_decode", [False, True])
+@pytest.mark.parametrize("with_tail", [True, False])
+@pytest.mark.parametrize("heads,select", [(4, 8), (40, 3)])
+def test_sparse_mla_matches_reference(dtype, as_decode, with_tail, heads, select):
+    q_latent, latents, pool_ids, positions, table, seqs = reference_inputs(dtype, heads, select, heads, as_decode)
+    if not with_tail:  # every query must see something: keep those past their first pool
+        keep = (positions + 1) // KPOOL > 0
+        q_latent, pool_ids, positions = q_latent[keep], pool_ids[keep], positions[keep]
+        table, seqs = (table[keep], None) if seqs is None else (table, seqs[keep])
+    args = (q_latent, latents, pool_ids, positions, table, seqs, PAGE, KPOOL, 0.125, with_tail)
+    got, want = triton_sparse_mla.sparse_mla(*args), mla_ref.sparse_mla(*args)
+    assert got.dtype == dtype and got.shape == want.shape
+    if dtype == torch.float32:
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    else:  # the reference rounds its scores to bf16 before the softmax; the kernel keeps them in fp32
+        torch.testing.assert_close(got.float(), want.float(), rtol=2e-2, atol=2e-2)
+
+
+def test_sparse_mla_split_and_whole_agree(monkeypatch):
+    """Few queries spread their selected tokens over programs and combine; many queries run each whole."""
+    q_latent, latents, pool_ids, positions, table, seqs = reference_inputs(torch.float32, 4, 8, 7, False)
+    args = (q_latent, latents, pool_ids, positions, table, seqs, PAGE, KPOOL, 0.125, True)
+    assert triton_sparse_mla._splits(len(positions), 1, 35) > 1
+    split = triton_sparse_mla.sparse_mla(*args)
+    monkeypatch.setattr(triton_sparse_mla, "MAX_SPLITS", 1)
+    whole = triton_sparse_mla.sparse_mla(*args)
+    torch.testing.assert_close(split, whole, rtol=1e-5, atol=1e-5)
