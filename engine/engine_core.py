@@ -383,7 +383,8 @@ class EngineCore:
             seq.started = start if seq.started is None else seq.started
         done = [seq for seq, new in scheduled if seq.cached + new == seq.num_tokens]  # the logits rows, in order
         masks = self.masks.start(done)  # filled on the CPU while the forward runs
-        logits = self.runner.run(scheduled)
+        saves = self.prefix.step_saves(self.cache.latents.device) if self.prefix else None
+        logits = self.runner.run(scheduled, saves=saves)
         self.scheduler.commit(scheduled)
         if self.offload is not None and self.pending is None:  # swaps would move experts the fill has yet to write
             self.offload.rebalance(self.options.max_expert_swaps)

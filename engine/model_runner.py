@@ -14,6 +14,7 @@ from typing import Callable
 import torch
 
 from engine.cache import PagedLatents, RequestSlots
+from engine.cache.state_rows import StepSaves
 from engine.decode_graphs import DecodeGraphs
 from engine.model.batch import DecodeMeta, ForwardBatch, SeqSpan
 from engine.model.glm5_next import Glm5NextModel
@@ -33,14 +34,16 @@ class ModelRunner:
         self.graphs = DecodeGraphs(self.model, self.slots, self.cache, self.max_pages, sizes, before_replay)
         return self.graphs.capture_s
 
-    def run(self, scheduled: Scheduled, all_rows: bool = False,
-            layer_outputs: list[torch.Tensor] | None = None) -> torch.Tensor:
+    def run(self, scheduled: Scheduled, all_rows: bool = False, layer_outputs: list[torch.Tensor] | None = None,
+            saves: StepSaves | None = None) -> torch.Tensor:
         """Logits for the last token of each span that reaches its request's end (one row per such span,
-        in order), or for every token with `all_rows`. A prefill chunk that stops short needs no logits."""
+        in order), or for every token with `all_rows`. A prefill chunk that stops short needs no logits.
+        `saves`: requests whose chunk runs through their prompt's last token as a one-token row, their state
+        saved before it."""
         if not all_rows and layer_outputs is None and all(new == 1 == seq.pending for seq, new in scheduled):
             logits = self._decode(scheduled)
         else:
-            logits = self._spans(scheduled, all_rows, layer_outputs)
+            logits = self._spans(scheduled, all_rows, layer_outputs, saves)
         for seq, new in scheduled:
             seq.cached += new
         return logits
@@ -48,13 +51,14 @@ class ModelRunner:
     def _decode(self, scheduled: Scheduled) -> torch.Tensor:
         seqs = [seq for seq, _ in scheduled]
         tokens = torch.tensor([seq.token_ids[seq.cached] for seq in seqs])
-        return self._decode_step(tokens, *self._decode_rows(seqs))
+        return self._decode_step(tokens, *self._decode_rows([(seq, seq.cached) for seq in seqs]))
 
-    def _decode_rows(self, seqs: list[Sequence]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def _decode_rows(self, rows: list[tuple[Sequence, int]]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Host tensors (slots, positions, page table padded with the scratch page) of requests adding one
-        token each at their next position."""
+        token each, at these positions."""
+        seqs = [seq for seq, _ in rows]
         slot_ids = torch.tensor([seq.slot for seq in seqs])
-        positions = torch.tensor([seq.cached for seq in seqs])
+        positions = torch.tensor([position for _, position in rows])
         page_table = torch.full((len(seqs), self.max_pages), self.cache.scratch_page, dtype=torch.long)
         for row, seq in enumerate(seqs):
             page_table[row, :len(seq.pages)] = torch.tensor(seq.pages)
@@ -88,15 +92,21 @@ class ModelRunner:
             times.append(time.perf_counter() - start)
         return sorted(times[1:])[steps // 2]
 
-    def _spans(self, scheduled: Scheduled, all_rows: bool, layer_outputs: list[torch.Tensor] | None) -> torch.Tensor:
+    def _spans(self, scheduled: Scheduled, all_rows: bool, layer_outputs: list[torch.Tensor] | None,
+               saves: StepSaves | None) -> torch.Tensor:
         device = self.model.device
         tokens: list[int] = []
         spans: list[SeqSpan] = []
+        single: list[tuple[Sequence, int]] = []  # one-token spans: (request, position)
         rows: list[int] = []
         sampled: list[int] = []  # which of `rows` the step samples from
         prompt_rows: list[tuple[Sequence, int, int]] = []  # (seq, its first row in `rows`, rows)
         for seq, new in scheduled:
-            spans.append(SeqSpan(len(tokens), new, seq.cached, seq.slot, seq.pages))
+            parts = [new - 1, 1] if saves is not None and seq in saves.requests else [new]
+            for offset, part in zip((0, new - 1), parts):
+                spans.append(SeqSpan(len(tokens) + offset, part, seq.cached + offset, seq.slot, seq.pages))
+                if part == 1:
+                    single.append((seq, seq.cached + offset))
             start = len(tokens)
             tokens.extend(seq.token_ids[seq.cached:seq.cached + new])
             if all_rows:
@@ -110,9 +120,8 @@ class ModelRunner:
             if seq.cached + new == seq.num_tokens:
                 sampled.append(len(rows))
                 rows.append(start + new - 1)
-        single = [seq for seq, new in scheduled if new == 1]
         batch = ForwardBatch(torch.tensor(tokens, dtype=torch.long, device=device), spans,
-                             single=self._decode_meta(*self._decode_rows(single)) if single else None)
+                             single=self._decode_meta(*self._decode_rows(single)) if single else None, saves=saves)
         logits = self.model.forward(batch, self.slots, self.cache, torch.tensor(rows, dtype=torch.long, device=device),
                                     layer_outputs)
         if not prompt_rows:

@@ -2,9 +2,10 @@
 
 Every step first gives each decoding request its one token, then spends what is left of the
 budget on prefill chunks (requests already prefilling first, then newly admitted ones), so a
-long prompt never stalls running decodes. A step where some prompt has only its last token left
-(the prefix cache stops a prefill one token short, to snapshot there) runs those tokens and the
-decodes alone: a one-token step is a decode step (a CUDA graph), so that request's first token
+long prompt never stalls running decodes. A prefill the prefix cache stops one token short, to snapshot
+there, runs on through its last token in the same step when the budget allows (its state is saved partway
+through the step); otherwise, a step where some prompt has only its last token left runs those tokens
+and the decodes alone: a one-token step is a decode step (a CUDA graph), so that request's first token
 does not wait for a step of other requests' prefill chunks, which start one short step later.
 A request is admitted when a state slot and the cache pages for prompt + max_tokens are free; it
 reserves them, so it never waits for memory later.
@@ -102,12 +103,14 @@ class Scheduler:
         return list(plan.items())
 
     def _chunk(self, seq: Sequence, budget: int) -> int:
-        """Tokens of `seq` to run now: what it has pending, within the budget, up to its next snapshot stop;
-        a request scoring its prompt (prompt logprobs) at most PROMPT_LOGPROB_CHUNK, as each of its tokens
-        brings a row of logits (0.6 GB per 1,000 tokens at the release's vocabulary)."""
+        """Tokens of `seq` to run now: what it has pending, within the budget, up to its next snapshot stop
+        (through the prompt's last token when the stop is the one before it and the step can save the state
+        there); a request scoring its prompt (prompt logprobs) at most PROMPT_LOGPROB_CHUNK, as each of its
+        tokens brings a row of logits (0.6 GB per 1,000 tokens at the release's vocabulary)."""
         limit = self.prefix.chunk_limit(seq) if self.prefix else None
         scored = PROMPT_LOGPROB_CHUNK if seq.params.prompt_logprobs is not None else seq.pending
-        return min(seq.pending, budget, limit or seq.pending, scored)
+        tokens = min(seq.pending, budget, limit or seq.pending, scored)
+        return self.prefix.through_last(seq, tokens, budget) if self.prefix else tokens
 
     def try_admit(self, seq: Sequence, hit: PrefixHit | None = None) -> bool:
         """Reserve a slot and the request's pages and mark it running, if both are free. `hit` (from the

@@ -18,7 +18,10 @@ identical prompt, n > 1 samples, the next turn of a conversation whose template 
 assistant header), where the prompt left the cached chain (a shared system prompt), where a waiting
 request with the same prefix asks for one (it waits for this request to get there rather than compute
 the prefix again), and where a finished request stopped (the next turn continues its output). The
-scheduler ends prefill chunks at those positions.
+scheduler ends prefill chunks at those positions, except one token before the prompt's end: there the chunk
+runs on through the last token when the step has room, and each layer saves the request's state into the
+snapshot row between the step's prompt spans and its one-token rows (`StepSaves`), so the first output token
+does not wait a step of its own for the snapshot.
 
 Memory: cached pages live in the page pool (the engine adds the budget's share of pages to it);
 snapshots in a fixed set of device rows. Both are evicted least recently used first: to host RAM when a
@@ -34,7 +37,7 @@ import torch
 
 from engine.cache.paged_latents import PagedLatents
 from engine.cache.slots import RequestSlots
-from engine.cache.state_rows import PageRows, StateRows, page_bytes, state_bytes
+from engine.cache.state_rows import PageRows, StateRows, StepSaves, page_bytes, state_bytes
 from engine.config import ModelConfig
 from engine.sequence import Sequence
 
@@ -150,6 +153,7 @@ class PrefixCache:
         self._pages, self._host_pages = _Rows(0), _Rows(host.pages)  # device pages come from the page pool
         self.root = Block((), None, 0)
         self._progress: dict[Sequence, _Progress] = {}
+        self._saving: dict[Sequence, int] = {}  # requests this step saves before their last token: their rows
         self._stats = PrefixCacheStats()
 
     # --- lookup and admission --------------------------------------------------------------------
@@ -227,28 +231,67 @@ class PrefixCache:
         ahead = [s for s in progress.stops if s > seq.cached] if progress else []
         return min(ahead) - seq.cached if ahead else None
 
+    def through_last(self, seq: Sequence, tokens: int, budget: int) -> int:
+        """Tokens to run of a chunk of `tokens` planned within `budget`: one more when the chunk stops one token
+        before the prompt's end (a snapshot stop) and runs at least two, the budget holds the last token and a
+        snapshot row is free; the state before the last token is then saved partway through the step
+        (`step_saves`). A request planned again in the same step is planned afresh."""
+        row = self._saving.pop(seq, None)
+        if row is not None:
+            self._states.free.append(row)
+        last = len(seq.prompt_token_ids) - 1
+        if (tokens < 2 or tokens >= budget or seq.cached + tokens != last or seq.num_tokens != last + 1
+                or seq.params.prompt_logprobs is not None):
+            return tokens
+        row = self._state_row()
+        if row is None:
+            return tokens
+        self._saving[seq] = row
+        return tokens + 1
+
+    def step_saves(self, device: torch.device) -> StepSaves | None:
+        """The saves the step's layers make (None: none this step); the rows are recorded at `commit`."""
+        if not self._saving:
+            return None
+        seqs = list(self._saving)
+        return StepSaves(self.states, set(seqs), torch.tensor([seq.slot for seq in seqs], device=device),
+                         torch.tensor([self._saving[seq] for seq in seqs], device=device))
+
     # --- after steps --------------------------------------------------------------------------------
 
     def commit(self, seq: Sequence) -> None:
-        """After a step: register the request's newly completed pages, snapshot if it reached a stop."""
+        """After a step: register the request's newly completed pages, snapshot if it reached a stop (or its
+        state was saved before its last token this step)."""
         progress = self._progress.get(seq)
         if progress is None:
             return
+        saved = self._saving.pop(seq, None)
+        if saved is not None:
+            self._record(seq, progress, seq.cached - 1, saved_row=saved)
         at_stop = seq.cached in progress.stops
         progress.stops = {s for s in progress.stops if s > seq.cached}
-        self._record(seq, progress, at_stop)
+        self._record(seq, progress, seq.cached, at_stop)
 
     def finish(self, seq: Sequence, keep_state: bool) -> None:
         """The request leaves: with `keep_state` (it finished normally, so its slot holds the state at
         `cached`) its pages are registered and that state kept for a next turn."""
+        row = self._saving.pop(seq, None)  # planned for a step that never ran
+        if row is not None:
+            self._states.free.append(row)
         progress = self._progress.pop(seq, None)
         if progress is not None and keep_state:
-            self._record(seq, progress, True)
+            self._record(seq, progress, seq.cached, True)
 
-    def _record(self, seq: Sequence, progress: _Progress, snapshot: bool) -> None:
+    def _record(self, seq: Sequence, progress: _Progress, position: int, snapshot: bool = False,
+                saved_row: int | None = None) -> None:
+        """Register the request's pages up to `position`; snapshot there from its slot (`snapshot`) or from
+        the row its state was saved into during the step (`saved_row`)."""
         size, node = self.page_size, progress.block
-        full = seq.cached // size
-        if not node.alive or (full <= node.depth and not snapshot):
+        full = position // size
+        keep = snapshot or saved_row is not None
+        if not node.alive or (full <= node.depth and not keep):
+            if saved_row is not None:
+                self._states.free.append(saved_row)
             return  # nothing new, or its chain was evicted under it (later pages could never be found)
         tokens = seq.token_ids
         while node.depth < full:
@@ -256,9 +299,11 @@ class PrefixCache:
             node = self._register(node, tuple(tokens[i * size:(i + 1) * size]), seq.pages[i])
         progress.block = node
         self._touch_chain(node)
-        if snapshot and seq.cached >= size:
-            tail = tuple(tokens[full * size:seq.cached])
-            self._snapshot(node, tail, seq.slot, seq.pages[full] if tail else None)
+        if keep and position >= size:
+            tail = tuple(tokens[full * size:position])
+            self._snapshot(node, tail, seq.slot, seq.pages[full] if tail else None, saved_row)
+        elif saved_row is not None:
+            self._states.free.append(saved_row)
 
     def _register(self, parent: Block, tokens: tuple[int, ...], page: int) -> Block:
         block = parent.children.get(tokens)
@@ -273,15 +318,23 @@ class PrefixCache:
             self._pages.touch(block)
         return block
 
-    def _snapshot(self, block: Block, tail: tuple[int, ...], slot: int, page: int | None) -> None:
+    def _snapshot(self, block: Block, tail: tuple[int, ...], slot: int, page: int | None,
+                  saved_row: int | None = None) -> None:
         if tail in block.snapshots:
             snap = block.snapshots[tail]
             (self._host_states if snap.on_host else self._states).touch(snap)
+            if saved_row is not None:
+                self._states.free.append(saved_row)
             return
-        row = self._state_row()
-        if row is None:
-            return
-        self.states.save(row, self.slots, slot, self.cache, page)
+        if saved_row is None:
+            row = self._state_row()
+            if row is None:
+                return
+            self.states.save(row, self.slots, slot, self.cache, page)
+        else:  # the layers saved the slot's state; the page (its first tokens are the tail) is saved now
+            row = saved_row
+            if page is not None:
+                self.states.page.save(row, self.cache, page)
         snap = block.snapshots[tail] = Snapshot(block, tail, row)
         self._states.touch(snap)
 

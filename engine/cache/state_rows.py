@@ -8,6 +8,9 @@ current stream (non-blocking into pinned host rows), so saving and restoring nev
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Hashable
+
 import torch
 
 from engine.cache.paged_latents import PagedLatents
@@ -103,3 +106,24 @@ class StateRows:
         dst.conv[dst_row].copy_(self.conv[row], non_blocking=True)
         dst.open_pool[dst_row].copy_(self.open_pool[row], non_blocking=True)
         self.page.copy_row(row, dst.page, dst_row)
+
+
+@dataclass(frozen=True)
+class StepSaves:
+    """Request slots whose state a forward step saves partway through, into rows of `store`: each layer copies
+    them after the step's multi-token spans and before its one-token rows, so a prompt's last token runs in the
+    same step as the rest of its chunk while the state one token before the prompt's end is kept."""
+
+    store: StateRows
+    requests: set[Hashable]  # whose spans the step splits before their last token
+    slots: torch.Tensor  # [n] their slots, on the device
+    rows: torch.Tensor  # [n] and rows of `store`
+
+    def save_kda(self, recurrent: torch.Tensor, conv: torch.Tensor, index: int) -> None:
+        """KDA layer `index`'s recurrent and conv state (its slices of RequestSlots)."""
+        self.store.recurrent[self.rows, index] = recurrent[self.slots]
+        self.store.conv[self.rows, index] = conv[self.slots]
+
+    def save_dsa(self, open_pool: torch.Tensor, index: int) -> None:
+        """DSA layer `index`'s open indexer pool (its slice of RequestSlots)."""
+        self.store.open_pool[self.rows, index] = open_pool[self.slots]

@@ -8,6 +8,8 @@ from typing import Callable, Hashable, TypeVar
 
 import torch
 
+from engine.cache.state_rows import StepSaves
+
 T = TypeVar("T")
 
 
@@ -52,6 +54,9 @@ class ForwardBatch:
     # A mixed step's one-token spans (decoding requests, a prompt's last token), in span order: they run
     # together through the layers' decode paths, so each adds no launches of its own to the step.
     single: DecodeMeta | None = None
+    # Requests whose state is saved between the step's multi-token spans and its one-token rows (the prefix
+    # cache's snapshot one token before a prompt's end, whose last token is a one-token span of this step).
+    saves: StepSaves | None = None
     _layouts: dict[Hashable, object] = field(default_factory=dict, init=False, repr=False)
 
     @property

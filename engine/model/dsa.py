@@ -178,20 +178,22 @@ class DsaMixer:
                       cache: PagedLatents) -> torch.Tensor:
         cfg, layer = self.cfg, self.cache_index
         out = torch.empty_like(q_abs)
+        if batch.multi_token:  # first: a prompt's last token may be a one-token row of this step
+            prefill, slot_ids = batch.prefill_layout[:2]
+            multi = [batch.spans[i] for i in batch.multi_token]
+            rows = batch.layout(SpanRows, lambda: SpanRows.of(multi, cache, cfg.index_kpool, q_abs.device))
+            cache.latents[layer, rows.latents] = latent[prefill]
+            self.indexer.add_tokens(ikg[prefill], rows, slot_ids, open_pool, cache, layer)
+            pool_ids = self.indexer.select(iq[prefill], iw[prefill], rows.page_table, rows.seqs, rows.positions,
+                                           rows.n_pools, cache, layer)
+            out[prefill] = self._attend(q_abs[prefill], pool_ids, rows.positions, rows.page_table, rows.seqs,
+                                        cache)
+        if batch.saves is not None:
+            batch.saves.save_dsa(open_pool, layer)
         if batch.single_token:  # decoding requests in a mixed step: one pass of the decode path for them all
             one = batch.single_rows
             out[one] = self._attend_decode(q_abs[one], latent[one], iq[one], iw[one], ikg[one], batch.single,
                                            open_pool, cache)
-        if not batch.multi_token:
-            return out
-        prefill, slot_ids = batch.prefill_layout[:2]
-        multi = [batch.spans[i] for i in batch.multi_token]
-        rows = batch.layout(SpanRows, lambda: SpanRows.of(multi, cache, cfg.index_kpool, q_abs.device))
-        cache.latents[layer, rows.latents] = latent[prefill]
-        self.indexer.add_tokens(ikg[prefill], rows, slot_ids, open_pool, cache, layer)
-        pool_ids = self.indexer.select(iq[prefill], iw[prefill], rows.page_table, rows.seqs, rows.positions,
-                                       rows.n_pools, cache, layer)
-        out[prefill] = self._attend(q_abs[prefill], pool_ids, rows.positions, rows.page_table, rows.seqs, cache)
         return out
 
     def _attend(self, q_abs: torch.Tensor, pool_ids: torch.Tensor, positions: torch.Tensor,

@@ -34,12 +34,14 @@ class KdaMixer:
             o = self._decode(qkv, forget, beta_logits, gate_out, rec, conv, batch.decode.slots)
             return linear(o, self.o)
         o = torch.empty(x.shape[0], self.cfg.linear_dim, dtype=x.dtype, device=x.device)
+        if batch.multi_token:  # first: a prompt's last token may be a one-token row of this step
+            o[batch.prefill_layout[0]] = self._prefill(qkv, forget, beta_logits, gate_out, rec, conv, batch)
+        if batch.saves is not None:
+            batch.saves.save_kda(rec, conv, self.state_index)
         if batch.single_token:  # decoding requests in a mixed step: the fused step of a pure decode batch
             rows = batch.single_rows
             o[rows] = self._decode(qkv[rows], forget[rows], beta_logits[rows], gate_out[rows], rec, conv,
                                    batch.single.slots)
-        if batch.multi_token:
-            o[batch.prefill_layout[0]] = self._prefill(qkv, forget, beta_logits, gate_out, rec, conv, batch)
         return linear(o, self.o)
 
     def _decode(self, qkv: torch.Tensor, forget: torch.Tensor, beta_logits: torch.Tensor, gate_out: torch.Tensor,

@@ -228,10 +228,35 @@ def test_abort_of_a_sharing_request_leaves_the_others_intact(tiny_dir, prompt):
     no_leaks(engine)
 
 
-def test_a_prompts_held_back_token_runs_in_a_decode_step(tiny_dir, prompt):
-    """The prefill stops one token short for its snapshot; that last token runs with the decodes alone (a
-    decode step), not beside another request's prefill chunk, which starts in the step after."""
-    engine = core(tiny_dir("bf16"))
+def test_a_prompts_last_token_runs_in_its_chunks_step_with_the_snapshot_before_it(tiny_dir, prompt):
+    """The snapshot one token before the prompt's end costs no step of its own: the chunk runs through the last
+    token (beside a decoding request) and the state before it is saved partway through the step; an identical
+    prompt then restores that snapshot and both answer as without a cache."""
+    engine, plain = core(tiny_dir("bf16")), core(tiny_dir("bf16"), prefix_cache=False)
+    decoder = Sequence("decoder", prompt(5, seed=1), greedy(20))
+    engine.add(decoder)
+    engine.step()
+    text = prompt(40, seed=2)
+    first = Sequence("first", text, greedy(4))
+    engine.add(first)
+    outputs = {o.request_id for o in engine.step()}
+    assert outputs == {"decoder", "first"} and first.cached == 40  # the whole prompt in one step
+    again = Sequence("again", text, greedy(4))
+    engine.add(again)
+    while engine.has_work:
+        engine.step()
+    assert again.cached_prompt_tokens == 39
+    want = run(plain, [text], greedy(4))[0]
+    assert first.output_token_ids == again.output_token_ids == want
+    assert decoder.output_token_ids == run(plain, [decoder.prompt_token_ids], greedy(20))[0]
+    no_leaks(engine)
+
+
+def test_a_held_back_token_runs_in_a_decode_step_when_its_chunk_fills_the_step(tiny_dir, prompt):
+    """No room for the last token in its chunk's step: the prefill stops one token short for its snapshot, and
+    that token runs with the decodes alone (a decode step), not beside another request's prefill chunk, which
+    starts in the step after."""
+    engine = core(tiny_dir("bf16"), max_num_batched_tokens=40, max_num_seqs=4)
     decoder = Sequence("decoder", prompt(5, seed=1), greedy(20))
     engine.add(decoder)
     engine.step()
@@ -244,5 +269,5 @@ def test_a_prompts_held_back_token_runs_in_a_decode_step(tiny_dir, prompt):
     assert plan == {"decoder": 1, "held": 1}
     outputs = {o.request_id for o in engine.step()}
     assert outputs == {"decoder", "held"}
-    # Now the new prompt's chunk (up to its own snapshot, one token short) runs beside the decodes.
-    assert {seq.request_id: n for seq, n in engine.scheduler.schedule()} == {"decoder": 1, "held": 1, "new": 29}
+    # Now the new prompt's chunk (through its last token, its snapshot saved before it) runs beside the decodes.
+    assert {seq.request_id: n for seq, n in engine.scheduler.schedule()} == {"decoder": 1, "held": 1, "new": 30}
