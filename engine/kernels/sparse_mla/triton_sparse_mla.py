@@ -45,9 +45,10 @@ def _sparse_mla_kernel(q_ptr, lat_ptr, pool_ptr, pos_ptr, table_ptr, seq_ptr, ou
         j = n0 + tl.arange(0, BLOCK_N)
         in_pools = j < W * KPOOL
         pool = tl.load(pool_ptr + t * stride_pool + j // KPOOL, mask=in_pools, other=-1)
-        token = tl.where(in_pools, pool * KPOOL + j % KPOOL, tail_start + j - W * KPOOL)
-        valid = tl.where(in_pools, pool >= 0, token <= pos) & (j < end)
-        token = tl.where(valid, token, 0)
+        tail = tail_start + j - W * KPOOL
+        # Booleans combined with & and | (a tl.where between two i1 tensors breaks a layout pass on sm_90).
+        valid = ((in_pools & (pool >= 0)) | ((j >= W * KPOOL) & (tail <= pos))) & (j < end)
+        token = tl.where(valid, tl.where(in_pools, pool * KPOOL + j % KPOOL, tail), 0)
         page = tl.load(table_ptr + seq * stride_table + token // page_size, mask=valid, other=0)
         row = page * page_size + token % page_size
         k = tl.load(lat_ptr + row[:, None] * R + cols[None, :], mask=valid[:, None], other=0.0)
