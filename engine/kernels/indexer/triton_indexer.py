@@ -14,7 +14,9 @@ from engine.kernels.indexer.torch_ref import top_pools
 BLOCK_P = 64  # pools per program
 
 
-@triton.jit
+# Per-step counts, widths and index views (sliced at any offset from one packed copy): one build for all steps.
+@triton.jit(do_not_specialize=["n_pools", "stride_table", "stride_out"],
+            do_not_specialize_on_alignment=["table_ptr", "seq_ptr", "pos_ptr"])
 def _pool_scores_kernel(q_ptr, w_ptr, keys_ptr, table_ptr, seq_ptr, pos_ptr, out_ptr, HI, n_pools, per_page,
                         stride_qt, stride_qh, stride_wt, stride_keys, stride_table, stride_out, scale,
                         D: tl.constexpr, KPOOL: tl.constexpr, BLOCK_HI: tl.constexpr, BLOCK_P: tl.constexpr,

@@ -19,7 +19,9 @@ TARGET_PROGRAMS = 264  # two waves of an H100/H200's 132 SMs
 _SHAPES_RUN: set[tuple[int, int]] = set()  # (heads, kpool) of the layers run so far
 
 
-@triton.jit
+# Per-step counts, widths and index views (sliced at any offset from one packed copy): one build for all steps.
+@triton.jit(do_not_specialize=["T", "W", "L", "chunk", "stride_pool", "stride_table"],
+            do_not_specialize_on_alignment=["pool_ptr", "pos_ptr", "table_ptr", "seq_ptr"])
 def _sparse_mla_kernel(q_ptr, lat_ptr, pool_ptr, pos_ptr, table_ptr, seq_ptr, out_ptr, m_ptr, l_ptr,
                        T, H, W, L, chunk, page_size, stride_qt, stride_qh, stride_pool, stride_table, scale,
                        R: tl.constexpr, KPOOL: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -80,7 +82,7 @@ def _sparse_mla_kernel(q_ptr, lat_ptr, pool_ptr, pos_ptr, table_ptr, seq_ptr, ou
         tl.store(out_ptr + at[:, None] * R + cols[None, :], out.to(out_ptr.dtype.element_ty), mask=h_ok[:, None])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["TH", "splits"])
 def _combine_kernel(part_ptr, m_ptr, l_ptr, out_ptr, TH, splits, R: tl.constexpr, SPLITS: tl.constexpr):
     """One (token, head): the splits' partial sums rescaled to their common max."""
     at = tl.program_id(0).to(tl.int64)
@@ -123,7 +125,8 @@ def sparse_mla(q_latent: torch.Tensor, latents: torch.Tensor, pool_ids: torch.Te
                with_tail: bool) -> torch.Tensor:
     """As the torch reference (engine.kernels.sparse_mla.torch_ref.sparse_mla), scores in fp32."""
     t, h, r = q_latent.shape
-    out = torch.empty_like(q_latent)
+    # Written as contiguous [T, H, R] (empty_like would keep the strides of a permuted einsum output).
+    out = torch.empty(t, h, r, dtype=q_latent.dtype, device=q_latent.device)
     if t == 0:
         return out
     if q_latent.stride(-1) != 1:
