@@ -229,6 +229,10 @@ def main() -> None:
     for length in prefills:
         report({f"prefill{length}_tok_s": prefill_tok_s(llm, length, device)})
 
+    if device.type == "cuda":  # what the placement left unused: room an automatic budget could give to slots
+        free, _ = torch.cuda.mem_get_info(device)
+        report({"device_peak_allocated_GiB": torch.cuda.max_memory_allocated(device) / 2 ** 30,
+                "device_reserved_GiB": torch.cuda.memory_reserved(device) / 2 ** 30, "device_free_GiB": free / 2 ** 30})
     # Per layer: the step less the head at its roofline (the head runs once per step, whatever the depth).
     head_ms = head_bytes / bandwidth * 1e3
     b1 = (result[f"b1_ctx{contexts[0]}_step_ms"] - head_ms) / cfg.num_layers

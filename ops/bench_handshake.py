@@ -1,12 +1,13 @@
 """What one GPU<->CPU handshake of hybrid decode costs, per MoE layer, inside a CUDA graph.
 
 Every hybrid MoE layer in a decode step forks a side stream, copies the step's rows, ids and weights to
-pinned memory, runs a CUDA host function (the CPU's share of the misses) and copies its sum back,
-then joins. This times that round trip alone (with the bookkeeping around it: routing counts, slot
-lookup): small NVFP4 experts, all routed pairs resident (the host step finds no pair to run), `--layers`
-layers chained in one graph, against the same chain with the device executor alone. Prints one JSON line: the step time of both
-and the handshake's microseconds per layer. On a machine without a GPU the chains run eagerly and the
-host step inline (a smoke run: its figure is no handshake).
+pinned memory, hands the CPU its share of the misses (a doorbell a listener thread answers, or a CUDA
+host function) and copies its sum back, then joins. This times that round trip alone (with the
+bookkeeping around it: routing counts, slot lookup): small NVFP4 experts, all routed pairs resident (the
+host step finds no pair to run), `--layers` layers chained in one graph, against the same chain with the
+device executor alone. Prints one JSON line: the step time of each and each handshake's microseconds per
+layer. On a machine without a GPU the chains run eagerly and the host step inline (a smoke run: its
+figure is no handshake).
 
     python -m ops.bench_handshake --device cuda --layers 42 --rows 1
 """
@@ -22,6 +23,7 @@ import torch
 
 from engine.experts import executor_class
 from engine.experts.hybrid import HybridExperts
+from engine.offload.host_steps import HANDSHAKES
 from ops.bench_cpu_moe import nvfp4_stack
 from ops.bench_engine import sync
 
@@ -67,18 +69,22 @@ def main(argv: list[str] | None = None) -> dict:
                       nvfp4_stack(EXPERTS, HIDDEN, INTER, gen)) for layer in range(args.layers)}
     resident = {layer: list(range(EXPERTS - 1)) for layer in stacks}
     executor = executor_class(device)
-    hybrid = HybridExperts.place(stacks, resident, device, 7.0, executor)
-    device_only = executor(hybrid.device_stacks, 7.0)
     x = torch.randn(args.rows, HIDDEN, generator=gen).to(device, torch.bfloat16)
     ids = torch.stack([torch.randperm(EXPERTS - 1, generator=gen)[:TOP_K] for _ in range(args.rows)]).to(device)
     w = torch.rand(args.rows, TOP_K, generator=gen).to(device)
-    hybrid.use_rows(args.rows)
+    result = {"device": args.device, "layers": args.layers, "rows": args.rows, "graphed": device.type == "cuda"}
     with torch.inference_mode():
-        base = step_seconds(chain(device_only, args.layers, x, ids, w), device, args.reps)
-        both = step_seconds(chain(hybrid, args.layers, x, ids, w), device, args.reps)
-    result = {"device": args.device, "layers": args.layers, "rows": args.rows, "device_only_ms": base * 1e3,
-              "hybrid_ms": both * 1e3, "handshake_us_per_layer": (both - base) / args.layers * 1e6,
-              "graphed": device.type == "cuda"}
+        for handshake in HANDSHAKES:
+            hybrid = HybridExperts.place(stacks, resident, device, 7.0, executor)
+            hybrid.handshake = handshake
+            hybrid.use_rows(args.rows)
+            if "device_only_ms" not in result:
+                base = step_seconds(chain(executor(hybrid.device_stacks, 7.0), args.layers, x, ids, w), device,
+                                    args.reps)
+                result["device_only_ms"] = base * 1e3
+            both = step_seconds(chain(hybrid, args.layers, x, ids, w), device, args.reps)
+            result[f"{handshake}_ms"] = both * 1e3
+            result[f"{handshake}_us_per_layer"] = (both - base) / args.layers * 1e6
     print(json.dumps(result))
     return result
 

@@ -185,6 +185,7 @@ class HybridExperts:
         self._host_compiled = all(layer in self.host_run.compiled for layer in self.layers)
         self.rates_at_load: tuple[float, float] = (0.0, 0.0)  # (CPU, PCIe) bytes/s, when measured
         self.host_steps: dict[int, HostSteps] = {}  # by top-k, built at the first decode-sized batch
+        self.handshake = "doorbell"  # how the device hands the CPU its share (host_steps.HANDSHAKES)
         self._stats = OffloadStats()
         self.split_misses(pcie_percent)
         self._pin = device.type == "cuda"
@@ -348,7 +349,7 @@ class HybridExperts:
             cpu_entry = {layer: self.entry_of[self._index[layer]] for layer in self.layers}
             self.host_steps[topk] = HostSteps(self.host_run.compiled, cpu_entry, topk, self.host_run.limit,
                                               self.host_run.threads, self.device, DECODE_MAX_PAIRS // topk,
-                                              (self.pcie_percent, self.fetch.capacity))
+                                              (self.pcie_percent, self.fetch.capacity), self.handshake)
         return self.host_steps[topk]
 
     def _host(self, layer: int, rows: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:

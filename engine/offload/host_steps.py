@@ -1,8 +1,9 @@
 """The CPU's share of hybrid decode steps, queued in the device's stream so a step stays one CUDA graph.
 
 Per MoE layer the device copies the step's rows, top-k ids and routing weights into pinned buffers,
-a CUDA host function (cpu_gemv.c's `host_step`) runs the pairs whose experts live in the host bank on
-CPU threads, and the sum comes back. All of it is queued on a side stream that forks from the device
+rings a listener thread (offload/doorbell.py; a CUDA host function where the driver lacks stream memory
+operations) that runs cpu_gemv.c's `host_step`, the pairs whose experts live in the host bank, on CPU
+threads, and the sum comes back. All of it is queued on a side stream that forks from the device
 stream after the router and joins before the layer's output is used, so the device's resident
 experts run while the CPU works, and neither Python nor a device synchronization sits inside the
 step. The same code runs eagerly and under capture; on a machine without a GPU the host step simply
@@ -22,9 +23,11 @@ import torch
 
 from engine.kernels.experts.cpu_gemv import ExpertStacks, HostStepArgs, fp8_table, host_step_function, run_host_step, \
     simd_level
-from engine.offload.cuda_driver import copy_async, launch_host_func
+from engine.offload.cuda_driver import copy_async, launch_host_func, memory_operations_available
+from engine.offload.doorbell import Doorbell
 
 SPIN_NS = 2_000_000  # longer than the device's share of a layer, shorter than a pause between requests
+HANDSHAKES = ("doorbell", "host_function")
 
 
 @dataclass
@@ -43,10 +46,14 @@ class HostStepTotals:
 class HostSteps:
     def __init__(self, stacks: dict[int, ExpertStacks], cpu_entry: dict[int, torch.Tensor], topk: int,
                  limit: float, threads: int, device: torch.device, max_rows: int,
-                 pcie: tuple[int, int] = (0, 0)) -> None:
+                 pcie: tuple[int, int] = (0, 0), handshake: str = "doorbell") -> None:
         """stacks: each layer's host bank; cpu_entry: each layer's expert -> bank entry map ([E] int64 on the
         CPU, -1 for experts on the device), read at every step (changed in place between steps); pcie:
-        (percent, capacity) of the misses the device takes over PCIe (cpu_gemv.c's rule), which these skip."""
+        (percent, capacity) of the misses the device takes over PCIe (cpu_gemv.c's rule), which these skip;
+        handshake: how the device hands a layer to the CPU (HANDSHAKES; the doorbell falls back to a host
+        function where the driver lacks stream memory operations)."""
+        if handshake not in HANDSHAKES:
+            raise ValueError(f"handshake must be one of {HANDSHAKES}, got {handshake!r}")
         self.stacks, self.cpu_entry = stacks, cpu_entry
         self.topk, self.limit, self.threads, self.device, self.max_rows = topk, limit, threads, device, max_rows
         self.pcie = pcie
@@ -72,10 +79,15 @@ class HostSteps:
         self.spin_ns = SPIN_NS if pin else 0
         self._args: dict[tuple[int, int], HostStepArgs] = {}
         self._function = host_step_function()
+        self._position = {layer: i for i, layer in enumerate(stacks)}
+        self.bell = Doorbell(len(stacks) * max_rows, self.spin_ns, device) \
+            if pin and handshake == "doorbell" and memory_operations_available() else None
 
     def use_rows(self, rows: int) -> None:
         """Rows in use in the next replayed step (a graph's padding rows past them are skipped)."""
         self.live_rows.value = rows
+        if self.bell is not None:
+            self.bell.arm()
 
     def run(self, layer: int, x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor) -> "PendingHostStep":
         """Queue (or, without a GPU, run) the CPU's pairs of this layer -> their weighted sum, once waited for."""
@@ -97,7 +109,11 @@ class HostSteps:
         copy_async(self.ids[:rows], expert_ids.to(torch.int64).contiguous(), main)
         copy_async(self.weights[:rows], weights.float().contiguous(), main)
         self.stream.wait_stream(main)
-        launch_host_func(self.stream, self._function, ctypes.addressof(args))
+        if self.bell is None:
+            launch_host_func(self.stream, self._function, ctypes.addressof(args))
+        else:
+            self.bell.arm()
+            self.bell.ring(self.stream, self._bell_index(layer, rows))
         copy_async(self.device_out[:rows], self.out[:rows], self.stream)
         return PendingHostStep(self.device_out[:rows], self.stream)
 
@@ -111,7 +127,12 @@ class HostSteps:
                 ctypes.addressof(self.live_rows), rows, self.topk, self.cpu_entry[layer].numel(), *self.pcie, self.limit,
                 self.out.data_ptr(), self.workspace.data_ptr(), self.scratch.data_ptr(), fp8_table().data_ptr(),
                 self.threads, simd_level(), self.spin_ns, 0, 0, 0, 0, 0, 0, 0)
+            if self.bell is not None:
+                self.bell.name(self._bell_index(layer, rows), ctypes.addressof(self._args[key]))
         return self._args[key]
+
+    def _bell_index(self, layer: int, rows: int) -> int:
+        return self._position[layer] * self.max_rows + rows - 1
 
     def totals(self) -> HostStepTotals:
         """Summed over layers and batch sizes; raises if a step ever failed (a shape the kernel rejected)."""

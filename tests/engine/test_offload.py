@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import ctypes
+import time
+
 import pytest
 import torch
 
@@ -267,6 +270,47 @@ def test_host_steps_run_only_host_experts_of_live_rows(fmt):
     hosted_pairs = int(torch.isin(ids, torch.tensor(hosted)).sum())
     assert totals.steps == 3 and totals.pairs_seen == 2 * 24 + 16
     assert totals.pairs_run == 2 * hosted_pairs + int(torch.isin(ids[:4], torch.tensor(hosted)).sum())
+
+
+@pytest.mark.parametrize("nap", [False, True])
+def test_a_rung_doorbell_runs_that_host_step_once_and_answers(nap):
+    """The listener a decode step's stream rings (here this thread plays the stream, writing the words as its
+    memory operations would): each ring runs the named layer's host step once and answers with the ring's
+    value, also when the same step rings twice in a row (the answer word is cleared before each ring) and when
+    the listener was napping and nobody armed it."""
+    from engine.kernels.experts.cpu_gemv import ExpertStacks
+    from engine.offload.doorbell import DONE_WORD, RING_WORD, Doorbell
+    from engine.offload.host_steps import HostSteps
+
+    stacks = {layer: layer_stacks("nvfp4", 50 + layer) for layer in (2, 7)}
+    cpu_entry = torch.arange(E, dtype=torch.int64)  # every expert in the host bank
+    steps = HostSteps({layer: ExpertStacks(*s) for layer, s in stacks.items()}, {2: cpu_entry, 7: cpu_entry}, 4,
+                      LIMIT, 2, torch.device("cpu"), max_rows=8)
+    bell = Doorbell(2 * 8, spin_ns=200_000, device=torch.device("cpu"))
+    for layer in (2, 7):
+        bell.name(steps._bell_index(layer, 3), ctypes.addressof(steps._arguments(layer, 3)))
+
+    def ring(layer: int) -> torch.Tensor:
+        if nap:
+            time.sleep(0.01)  # past the listener's spin: it naps
+        index = steps._bell_index(layer, 3)
+        bell.words[DONE_WORD] = 0
+        bell.words[RING_WORD] = index + 1
+        deadline = time.monotonic() + 10
+        while int(bell.words[DONE_WORD]) != index + 1:
+            assert time.monotonic() < deadline, "the doorbell was not answered"
+        assert int(bell.words[RING_WORD]) == 0
+        return steps.out[:3].clone()
+
+    try:
+        for layer, seed in [(2, 60), (2, 61), (7, 62)]:
+            x, ids, w = routed(3, 4, seed)
+            steps.x[:3], steps.ids[:3], steps.weights[:3] = x, ids, w
+            steps.live_rows.value = 3
+            assert_expert_close(ring(layer), TorchExperts(stacks, LIMIT)(layer, x, ids, w), "nvfp4")
+        assert steps.totals().steps == 3
+    finally:
+        bell.close()
 
 
 @pytest.mark.parametrize("percent", [0, 1, 10, 41, 44, 50, 67, 99, 100])

@@ -86,6 +86,12 @@ def _library() -> ctypes.CDLL | None:
     lib.pool_pin.restype = None
     lib.simd_path.argtypes = [ctypes.c_int]
     lib.simd_path.restype = ctypes.c_int
+    lib.doorbell_open.argtypes = [_P, _P, _P, _I]
+    lib.doorbell_open.restype = _P
+    lib.doorbell_arm.argtypes = [_P]
+    lib.doorbell_arm.restype = None
+    lib.doorbell_close.argtypes = [_P]
+    lib.doorbell_close.restype = None
     return lib
 
 
@@ -110,6 +116,27 @@ def run_host_step(args: HostStepArgs) -> None:
     lib = _library()
     assert lib is not None, "the CPU kernels are not built: check available() first"
     lib.host_step(ctypes.addressof(args))
+
+
+def open_doorbell(ring: int, done: int, table: int, spin_ns: int) -> int:
+    """Starts doorbell.c's listener on these words (addresses; table: host_step_args addresses by index)
+    -> its handle."""
+    lib = _library()
+    assert lib is not None, "the CPU kernels are not built: check available() first"
+    handle = lib.doorbell_open(ring, done, table, spin_ns)
+    if not handle:
+        raise RuntimeError("doorbell: the listener thread did not start")
+    return handle
+
+
+def arm_doorbell(handle: int) -> None:
+    """Wakes the listener if it naps (a step is about to ring it)."""
+    _library().doorbell_arm(handle)
+
+
+def close_doorbell(handle: int) -> None:
+    """Stops and joins the listener: nothing may ring it any more."""
+    _library().doorbell_close(handle)
 
 
 def pin_workers(cpus: list[int]) -> None:
