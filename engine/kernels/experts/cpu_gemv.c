@@ -662,8 +662,8 @@ int experts_forward(const matrix *gate, const matrix *up, const matrix *down, co
 
 /* ---------------------------------------------------------------- a decode step's misses */
 
-/* One MoE layer's CPU share of a decode step, shaped so a CUDA host function (cuLaunchHostFunc) can run
- * it inside a captured graph: every pointer and size is fixed at capture, the values behind them change
+/* One MoE layer's CPU share of a decode step, shaped so a listener thread the device rings (doorbell.c) or a
+ * CUDA host function (cuLaunchHostFunc) can run it inside a captured graph: every pointer and size is fixed at capture, the values behind them change
  * per step. The device copies the step's rows, top-k ids and routing weights into the pinned inputs
  * before, and copies `out` back after. `cpu_entry` maps an expert id to its host bank entry (-1: the
  * CPU does not run it); it is read at run time, so swaps between steps move experts under a captured
