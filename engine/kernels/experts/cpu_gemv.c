@@ -32,7 +32,9 @@
 
 #define GROUP 16
 #define MAX_ROWS 8 /* rows of x handled per pass over the weights */
-#define TILE 32    /* output rows of one matrix per unit of work in the expert pass */
+#ifndef TILE /* a build may set it (-DTILE=...) to compare unit sizes */
+#define TILE 32 /* output rows of one matrix per unit of work in the expert pass */
+#endif
 
 enum { PORTABLE = 0, AVX2 = 1, AVX512 = 2, AVX512_VNNI = 3 };
 enum { NVFP4 = 0, FP8_BLOCK = 1 };
@@ -290,7 +292,9 @@ nvfp4_step_x8(const int rows, const float *xs, int64_t x_stride, int64_t half_k,
 #define SCALE_BLOCK 64
 /* Bytes of codes ahead of the step that each cache line's prefetch asks for (rows of a tile are contiguous,
  * so the stream runs on into the next row). */
+#ifndef PREFETCH_AHEAD /* a build may set it (-DPREFETCH_AHEAD=...) to compare distances */
 #define PREFETCH_AHEAD 1024
+#endif
 __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni"), always_inline)) static inline void
 nvfp4_rows_x8(const int rows, const float *xs, int64_t x_stride, int64_t half_k, const uint8_t *codes,
               const uint8_t *scales, const float *fp8_table, float global, float *out, int64_t out_stride) {
