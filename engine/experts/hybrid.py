@@ -27,6 +27,7 @@ import torch
 from engine.checkpoint.layout import EXPERT_PROJS, stacked_expert_name
 from engine.experts.cpu_experts import CpuExperts
 from engine.experts.torch_experts import TorchExperts
+from engine.kernels import kernel
 from engine.kernels.experts import DECODE_MAX_PAIRS
 from engine.kernels.experts.cpu_gemv import available as cpu_kernels_built, pin_workers
 from engine.offload.cpu_cores import usable_cores, worker_cpus
@@ -50,15 +51,6 @@ SWAP_MARGIN = 1.25
 # differences, which grow with the counts faster than the noise, pass it (simulated: ops/sim_swaps.py).
 SWAP_Z = 3.0
 COUNT_DECAY = 0.998  # per step: routing counts remember ~500 steps
-
-
-def to_pcie(rank: torch.Tensor, percent: int) -> torch.Tensor:
-    """Whether the missed pair of rank r goes over PCIe (cpu_gemv.c's host step applies the same rule): n
-    misses send k(n) = ((n + 1) * percent - 1) // 100 of them, the count that lets the later of the two
-    sides finish soonest when PCIe moves percent : 100 - percent of what the CPU and the link move together
-    (ties to the CPU). A layer of a batch-1 step misses one to three experts: a rounded-down share sent
-    none at 41%, a rounded-half-up one sent a lone miss over the slower link at 50%."""
-    return ((rank + 2) * percent - 1) // 100 > ((rank + 1) * percent - 1) // 100
 
 
 @dataclass
@@ -324,25 +316,17 @@ class HybridExperts:
 
     def _over_pcie(self, layer: int, x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor,
                    miss: torch.Tensor) -> torch.Tensor:
-        """The device's share of the misses: the missed pair of rank r (row-major) if `to_pcie(r, percent)`,
-        while staging slots last (the host step applies the same rule to the same ids and skips these). Its
-        experts are copied into the staging slots by a kernel reading the host bank, then run by the device
-        executor -> [T, D] in x's dtype."""
-        index, capacity, percent = self._index[layer], self.fetch.capacity, self.pcie_percent
-        missed = miss.flatten()
-        if x.is_cuda and torch.cuda.is_current_stream_capturing():  # replays run padding rows: copy nothing for them
-            rows = torch.arange(missed.numel(), device=x.device) // expert_ids.shape[1]
-            missed = missed & (rows < self._live_rows)
-        rank = missed.cumsum(0) - 1
-        picked = missed & to_pcie(rank, percent)
-        taken = picked.cumsum(0) - 1
-        picked &= taken < capacity
-        entries = torch.full((capacity + 1,), -1, dtype=torch.long, device=x.device)  # the last: a dump
-        entries.scatter_(0, torch.where(picked, taken, capacity),
-                         torch.where(picked, self.entry_on_device[index][expert_ids.flatten()], -1))
-        self.fetch.gather(self.host[layer], entries[:capacity])
-        slots = torch.where(picked, taken, 0).view_as(expert_ids)
-        return self.fetch.run(0, x, slots, weights * picked.view_as(weights))
+        """The device's share of the misses: the missed pair of rank r (row-major) if `to_pcie(r, percent)`
+        (kernels/experts/pcie_pick.py), while staging slots last (the host step applies the same rule to the
+        same ids and skips these). Its experts are copied into the staging slots by a kernel reading the host
+        bank, then run by the device executor -> [T, D] in x's dtype."""
+        index = self._index[layer]
+        # a replay runs padding rows: copy nothing for them
+        live = self._live_rows if x.is_cuda and torch.cuda.is_current_stream_capturing() else None
+        entries, slots, picked_weights = kernel("pcie_pick", x.device.type)(
+            expert_ids, weights, miss, self.entry_on_device[index], live, self.pcie_percent, self.fetch.capacity)
+        self.fetch.gather(self.host[layer], entries)
+        return self.fetch.run(0, x, slots, picked_weights)
 
     def _host_steps(self, topk: int) -> HostSteps:
         if topk not in self.host_steps:

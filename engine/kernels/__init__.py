@@ -2,6 +2,7 @@
 
 from engine.kernels import dispatch
 from engine.kernels.experts import gather as _gather  # noqa: F401
+from engine.kernels.experts import pcie_pick as _pcie_pick  # noqa: F401
 from engine.kernels.indexer import torch_ref as _indexer  # noqa: F401
 from engine.kernels.indexer import triton_indexer as _indexer_triton  # noqa: F401
 from engine.kernels.kda import fla_prefill as _kda_prefill  # noqa: F401

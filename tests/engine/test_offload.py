@@ -319,7 +319,7 @@ def test_the_pcie_share_of_a_layers_misses_lets_the_later_side_finish_soonest(pe
     ties to the CPU (brute force): at one to three misses a layer (batch 1) a rounded-down share sent none
     at 41%, a half-up one sent a lone miss over the slower link at 50%. Every prefix of the ranks keeps
     its own best count, so the picks spread over the misses."""
-    from engine.experts.hybrid import to_pcie
+    from engine.kernels.experts.pcie_pick import to_pcie
 
     def best(n: int) -> int:  # cross-multiplied by percent * (100 - percent): no division by zero
         return min(range(n + 1), key=lambda k: (max(k * (100 - percent), (n - k) * percent), k))

@@ -3,8 +3,6 @@ a paged cache shared by several sequences: decode rows (one table row per query)
 
 from __future__ import annotations
 
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -13,7 +11,7 @@ from engine.kernels.indexer import torch_ref as indexer_ref
 from engine.kernels.indexer import triton_indexer
 from engine.kernels.sparse_mla import torch_ref as mla_ref
 from engine.kernels.sparse_mla import triton_sparse_mla
-from tests.child_env import child_env
+from tests.engine.kernels.sm90 import assert_compiles_for_sm90
 
 KPOOL, PAGE = 4, 8
 
@@ -102,29 +100,18 @@ def test_sparse_mla_split_and_whole_agree(monkeypatch):
 
 COMPILE_FOR_SM90 = """
 import itertools
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
-from triton.compiler.compiler import make_backend
 from engine.kernels.indexer.triton_indexer import _pool_scores_kernel
 from engine.kernels.sparse_mla.triton_sparse_mla import _combine_kernel, _sparse_mla_kernel
-
-def compile_for_sm90(fn, pointers, constants, num_warps):
-    target = GPUTarget("cuda", 90, 32)
-    options = make_backend(target).parse_options({"num_warps": num_warps})
-    scalar = lambda name: "fp32" if name == "scale" else "i32"
-    signature = {name: "constexpr" if name in constants else pointers.get(name) or scalar(name)
-                 for name in fn.arg_names}
-    constexprs = {(i,): constants[name] for i, name in enumerate(fn.arg_names) if name in constants}
-    triton.compile(ASTSource(fn, signature, constexprs), target=target, options=options.__dict__)
 
 index = dict(q_ptr="*bf16", lat_ptr="*bf16", pool_ptr="*i64", pos_ptr="*i64", table_ptr="*i64", seq_ptr="*i64")
 for seqs, split in itertools.product((True, False), repeat=2):
     out = "*fp32" if split else "*bf16"
     compile_for_sm90(_sparse_mla_kernel, {**index, "out_ptr": out, "m_ptr": "*fp32", "l_ptr": "*fp32"},
-                     dict(R=512, KPOOL=4, BLOCK_H=32, BLOCK_N=32, HAS_SEQS=seqs, SPLIT=split, DOT_F32=False), 8)
+                     dict(R=512, KPOOL=4, BLOCK_H=32, BLOCK_N=32, HAS_SEQS=seqs, SPLIT=split, DOT_F32=False), 8,
+                     dict(scale="fp32"))
     compile_for_sm90(_pool_scores_kernel, {**index, "w_ptr": "*fp32", "keys_ptr": "*bf16", "out_ptr": "*fp32"},
-                     dict(D=128, KPOOL=4, BLOCK_HI=32, BLOCK_P=64, HAS_SEQS=seqs, DOT_F32=False), 4)
+                     dict(D=128, KPOOL=4, BLOCK_HI=32, BLOCK_P=64, HAS_SEQS=seqs, DOT_F32=False), 4,
+                     dict(scale="fp32"))
 compile_for_sm90(_combine_kernel, {"part_ptr": "*fp32", "m_ptr": "*fp32", "l_ptr": "*fp32", "out_ptr": "*bf16"},
                  dict(R=512, SPLITS=32), 4)
 print("compiled")
@@ -134,6 +121,4 @@ print("compiled")
 def test_the_kernels_compile_for_sm90_at_the_release_shapes(tmp_path):
     """The interpreter takes code the compiler rejects (a tl.where between two boolean tensors broke a layout
     pass): every build the release serves (spans and decode rows, split or whole) compiles for sm_90, no GPU."""
-    done = subprocess.run([sys.executable, "-c", COMPILE_FOR_SM90], capture_output=True, text=True,
-                          env=child_env("TRITON_INTERPRET", TRITON_CACHE_DIR=str(tmp_path)))
-    assert done.returncode == 0 and "compiled" in done.stdout, done.stderr[-3000:]
+    assert_compiles_for_sm90(COMPILE_FOR_SM90, tmp_path)
