@@ -236,9 +236,7 @@ class PrefixCache:
         before the prompt's end (a snapshot stop) and runs at least two, the budget holds the last token and a
         snapshot row is free; the state before the last token is then saved partway through the step
         (`step_saves`). A request planned again in the same step is planned afresh."""
-        row = self._saving.pop(seq, None)
-        if row is not None:
-            self._states.free.append(row)
+        self._free_row(self._saving.pop(seq, None))
         last = len(seq.prompt_token_ids) - 1
         if (tokens < 2 or tokens >= budget or seq.cached + tokens != last or seq.num_tokens != last + 1
                 or seq.params.prompt_logprobs is not None):
@@ -275,9 +273,7 @@ class PrefixCache:
     def finish(self, seq: Sequence, keep_state: bool) -> None:
         """The request leaves: with `keep_state` (it finished normally, so its slot holds the state at
         `cached`) its pages are registered and that state kept for a next turn."""
-        row = self._saving.pop(seq, None)  # planned for a step that never ran
-        if row is not None:
-            self._states.free.append(row)
+        self._free_row(self._saving.pop(seq, None))  # planned for a step that never ran
         progress = self._progress.pop(seq, None)
         if progress is not None and keep_state:
             self._record(seq, progress, seq.cached, True)
@@ -290,8 +286,7 @@ class PrefixCache:
         full = position // size
         keep = snapshot or saved_row is not None
         if not node.alive or (full <= node.depth and not keep):
-            if saved_row is not None:
-                self._states.free.append(saved_row)
+            self._free_row(saved_row)
             return  # nothing new, or its chain was evicted under it (later pages could never be found)
         tokens = seq.token_ids
         while node.depth < full:
@@ -302,8 +297,13 @@ class PrefixCache:
         if keep and position >= size:
             tail = tuple(tokens[full * size:position])
             self._snapshot(node, tail, seq.slot, seq.pages[full] if tail else None, saved_row)
-        elif saved_row is not None:
-            self._states.free.append(saved_row)
+        else:
+            self._free_row(saved_row)
+
+    def _free_row(self, row: int | None) -> None:
+        """A snapshot row planned for a save that took no snapshot goes back (None: there was none)."""
+        if row is not None:
+            self._states.free.append(row)
 
     def _register(self, parent: Block, tokens: tuple[int, ...], page: int) -> Block:
         block = parent.children.get(tokens)
@@ -323,8 +323,7 @@ class PrefixCache:
         if tail in block.snapshots:
             snap = block.snapshots[tail]
             (self._host_states if snap.on_host else self._states).touch(snap)
-            if saved_row is not None:
-                self._states.free.append(saved_row)
+            self._free_row(saved_row)
             return
         if saved_row is None:
             row = self._state_row()

@@ -95,6 +95,13 @@ def _library() -> ctypes.CDLL | None:
     return lib
 
 
+def _built() -> ctypes.CDLL:
+    """The library, for callers that checked `available()` first."""
+    lib = _library()
+    assert lib is not None, "the CPU kernels are not built: check available() first"
+    return lib
+
+
 def _mode() -> str:
     return os.environ.get("GLMFLASH_CPU_KERNELS", "auto")
 
@@ -106,23 +113,20 @@ def available() -> bool:
 
 def host_step_function() -> int:
     """Address of cpu_gemv.c's `host_step(void *args)`: a CUDA host function, or called directly."""
-    lib = _library()
-    assert lib is not None, "the CPU kernels are not built: check available() first"
+    lib = _built()
     return ctypes.cast(lib.host_step, _P).value
 
 
 def run_host_step(args: HostStepArgs) -> None:
     """Runs one host step now, on this thread."""
-    lib = _library()
-    assert lib is not None, "the CPU kernels are not built: check available() first"
+    lib = _built()
     lib.host_step(ctypes.addressof(args))
 
 
 def open_doorbell(ring: int, done: int, table: int, spin_ns: int) -> int:
     """Starts doorbell.c's listener on these words (addresses; table: host_step_args addresses by index)
     -> its handle."""
-    lib = _library()
-    assert lib is not None, "the CPU kernels are not built: check available() first"
+    lib = _built()
     handle = lib.doorbell_open(ring, done, table, spin_ns)
     if not handle:
         raise RuntimeError("doorbell: the listener thread did not start")
@@ -131,19 +135,18 @@ def open_doorbell(ring: int, done: int, table: int, spin_ns: int) -> int:
 
 def arm_doorbell(handle: int) -> None:
     """Wakes the listener if it naps (a step is about to ring it)."""
-    _library().doorbell_arm(handle)
+    _built().doorbell_arm(handle)
 
 
 def close_doorbell(handle: int) -> None:
     """Stops and joins the listener: nothing may ring it any more."""
-    _library().doorbell_close(handle)
+    _built().doorbell_close(handle)
 
 
 def pin_workers(cpus: list[int]) -> None:
     """Pins the kernels' worker threads (ids 1..len(cpus)) to these CPUs, one each, now and when started;
     an empty list unpins them."""
-    lib = _library()
-    assert lib is not None, "the CPU kernels are not built: check available() first"
+    lib = _built()
     table = (ctypes.c_int32 * max(len(cpus), 1))(*cpus)
     lib.pool_pin(table, len(cpus))
 
@@ -155,8 +158,7 @@ def simd_level() -> int:
 
 def simd_path() -> int:
     """The code path the kernels take on this CPU under GLMFLASH_CPU_KERNELS (0 portable .. 3 AVX-512 VNNI)."""
-    lib = _library()
-    assert lib is not None, "the CPU kernels are not built: check available() first"
+    lib = _built()
     return lib.simd_path(simd_level())
 
 
@@ -168,8 +170,7 @@ def fp8_table() -> torch.Tensor:
 
 def gemv(x: torch.Tensor, weight: QuantWeight, threads: int) -> torch.Tensor:
     """x [R, K] on the CPU @ dequantize(weight [N, K])^T -> fp32 [R, N], without expanding the weight."""
-    lib = _library()
-    assert lib is not None, "the CPU kernels are not built: check available() first"
+    lib = _built()
     if len(weight.shape) != 2:
         raise ValueError(f"gemv: one matrix expected, got a weight of shape {weight.shape}")
     m, _keep = matrix(weight)
@@ -198,8 +199,7 @@ class ExpertStacks:
         """x [P, D]: one row per (token, expert) pair, grouped by expert (group g: rows starts[g]..starts[g+1]
         use experts[g]) -> [P, D] fp32, each row its expert's MLP output times its pair weight. The threads
         stay awake `spin_ns` after the pass."""
-        lib = _library()
-        assert lib is not None, "the CPU kernels are not built: check available() first"
+        lib = _built()
         xf, w = x.float().contiguous(), pair_weights.float().contiguous()
         experts, starts = experts.to(torch.int64).contiguous(), starts.to(torch.int64).contiguous()
         pairs = xf.shape[0]
