@@ -31,7 +31,7 @@ from engine.experts import default_executor, executor_class
 from engine.experts.pending import PendingExperts
 from engine.experts.hybrid import HybridExperts, OffloadStats
 from engine.offload.miss_split import choose_split
-from engine.offload.placement import AUTO, auto_budget, plan_load
+from engine.offload.placement import AUTO, auto_budget, plan_load, reserve_bytes
 from engine.model.glm5_next import Glm5NextModel
 from engine.model_runner import ModelRunner
 from engine.sampler import TokenLogprobs, sample_batch
@@ -286,7 +286,8 @@ class EngineCore:
         device = weights["norm.weight"].device
         budget = options.moe_vram_budget
         if budget == AUTO:
-            budget = auto_budget(*torch.cuda.mem_get_info(device)) if device.type == "cuda" else 0
+            free = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else 0
+            budget = auto_budget(free, reserve_bytes(options.max_num_batched_tokens, options.max_model_len))
         hybrid = HybridExperts.from_weights(weights, config.moe_layers, config.swiglu_limit, device, budget,
                                             executor_class(device), options.cpu_expert_threads,
                                             options.cpu_expert_pin)
@@ -308,7 +309,8 @@ class EngineCore:
         cls.start_warm_up(config, device, DTYPES[dtype], options.kernels_file, options.precompile_processes)
         budget, slots = plan_load(options.moe_vram_budget, device, checkpoint_sizes(Path(model), config),
                                   len(config.moe_layers), config.n_routed_experts,
-                                  cls.cache_bytes(config, options, DTYPES[dtype]))
+                                  cls.cache_bytes(config, options, DTYPES[dtype]),
+                                  reserve_bytes(options.max_num_batched_tokens, options.max_model_len))
         weights = load_weights(model, config, device, DTYPES[dtype], slots)
         tokenizer_file = Path(model) / "tokenizer.json"
         tokenizer = Tokenizer.from_file(str(tokenizer_file)) if tokenizer_file.exists() else None

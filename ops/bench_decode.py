@@ -181,9 +181,12 @@ def main() -> None:
 
     start = time.perf_counter()
     hybrid = args.expert_slots is not None
+    max_len = max(contexts + prefills) + args.steps + (SETTLE_MAX_STEPS if hybrid else 0) + 8
+    max_batched = max(prefills + [2048])
     slots = None
     if hybrid:
-        slots = auto_slots(cfg, args.format, device) if args.expert_slots == "auto" else int(args.expert_slots)
+        slots = (auto_slots(cfg, args.format, device, max_batched, max_len) if args.expert_slots == "auto"
+                 else int(args.expert_slots))
         report({"expert_slots_per_layer": slots, "host_read_GBps": read_bandwidth(torch.ones((4 << 30) // 4))})
     weights = synthetic_weights(cfg, args.format, device, dtype, expert_slots=slots, expert_variety=args.expert_variety)
     if args.routing_skew:
@@ -196,11 +199,10 @@ def main() -> None:
             "build_s": time.perf_counter() - start})
     bandwidth = copy_bandwidth(device, 4 << 30 if device.type == "cuda" else 256 << 20) * 1e9
     report({"copy_bandwidth_gbs": bandwidth / 1e9})
-    max_len = max(contexts + prefills) + args.steps + (SETTLE_MAX_STEPS if hybrid else 0) + 8
     start = time.perf_counter()
     budget = slots * round(sizes[1]) * len(cfg.moe_layers) if hybrid else None
     llm = LLM.from_weights(cfg, weights, max_num_seqs=max(batches + [1]), max_model_len=max_len,
-                           max_num_batched_tokens=max(prefills + [2048]), moe_vram_budget=budget,
+                           max_num_batched_tokens=max_batched, moe_vram_budget=budget,
                            max_expert_swaps=args.max_expert_swaps, prefix_cache=False,  # repeated prompts
                            pcie_expert_percent=args.pcie_percent, cpu_expert_threads=args.cpu_threads,
                            cpu_expert_pin=not args.no_cpu_pin)
@@ -226,12 +228,20 @@ def main() -> None:
         decode_figures(f"b1_ctx{context}", 1, context)
     for batch in batches:
         decode_figures(f"b{batch}_ctx{contexts[0]}", batch, contexts[0])
+    peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else 0
     for length in prefills:
+        if device.type == "cuda":  # the step's transient tensors, against the engine's reserve for them
+            torch.cuda.reset_peak_memory_stats(device)
+            before = torch.cuda.memory_allocated(device)
         report({f"prefill{length}_tok_s": prefill_tok_s(llm, length, device)})
+        if device.type == "cuda":
+            peak = max(peak, torch.cuda.max_memory_allocated(device))
+            report({f"prefill{length}_transient_GiB": (torch.cuda.max_memory_allocated(device) - before) / 2 ** 30,
+                    "engine_reserve_GiB": reserve_bytes(max_batched, max_len) / 2 ** 30})
 
     if device.type == "cuda":  # what the placement left unused: room an automatic budget could give to slots
         free, _ = torch.cuda.mem_get_info(device)
-        report({"device_peak_allocated_GiB": torch.cuda.max_memory_allocated(device) / 2 ** 30,
+        report({"device_peak_allocated_GiB": peak / 2 ** 30,
                 "device_reserved_GiB": torch.cuda.memory_reserved(device) / 2 ** 30, "device_free_GiB": free / 2 ** 30})
     # Per layer: the step less the head at its roofline (the head runs once per step, whatever the depth).
     head_ms = head_bytes / bandwidth * 1e3
@@ -334,15 +344,15 @@ def ideal_hit_rate(counts: torch.Tensor, slots: int) -> float:
     return float((top / counts.float().sum(1).clamp(min=1e-9)).mean())
 
 
-def auto_slots(cfg: ModelConfig, fmt: str, device: torch.device) -> int:
+def auto_slots(cfg: ModelConfig, fmt: str, device: torch.device, max_batched_tokens: int, max_model_len: int) -> int:
     """Experts per MoE layer that fit the device's free memory beside the other weights (bf16 upper bound),
-    the caches and the engine's reserve: what an automatic budget gives the whole model."""
+    the caches and the engine's reserve for its largest step: what an automatic budget gives the whole model."""
     dense = sum(math.prod(spec.shape) * 2 for spec in text_specs(cfg) if not EXPERT_KEY.match(spec.name))
     inter, hidden = cfg.moe_intermediate_size, cfg.hidden_size
     per_matrix = {"nvfp4-ct": inter * hidden * 9 // 16, "nvfp4-modelopt": inter * hidden * 9 // 16,
                   "fp8": inter * hidden, "bf16": 2 * inter * hidden}[fmt]
-    free, total = torch.cuda.mem_get_info(device)
-    budget = free - dense - reserve_bytes(total) - (2 << 30)  # 2 GiB: caches and activations at these sizes
+    free = torch.cuda.mem_get_info(device)[0]
+    budget = free - dense - reserve_bytes(max_batched_tokens, max_model_len) - (1 << 30)  # 1 GiB: the caches here
     return slots_per_layer(max(budget, 0), 3 * per_matrix, len(cfg.moe_layers), cfg.n_routed_experts)
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ctypes
+import functools
 import time
 
 import pytest
@@ -12,7 +13,8 @@ from engine.checkpoint.quant import FP8_BLOCK, quantize_fp8_block, quantize_nvfp
 from engine.experts.hybrid import HybridExperts, expert_nbytes
 from engine.experts.torch_experts import TorchExperts
 from engine.offload.placement import (
-    AUTO, WeightBytes, auto_budget, hottest, plan_load, plan_placement, resolve_budget, slots_per_layer,
+    AUTO, WeightBytes, auto_budget, hottest, plan_load, plan_placement, reserve_bytes, resolve_budget,
+    slots_per_layer,
 )
 from engine.weights import DenseWeight, Fp8BlockWeight, Nvfp4Weight, tensor_fields
 from tests.cpu_kernels import assert_expert_close
@@ -211,20 +213,30 @@ def test_split_stacks_keep_the_loaders_placement():
 def test_load_plan_places_experts_before_loading():
     cpu = torch.device("cpu")
     sizes = WeightBytes(total=1000 + 4 * 10 * 50, experts=4 * 10 * 50)  # 4 MoE layers of 10 experts of 50 bytes
-    assert plan_load(None, cpu, sizes, 4, 10, cache_bytes=100) == (None, None)
-    assert plan_load(3 * 4 * 50, cpu, sizes, 4, 10, cache_bytes=100) == (600, 3)
-    assert plan_load(10 ** 9, cpu, sizes, 4, 10, cache_bytes=100) == (10 ** 9, 10)  # never more than all
-    assert plan_load(AUTO, cpu, sizes, 4, 10, cache_bytes=100) == (AUTO, 0)  # no GPU memory to fill
+    plan = functools.partial(plan_load, device=cpu, sizes=sizes, moe_layers=4, num_experts=10, cache_bytes=100,
+                             reserve=0)
+    assert plan(None) == (None, None)
+    assert plan(3 * 4 * 50) == (600, 3)
+    assert plan(10 ** 9) == (10 ** 9, 10)  # never more than all
+    assert plan(AUTO) == (AUTO, 0)  # no GPU memory to fill
 
 
 def test_budget_resolution():
     cpu = torch.device("cpu")
-    assert resolve_budget(None, cpu, 10 ** 12) is None  # the CPU serves from its own memory
-    assert resolve_budget(123, cpu, 10 ** 12) == 123  # what was asked for stands
+    assert resolve_budget(None, cpu, 10 ** 12, 0) is None  # the CPU serves from its own memory
+    assert resolve_budget(123, cpu, 10 ** 12, 0) == 123  # what was asked for stands
     gib = 2 ** 30
-    assert auto_budget(50 * gib, 100 * gib) == 42 * gib  # 8% of the device kept back
-    assert auto_budget(3 * gib, 10 * gib) == 1 * gib  # at least 2 GiB kept back
-    assert auto_budget(1 * gib, 10 * gib) == 0
+    assert auto_budget(50 * gib, 3 * gib) == 47 * gib
+    assert auto_budget(1 * gib, 3 * gib) == 0
+
+
+def test_the_reserve_grows_with_the_largest_step():
+    """2 GiB, 1 MiB a token of the largest step, 4 bytes a (token, context token) pair: 4.06 GiB at the defaults
+    (2,048 tokens, 8,192 of context) where a fixed 8% of an H200 kept 10.5 GiB back."""
+    gib, mib = 2 ** 30, 2 ** 20
+    assert reserve_bytes(0, 8192) == 2 * gib
+    assert reserve_bytes(2048, 8192) == 2 * gib + 2048 * mib + 2048 * 8192 * 4
+    assert reserve_bytes(2048, 131072) - reserve_bytes(2048, 8192) == 2048 * (131072 - 8192) * 4
 
 
 @pytest.mark.parametrize("fmt", ["dense", "fp8", "nvfp4"])
