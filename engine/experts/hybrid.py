@@ -30,6 +30,7 @@ from engine.experts.torch_experts import TorchExperts
 from engine.kernels import kernel
 from engine.kernels.experts import DECODE_MAX_PAIRS
 from engine.kernels.experts.cpu_gemv import available as cpu_kernels_built, pin_workers
+from engine.kernels.experts.pcie_pick import split_units
 from engine.offload.cpu_cores import usable_cores, worker_cpus
 from engine.offload.cuda_driver import copy_async
 from engine.offload.fetch import ExpertFetcher, Stacks
@@ -58,8 +59,8 @@ class OffloadStats:
     """Totals since start: pairs that ran on the device and on the CPU, expert swaps, CPU executor time."""
 
     device_pairs: int = 0
-    host_pairs: int = 0
-    fetched_pairs: int = 0  # misses of large batches, run on the device after a copy of their experts
+    host_pairs: int = 0  # pairs the CPU ran, whole or its part of a split expert
+    fetched_pairs: int = 0  # misses run on the device after a copy of their experts (PCIe share, prefill)
     fetched_bytes: int = 0
     swaps: int = 0
     host_seconds: float = 0.0
@@ -173,6 +174,7 @@ class HybridExperts:
         self.fetch = ExpertFetcher(first.device or first.host, min(fetch_capacity, self.num_experts), device,
                                    lambda stacks: device_executor(stacks, swiglu_limit))
         self.expert_bytes = expert_nbytes(first.device or first.host)
+        self.split_units = split_units((first.device or first.host)[0].shape[-2])  # of a PCIe/CPU split expert
         # Every layer's host bank in a format the compiled CPU pass takes (fixed by the weights).
         self._host_compiled = all(layer in self.host_run.compiled for layer in self.layers)
         self.rates_at_load: tuple[float, float] = (0.0, 0.0)  # (CPU, PCIe) bytes/s, when measured
@@ -257,9 +259,10 @@ class HybridExperts:
             s.device_pairs += t.pairs_seen - t.pairs_missed
             s.host_pairs += t.pairs_run
             s.fetched_pairs += t.pairs_missed - t.pairs_run
-            s.fetched_bytes += (t.pairs_missed - t.pairs_run) * self.expert_bytes
+            split = t.units_left * self.expert_bytes // self.split_units  # the device's parts of the CPU's pairs
+            s.fetched_bytes += (t.pairs_missed - t.pairs_run) * self.expert_bytes + split
             s.host_seconds += t.seconds
-            s.host_bytes += t.experts_run * self.expert_bytes
+            s.host_bytes += t.experts_run * self.expert_bytes - split
         return s
 
     def use_rows(self, rows: int) -> None:
@@ -316,16 +319,17 @@ class HybridExperts:
 
     def _over_pcie(self, layer: int, x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor,
                    miss: torch.Tensor) -> torch.Tensor:
-        """The device's share of the misses: the missed pair of rank r (row-major) if `to_pcie(r, percent)`
-        (kernels/experts/pcie_pick.py), while staging slots last (the host step applies the same rule to the
-        same ids and skips these). Its experts are copied into the staging slots by a kernel reading the host
-        bank, then run by the device executor -> [T, D] in x's dtype."""
+        """The device's share of the misses: the first pairs whole and a part of the next one's rows, by the rule
+        of kernels/experts/pcie_pick.py, while staging slots last (the host step applies the same rule to the
+        same ids and runs the rest). Those experts (or parts) are copied into the staging slots by one kernel
+        reading the host bank, then run by the device executor -> [T, D] in x's dtype."""
         index = self._index[layer]
         # a replay runs padding rows: copy nothing for them
         live = self._live_rows if x.is_cuda and torch.cuda.is_current_stream_capturing() else None
-        entries, slots, picked_weights = kernel("pcie_pick", x.device.type)(
-            expert_ids, weights, miss, self.entry_on_device[index], live, self.pcie_percent, self.fetch.capacity)
-        self.fetch.gather(self.host[layer], entries)
+        entries, parts, slots, picked_weights = kernel("pcie_pick", x.device.type)(
+            expert_ids, weights, miss, self.entry_on_device[index], live, self.pcie_percent, self.fetch.capacity,
+            self.split_units)
+        self.fetch.gather(self.host[layer], entries, parts, self.split_units)
         return self.fetch.run(0, x, slots, picked_weights)
 
     def _host_steps(self, topk: int) -> HostSteps:
@@ -333,7 +337,8 @@ class HybridExperts:
             cpu_entry = {layer: self.entry_of[self._index[layer]] for layer in self.layers}
             self.host_steps[topk] = HostSteps(self.host_run.compiled, cpu_entry, topk, self.host_run.limit,
                                               self.host_run.threads, self.device, DECODE_MAX_PAIRS // topk,
-                                              (self.pcie_percent, self.fetch.capacity), self.handshake)
+                                              (self.pcie_percent, self.fetch.capacity, self.split_units),
+                                              self.handshake)
         return self.host_steps[topk]
 
     def _host(self, layer: int, rows: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:

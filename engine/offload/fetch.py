@@ -16,6 +16,7 @@ from typing import Callable
 import torch
 
 from engine.kernels import kernel
+from engine.kernels.experts.gather import GatherPlan, gather_plan
 from engine.weights import Weight, map_tensors, tensor_fields
 
 Stacks = tuple[Weight, Weight, Weight]
@@ -32,9 +33,11 @@ class ExpertFetcher:
     def __init__(self, template: Stacks, capacity: int, device: torch.device, make_executor: Callable) -> None:
         """template: stacks of one layer (every MoE layer has the same formats and expert shapes)."""
         self.capacity = capacity
-        self.buffers = [tuple(map_tensors(s, lambda t: torch.empty((capacity, *t.shape[1:]), dtype=t.dtype,
+        # zeros: a split expert's staged part leaves the rest of its down columns as they were, finite
+        self.buffers = [tuple(map_tensors(s, lambda t: torch.zeros((capacity, *t.shape[1:]), dtype=t.dtype,
                                                                       device=device)) for s in template)
                         for _ in range(2)]
+        self._plans: dict[tuple, GatherPlan] = {}  # by host bank: what the decode step's gather copies
         self.runs = [make_executor({0: stacks}) for stacks in self.buffers]
         self.copy_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
 
@@ -47,12 +50,14 @@ class ExpertFetcher:
     def run(self) -> Callable:
         return self.runs[0]
 
-    def gather(self, host: Stacks, entries: torch.Tensor) -> None:
-        """First staging stack slot s <- host expert entries[s] (where >= 0), by a kernel reading the host bank
-        over PCIe with the entries on the device: no host decision, so it can sit in a captured graph."""
-        for staging, bank in zip(self.staging, host):
-            for name in tensor_fields(staging):
-                kernel("gather_rows", entries.device.type)(getattr(staging, name), getattr(bank, name), entries)
+    def gather(self, host: Stacks, entries: torch.Tensor, parts: torch.Tensor, split_units: int) -> None:
+        """First staging stack slot s <- host expert entries[s] (where >= 0), its first parts[s] of `split_units`
+        parts, by one kernel reading the host bank over PCIe with the entries on the device: no host decision,
+        so it can sit in a captured graph."""
+        key = (host[0].shape, *(getattr(host[0], name).data_ptr() for name in tensor_fields(host[0])))
+        if key not in self._plans:
+            self._plans[key] = gather_plan(self.staging, host, split_units)
+        kernel("gather_experts", entries.device.type)(self._plans[key], entries, parts)
 
     def __call__(self, host: Stacks, x: torch.Tensor, rows: torch.Tensor, ids: torch.Tensor,
                  weights: torch.Tensor) -> torch.Tensor:

@@ -33,23 +33,26 @@ HANDSHAKES = ("doorbell", "host_function")
 @dataclass
 class HostStepTotals:
     """Since start: steps, (token, expert) pairs seen, missed (in the host bank) and run on the CPU (the rest
-    of the missed went over PCIe), experts the CPU read, seconds it spent."""
+    of the missed went over PCIe), experts the CPU read (whole or in part), parts of those the device ran (of a
+    split expert), seconds it spent."""
 
     steps: int = 0
     pairs_seen: int = 0
     pairs_missed: int = 0
     pairs_run: int = 0
     experts_run: int = 0
+    units_left: int = 0
     seconds: float = 0.0
 
 
 class HostSteps:
     def __init__(self, stacks: dict[int, ExpertStacks], cpu_entry: dict[int, torch.Tensor], topk: int,
                  limit: float, threads: int, device: torch.device, max_rows: int,
-                 pcie: tuple[int, int] = (0, 0), handshake: str = "doorbell") -> None:
+                 pcie: tuple[int, int, int] = (0, 0, 1), handshake: str = "doorbell") -> None:
         """stacks: each layer's host bank; cpu_entry: each layer's expert -> bank entry map ([E] int64 on the
         CPU, -1 for experts on the device), read at every step (changed in place between steps); pcie:
-        (percent, capacity) of the misses the device takes over PCIe (cpu_gemv.c's rule), which these skip;
+        (percent, capacity, split units) of the misses the device takes over PCIe (cpu_gemv.c's rule, the parts
+        of kernels/experts/pcie_pick.py), which these skip;
         handshake: how the device hands a layer to the CPU (HANDSHAKES; the doorbell falls back to a host
         function where the driver lacks stream memory operations)."""
         if handshake not in HANDSHAKES:
@@ -70,7 +73,7 @@ class HostSteps:
             self.x, self.out = host(max_rows, hidden), host(max_rows, hidden)
             self.ids, self.weights = host(max_rows, topk, dtype=torch.int64), host(max_rows, topk)
             self.workspace = torch.empty(pairs * (1 + 3 * hidden + 3 * inter) + 1, dtype=torch.float32)
-            self.scratch = torch.empty(4 * pairs + 1, dtype=torch.int64)
+            self.scratch = torch.empty(6 * pairs + 1, dtype=torch.int64)
             self.device_out = torch.zeros(max_rows, hidden, dtype=torch.float32, device=device) if pin else None
         self.live_rows = ctypes.c_int64(0)
         self.stream = torch.cuda.Stream(device) if pin else None
@@ -126,7 +129,7 @@ class HostSteps:
                 self.ids.data_ptr(), self.weights.data_ptr(), self.cpu_entry[layer].data_ptr(),
                 ctypes.addressof(self.live_rows), rows, self.topk, self.cpu_entry[layer].numel(), *self.pcie, self.limit,
                 self.out.data_ptr(), self.workspace.data_ptr(), self.scratch.data_ptr(), fp8_table().data_ptr(),
-                self.threads, simd_level(), self.spin_ns, 0, 0, 0, 0, 0, 0, 0)
+                self.threads, simd_level(), self.spin_ns, 0, 0, 0, 0, 0, 0, 0, 0)
             if self.bell is not None:
                 self.bell.name(self._bell_index(layer, rows), ctypes.addressof(self._args[key]))
         return self._args[key]
@@ -146,6 +149,7 @@ class HostSteps:
             t.pairs_missed += a.pairs_missed
             t.pairs_run += a.pairs_run
             t.experts_run += a.experts_run
+            t.units_left += a.units_left
             t.seconds += a.nanoseconds / 1e9
         return t
 

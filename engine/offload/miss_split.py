@@ -57,9 +57,10 @@ def miss_rates(hybrid, experts: int = 8) -> tuple[float, float]:
     device = hybrid.device
     entries = torch.full((hybrid.fetch.capacity,), -1, dtype=torch.long, device=device)
     entries[:n] = torch.arange(n, device=device)
+    parts = torch.full_like(entries, hybrid.split_units)
 
     def copy() -> None:
-        hybrid.fetch.gather(bank, entries)
+        hybrid.fetch.gather(bank, entries, parts, hybrid.split_units)
         if device.type == "cuda":
             torch.cuda.synchronize(device)
 

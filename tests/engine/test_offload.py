@@ -33,8 +33,8 @@ def stack(fmt: str, n: int, k: int, seed: int):
     return Nvfp4Weight(*(torch.stack([p[i] for p in parts]) for i in range(3)))
 
 
-def layer_stacks(fmt: str, seed: int):
-    return stack(fmt, I, D, seed), stack(fmt, I, D, seed + 1), stack(fmt, D, I, seed + 2)
+def layer_stacks(fmt: str, seed: int, inter: int = I):
+    return stack(fmt, inter, D, seed), stack(fmt, inter, D, seed + 1), stack(fmt, D, inter, seed + 2)
 
 
 def routed(t: int, k: int, seed: int, only: list[int] | None = None):
@@ -325,22 +325,21 @@ def test_a_rung_doorbell_runs_that_host_step_once_and_answers(nap):
         bell.close()
 
 
-@pytest.mark.parametrize("percent", [0, 1, 10, 41, 44, 50, 67, 99, 100])
+@pytest.mark.parametrize("percent", [0, 1, 10, 33, 41, 44, 50, 67, 99, 100])
 def test_the_pcie_share_of_a_layers_misses_lets_the_later_side_finish_soonest(percent):
-    """n misses send the count k that minimises the later finish, max(k / percent, (n - k) / (100 - percent)),
-    ties to the CPU (brute force): at one to three misses a layer (batch 1) a rounded-down share sent none
-    at 41%, a half-up one sent a lone miss over the slower link at 50%. Every prefix of the ranks keeps
-    its own best count, so the picks spread over the misses."""
-    from engine.kernels.experts.pcie_pick import to_pcie
+    """N parts (n misses of 16 parts each at the release's width) send the count k that minimises the later
+    finish, max(k / percent, (N - k) / (100 - percent)), ties to the CPU (brute force): whole experts at one to
+    three misses a layer (batch 1) left one side idle: two misses at 33% sent none (the CPU ran both), now 10
+    of their 32 parts."""
+    from engine.kernels.experts.pcie_pick import pcie_share, split_units
 
     def best(n: int) -> int:  # cross-multiplied by percent * (100 - percent): no division by zero
         return min(range(n + 1), key=lambda k: (max(k * (100 - percent), (n - k) * percent), k))
 
-    for n in range(1, 25):
-        picked = to_pcie(torch.arange(n), percent)
-        for head in range(1, n + 1):
-            assert int(picked[:head].sum()) == best(head), (n, head)
-    assert int(to_pcie(torch.arange(1), 50).sum()) == 0 and int(to_pcie(torch.arange(2), 41).sum()) == 1
+    for parts in range(0, 60):
+        assert int(pcie_share(torch.tensor(parts), percent)) == best(parts), parts
+    assert split_units(2048) == 16 and split_units(64) == 1 and split_units(200) == 1
+    assert int(pcie_share(torch.tensor(2 * 16), 33)) == 10 and int(pcie_share(torch.tensor(2), 33)) == 0
 
 
 @pytest.mark.parametrize("fmt", ["fp8", "nvfp4"])
@@ -362,21 +361,79 @@ def test_misses_split_between_pcie_and_cpu_equal_the_reference(fmt, percent):
     assert stats.fetched_pairs <= 2 * 3 * 4
 
 
-def test_gather_rows_kernel_equals_the_reference():
-    from engine.kernels.experts.gather import gather_rows_torch, gather_rows_triton
+@pytest.mark.parametrize("fmt", ["fp8", "nvfp4"])  # the formats with a compiled CPU pass
+@pytest.mark.parametrize("percent", [20, 41, 50])
+def test_experts_split_between_pcie_and_cpu_add_up_to_the_reference(fmt, percent):
+    """At a width of two 128-row parts an expert splits between the link and the CPU: the device stages its
+    first part (gate and up rows, down columns) and the CPU runs the rest; together every missed pair once
+    (equality), with some pairs split and the bytes counted on each side by its parts."""
+    stacks = {1: layer_stacks(fmt, 71, inter=256), 4: layer_stacks(fmt, 73, inter=256)}
+    reference = TorchExperts(stacks, LIMIT)
+    hybrid = HybridExperts.place(stacks, {1: [0, 2], 4: [3]}, torch.device("cpu"), LIMIT, fetch_capacity=4,
+                                 pcie_percent=percent)
+    assert hybrid.split_units == 2
+    for layer in (1, 4):
+        for t, seed in [(1, 80), (1, 81), (6, 82), (3, 83)]:
+            x, ids, w = routed(t, 4, seed)
+            assert_expert_close(hybrid(layer, x, ids, w), reference(layer, x, ids, w), fmt)
+    split = sum(steps.totals().units_left for steps in hybrid.host_steps.values())
+    assert split > 0  # some experts ran in two parts
+    stats = hybrid.stats
+    assert stats.device_pairs + stats.host_pairs + stats.fetched_pairs == 2 * 4 * (1 + 1 + 6 + 3)
+    totals = next(iter(hybrid.host_steps.values())).totals()
+    assert stats.host_bytes == totals.experts_run * hybrid.expert_bytes - split * hybrid.expert_bytes // 2
 
-    g = torch.Generator().manual_seed(5)
-    for src in (torch.randint(0, 255, (7, 3, 40), dtype=torch.uint8, generator=g),
-                torch.randn(7, 5, 3, generator=g),  # 60-byte rows: words
-                torch.randint(0, 255, (7, 3), dtype=torch.uint8, generator=g)):  # 3-byte rows: bytes
-        entries = torch.tensor([4, -1, 0, 6])
-        want, got = torch.zeros((4, *src.shape[1:]), dtype=src.dtype), torch.zeros((4, *src.shape[1:]),
-                                                                                   dtype=src.dtype)
-        gather_rows_torch(want, src, entries)
-        gather_rows_triton(got, src, entries)
-        assert torch.equal(got, want) and torch.equal(want[0], src[4]) and not want[1].any()
-    with pytest.raises(ValueError, match="gather_rows"):
-        gather_rows_torch(torch.zeros(2, 3), torch.zeros(4, 5), torch.tensor([0, 1]))
+
+@pytest.mark.parametrize("fmt", ["dense", "fp8", "nvfp4"])
+def test_the_gather_kernel_equals_the_reference_and_stages_an_experts_first_parts(fmt):
+    """One launch for every tensor of the three stacks (Triton in the interpreter here) equals the torch
+    reference; a slot of all the parts holds the host expert, a slot of some holds its first intermediate rows
+    (gate and up rows, down columns), the gate and up scales past them zero (their outputs then are) and the
+    rest of the down columns as they were; a slot without an entry is untouched."""
+    from engine.kernels.experts.gather import gather_experts_torch, gather_experts_triton, gather_plan
+    from engine.weights import map_tensors
+
+    host = layer_stacks(fmt, 61, inter=256)
+    staged = [tuple(map_tensors(s, lambda t: torch.ones((3, *t.shape[1:]), dtype=t.dtype)) for s in host)
+              for _ in range(2)]
+    entries, parts = torch.tensor([4, -1, 9]), torch.tensor([2, 0, 1])
+    for staging, gather in zip(staged, (gather_experts_torch, gather_experts_triton)):
+        gather(gather_plan(staging, host, 2), entries, parts)
+    for want, got in zip(staged[0], staged[1]):
+        for name in tensor_fields(want):
+            assert torch.equal(getattr(got, name).view(torch.uint8), getattr(want, name).view(torch.uint8)), name
+    gate, up, down = staged[0]
+    for name in tensor_fields(gate):
+        assert torch.equal(getattr(gate, name)[0], getattr(host[0], name)[4])  # whole
+        assert torch.equal(getattr(down, name)[0], getattr(host[2], name)[4])
+        assert (getattr(gate, name)[1].float() == 1).all()  # no entry
+    scale = {"dense": "data", "fp8": "scale_inv", "nvfp4": "scale"}[fmt]
+    rows = getattr(gate, scale).shape[1] // 2  # the first of two parts of slot 2
+    assert torch.equal(getattr(up, scale)[2, :rows], getattr(host[1], scale)[9, :rows])
+    assert not getattr(up, scale)[2, rows:].float().any()
+    codes = {"dense": "data", "fp8": "data", "nvfp4": "packed"}[fmt]
+    cols = getattr(down, codes).shape[-1] // 2
+    assert torch.equal(getattr(down, codes)[2, :, :cols].view(torch.uint8),
+                       getattr(host[2], codes)[9, :, :cols].view(torch.uint8))
+    assert (getattr(down, codes)[2, :, cols:].float() == 1).all()
+    with pytest.raises(ValueError, match="does not split"):
+        gather_plan(staged[0], host, 3)
+
+
+def test_the_gather_kernel_compiles_for_sm90(tmp_path):
+    """Both element widths (words at the release's shapes, bytes elsewhere) compile for sm_90 (the interpreter
+    the test above runs in takes code the compiler rejects)."""
+    from tests.engine.kernels.sm90 import assert_compiles_for_sm90
+
+    assert_compiles_for_sm90("""
+import triton.language as tl
+from engine.kernels.experts.gather import _gather_kernel
+pointers = dict(table_ptr="*i64", entries_ptr="*i64", units_ptr="*i64")
+for element in (tl.int32, tl.uint8):
+    compile_for_sm90(_gather_kernel, pointers, dict(PARTS=9, PARTS_BLOCK=16, UNITS=16, ELEMENT=element, BLOCK=4096),
+                     4)
+print("compiled")
+""", tmp_path)
 
 
 def test_miss_split_follows_the_measured_rates():

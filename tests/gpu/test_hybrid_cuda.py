@@ -10,10 +10,10 @@ from engine import LLM, SamplingParams
 from engine.experts import TritonExperts
 from engine.experts.hybrid import HybridExperts
 from engine.experts.torch_experts import TorchExperts
-from engine.kernels.experts.gather import gather_rows_triton
+from engine.kernels.experts.gather import gather_experts_torch, gather_experts_triton, gather_plan
 from engine.offload.host_memory import host_copy
 from engine.tiny.factory import write_tiny_model
-from engine.weights import map_tensors
+from engine.weights import map_tensors, tensor_fields
 from ops.bench_cpu_moe import D, nvfp4_stack
 from tests.engine.conftest import random_prompt
 
@@ -38,14 +38,23 @@ def test_tiny_model_hybrid_on_cuda_gives_the_same_tokens(tmp_path, fmt):
     assert stats.host_pairs > 0 and stats.device_pairs > 0 and stats.swaps > 0
 
 
-def test_a_pinned_host_bank_is_registered_and_read_by_the_device():
-    src = torch.randint(0, 256, (4, 3 << 20), dtype=torch.uint8)
-    bank = host_copy(src, pin=True)
-    assert bank.is_pinned()
-    assert torch.equal(bank.to("cuda", non_blocking=True).cpu(), src)
-    dst = torch.zeros(2, 3 << 20, dtype=torch.uint8, device="cuda")
-    gather_rows_triton(dst, bank, torch.tensor([3, 1], device="cuda"))  # reads host memory over PCIe
-    assert torch.equal(dst.cpu(), src[[3, 1]])
+def test_a_pinned_host_bank_is_gathered_by_the_device_whole_and_in_parts():
+    """Release-shape NVFP4 stacks in pinned host memory: the one-launch gather (reading host memory over PCIe)
+    stages an expert whole, the first 5 of 16 parts of another, nothing for a slot without an entry, byte for
+    byte as the torch reference does on the CPU."""
+    gen = torch.Generator().manual_seed(3)
+    host = tuple(map_tensors(s, lambda t: host_copy(t, pin=True))
+                 for s in (nvfp4_stack(6, 2048, D, gen), nvfp4_stack(6, 2048, D, gen), nvfp4_stack(6, D, 2048, gen)))
+    assert host[0].packed.is_pinned()
+    staged = {device: tuple(map_tensors(s, lambda t: torch.ones((3, *t.shape[1:]), dtype=t.dtype, device=device))
+                            for s in host) for device in ("cuda", "cpu")}
+    entries, parts = torch.tensor([3, -1, 1]), torch.tensor([16, 0, 5])
+    gather_experts_triton(gather_plan(staged["cuda"], host, 16), entries.cuda(), parts.cuda())
+    gather_experts_torch(gather_plan(staged["cpu"], host, 16), entries, parts)
+    for got, want in zip(staged["cuda"], staged["cpu"]):
+        for name in tensor_fields(want):
+            assert torch.equal(getattr(got, name).cpu().view(torch.uint8), getattr(want, name).view(torch.uint8))
+    assert torch.equal(staged["cpu"][0].packed[0], host[0].packed[3])
 
 
 @pytest.mark.parametrize("tokens,pcie", [(1, 0), (8, 0), (1, 60), (8, 60)])

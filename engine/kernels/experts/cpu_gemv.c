@@ -57,13 +57,13 @@ typedef struct {
 
 /* One weight row against `rows` split rows of x (xs: even columns at [0, k/2), odd at [k/2, k) of each
  * row, rows `x_stride` apart); out[r * out_stride] = the product. Portable, the reference. */
-static void nvfp4_row_scalar(const float *xs, int64_t x_stride, int64_t rows, int64_t half_k, const uint8_t *codes,
-                             const uint8_t *scales, const float *fp8_table, float global, float *out,
-                             int64_t out_stride) {
+static void nvfp4_row_scalar(const float *xs, int64_t x_stride, int64_t rows, int64_t half_k, int64_t g0,
+                             const uint8_t *codes, const uint8_t *scales, const float *fp8_table, float global,
+                             float *out, int64_t out_stride) {
     for (int64_t r = 0; r < rows; r++) {
         const float *e = xs + r * x_stride, *o = e + half_k;
         float acc = 0.0f;
-        for (int64_t g = 0; g < half_k / (GROUP / 2); g++) {
+        for (int64_t g = g0; g < half_k / (GROUP / 2); g++) {
             float part = 0.0f;
             for (int j = 0; j < GROUP / 2; j++) {
                 uint8_t b = codes[g * (GROUP / 2) + j];
@@ -157,13 +157,13 @@ static void prepare_row_x8_planes(const float *src, int64_t k, float *dst, int64
  * row of x; two vpmaddwd and an add give 8 int32 sums, 4 per group, scaled by weight scale x x scale. A last
  * odd group runs alone, its other half zero. */
 __attribute__((target("avx2,fma"), always_inline)) static inline void
-nvfp4_rows_avx2(const int rows, const float *xs, int64_t x_stride, int64_t half_k, const uint8_t *codes,
+nvfp4_rows_avx2(const int rows, const float *xs, int64_t x_stride, int64_t half_k, int64_t g0, const uint8_t *codes,
                 const uint8_t *scales, const float *fp8_table, float global, float *out, int64_t out_stride) {
     const __m128i table = _mm_loadu_si128((const __m128i *)E2M1_X2), nibble = _mm_set1_epi8(15);
     const int64_t groups = half_k / 8;
     __m256 acc[MAX_ROWS];
     for (int r = 0; r < rows; r++) acc[r] = _mm256_setzero_ps();
-    for (int64_t g = 0; g < groups; g += 2) {
+    for (int64_t g = g0; g < groups; g += 2) {
         const int pair = g + 1 < groups;
         const __m128i bytes = pair ? _mm_loadu_si128((const __m128i *)(codes + g * 8))
                                    : _mm_loadl_epi64((const __m128i *)(codes + g * 8));
@@ -190,10 +190,10 @@ nvfp4_rows_avx2(const int rows, const float *xs, int64_t x_stride, int64_t half_
 }
 
 __attribute__((target("avx2,fma"))) static void nvfp4_row_avx2(const float *xs, int64_t x_stride, int64_t rows,
-                                                              int64_t half_k, const uint8_t *codes,
+                                                              int64_t half_k, int64_t g0, const uint8_t *codes,
                                                               const uint8_t *scales, const float *fp8_table,
                                                               float global, float *out, int64_t out_stride) {
-    ROWS_DISPATCH(rows, nvfp4_rows_avx2, xs, x_stride, half_k, codes, scales, fp8_table, global, out, out_stride)
+    ROWS_DISPATCH(rows, nvfp4_rows_avx2, xs, x_stride, half_k, g0, codes, scales, fp8_table, global, out, out_stride)
 }
 
 /* AVX-512, two groups per step: 16 bytes widen to 16 lanes; a float permute reads its index from the
@@ -223,12 +223,13 @@ nvfp4_step_avx512(const int rows, const float *xs, int64_t x_stride, int64_t hal
 }
 
 __attribute__((target("avx512f"), always_inline)) static inline void
-nvfp4_rows_avx512(const int rows, const float *xs, int64_t x_stride, int64_t half_k, const uint8_t *codes,
-                  const uint8_t *scales, const float *fp8_table, float global, float *out, int64_t out_stride) {
+nvfp4_rows_avx512(const int rows, const float *xs, int64_t x_stride, int64_t half_k, int64_t g0,
+                  const uint8_t *codes, const uint8_t *scales, const float *fp8_table, float global, float *out,
+                  int64_t out_stride) {
     const int64_t groups = half_k / 8;
     __m512 acc[2][MAX_ROWS];
     for (int r = 0; r < rows; r++) acc[0][r] = acc[1][r] = _mm512_setzero_ps();
-    int64_t g = 0;
+    int64_t g = g0;
     for (; g + 4 <= groups; g += 4) {
         nvfp4_step_avx512(rows, xs, x_stride, half_k, codes, scales, fp8_table, g, groups, acc[0]);
         nvfp4_step_avx512(rows, xs, x_stride, half_k, codes, scales, fp8_table, g + 2, groups, acc[1]);
@@ -238,10 +239,11 @@ nvfp4_rows_avx512(const int rows, const float *xs, int64_t x_stride, int64_t hal
 }
 
 __attribute__((target("avx512f"))) static void nvfp4_row_avx512(const float *xs, int64_t x_stride, int64_t rows,
-                                                               int64_t half_k, const uint8_t *codes,
+                                                               int64_t half_k, int64_t g0, const uint8_t *codes,
                                                                const uint8_t *scales, const float *fp8_table,
                                                                float global, float *out, int64_t out_stride) {
-    ROWS_DISPATCH(rows, nvfp4_rows_avx512, xs, x_stride, half_k, codes, scales, fp8_table, global, out, out_stride)
+    ROWS_DISPATCH(rows, nvfp4_rows_avx512, xs, x_stride, half_k, g0, codes, scales, fp8_table, global, out,
+                  out_stride)
 }
 
 /* 16 e4m3 bytes widened to floats at once (as e4m3_scaled8 does 8), each 1/256 of its value: the e4m3
@@ -296,13 +298,13 @@ nvfp4_step_x8(const int rows, const float *xs, int64_t x_stride, int64_t half_k,
 #define PREFETCH_AHEAD 1024
 #endif
 __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni"), always_inline)) static inline void
-nvfp4_rows_x8(const int rows, const float *xs, int64_t x_stride, int64_t half_k, const uint8_t *codes,
+nvfp4_rows_x8(const int rows, const float *xs, int64_t x_stride, int64_t half_k, int64_t g0, const uint8_t *codes,
               const uint8_t *scales, const float *fp8_table, float global, float *out, int64_t out_stride) {
     const int64_t groups = half_k / 8;
     float wscale[SCALE_BLOCK];
     __m512 acc[MAX_ROWS];
     for (int r = 0; r < rows; r++) acc[r] = _mm512_setzero_ps();
-    for (int64_t b0 = 0; b0 < groups; b0 += SCALE_BLOCK) {
+    for (int64_t b0 = g0; b0 < groups; b0 += SCALE_BLOCK) {
         const int64_t b1 = b0 + SCALE_BLOCK < groups ? b0 + SCALE_BLOCK : groups;
         int64_t g = b0;
         for (; g + 16 <= b1; g += 16) _mm512_storeu_ps(wscale + (g - b0), e4m3_scaled16(scales + g));
@@ -316,20 +318,20 @@ nvfp4_rows_x8(const int rows, const float *xs, int64_t x_stride, int64_t half_k,
 }
 
 __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni"))) static void
-nvfp4_row_x8(const float *xs, int64_t x_stride, int64_t rows, int64_t half_k, const uint8_t *codes,
+nvfp4_row_x8(const float *xs, int64_t x_stride, int64_t rows, int64_t half_k, int64_t g0, const uint8_t *codes,
              const uint8_t *scales, const float *fp8_table, float global, float *out, int64_t out_stride) {
-    ROWS_DISPATCH(rows, nvfp4_rows_x8, xs, x_stride, half_k, codes, scales, fp8_table, global, out, out_stride)
+    ROWS_DISPATCH(rows, nvfp4_rows_x8, xs, x_stride, half_k, g0, codes, scales, fp8_table, global, out, out_stride)
 }
 
 /* ---------------------------------------------------------------- FP8 block rows */
 
 /* One weight row against `rows` rows of x (rows `x_stride` apart); portable. */
-static void fp8_row_scalar(const float *x, int64_t x_stride, int64_t rows, int64_t k, const uint8_t *w,
-                           const float *block_scales, int64_t bk, const float *fp8_table, float *out,
+static void fp8_row_scalar(const float *x, int64_t x_stride, int64_t rows, int64_t k, int64_t first,
+                           const uint8_t *w, const float *block_scales, int64_t bk, const float *fp8_table, float *out,
                            int64_t out_stride) {
     for (int64_t r = 0; r < rows; r++) {
         float acc = 0.0f;
-        for (int64_t k0 = 0; k0 < k; k0 += bk) {
+        for (int64_t k0 = first; k0 < k; k0 += bk) {
             float part = 0.0f;
             for (int64_t j = k0; j < k0 + bk && j < k; j++) part += fp8_table[w[j]] * x[r * x_stride + j];
             acc += part * block_scales[k0 / bk];
@@ -350,11 +352,11 @@ __attribute__((target("avx2,fma,f16c"))) static inline __m256 e4m3_scaled8(const
 /* AVX2: 16 columns per step into two accumulators per row, each block's sum scaled once. Needs k and
  * bk multiples of 16. */
 __attribute__((target("avx2,fma,f16c"), always_inline)) static inline void
-fp8_rows_avx2(const int rows, const float *x, int64_t x_stride, int64_t k, const uint8_t *w,
+fp8_rows_avx2(const int rows, const float *x, int64_t x_stride, int64_t k, int64_t first, const uint8_t *w,
               const float *block_scales, int64_t bk, float *out, int64_t out_stride) {
     __m256 acc[MAX_ROWS];
     for (int r = 0; r < rows; r++) acc[r] = _mm256_setzero_ps();
-    for (int64_t k0 = 0; k0 < k; k0 += bk) {
+    for (int64_t k0 = first; k0 < k; k0 += bk) {
         __m256 part[MAX_ROWS][2];
         for (int r = 0; r < rows; r++) part[r][0] = part[r][1] = _mm256_setzero_ps();
         const int64_t end = k0 + bk < k ? k0 + bk : k;
@@ -373,22 +375,22 @@ fp8_rows_avx2(const int rows, const float *x, int64_t x_stride, int64_t k, const
 }
 
 __attribute__((target("avx2,fma,f16c"))) static void fp8_row_avx2(const float *x, int64_t x_stride, int64_t rows,
-                                                                 int64_t k, const uint8_t *w,
+                                                                 int64_t k, int64_t first, const uint8_t *w,
                                                                  const float *block_scales, int64_t bk,
                                                                  const float *fp8_table, float *out,
                                                                  int64_t out_stride) {
     (void)fp8_table;
-    ROWS_DISPATCH(rows, fp8_rows_avx2, x, x_stride, k, w, block_scales, bk, out, out_stride)
+    ROWS_DISPATCH(rows, fp8_rows_avx2, x, x_stride, k, first, w, block_scales, bk, out, out_stride)
 }
 
 /* AVX-512: 16 e4m3 bytes widened at a time (e4m3_scaled16), consecutive steps into two accumulators per
  * row. Needs k and bk multiples of 16. */
 __attribute__((target("avx512f,avx512bw"), always_inline)) static inline void
-fp8_rows_avx512(const int rows, const float *x, int64_t x_stride, int64_t k, const uint8_t *w,
+fp8_rows_avx512(const int rows, const float *x, int64_t x_stride, int64_t k, int64_t first, const uint8_t *w,
                 const float *block_scales, int64_t bk, float *out, int64_t out_stride) {
     __m512 acc[MAX_ROWS];
     for (int r = 0; r < rows; r++) acc[r] = _mm512_setzero_ps();
-    for (int64_t k0 = 0; k0 < k; k0 += bk) {
+    for (int64_t k0 = first; k0 < k; k0 += bk) {
         __m512 part[2][MAX_ROWS];
         for (int r = 0; r < rows; r++) part[0][r] = part[1][r] = _mm512_setzero_ps();
         const int64_t end = k0 + bk < k ? k0 + bk : k;
@@ -412,12 +414,12 @@ fp8_rows_avx512(const int rows, const float *x, int64_t x_stride, int64_t k, con
 }
 
 __attribute__((target("avx512f,avx512bw"))) static void fp8_row_avx512(const float *x, int64_t x_stride,
-                                                                      int64_t rows, int64_t k, const uint8_t *w,
-                                                                      const float *block_scales, int64_t bk,
-                                                                      const float *fp8_table, float *out,
+                                                                      int64_t rows, int64_t k, int64_t first,
+                                                                      const uint8_t *w, const float *block_scales,
+                                                                      int64_t bk, const float *fp8_table, float *out,
                                                                       int64_t out_stride) {
     (void)fp8_table;
-    ROWS_DISPATCH(rows, fp8_rows_avx512, x, x_stride, k, w, block_scales, bk, out, out_stride)
+    ROWS_DISPATCH(rows, fp8_rows_avx512, x, x_stride, k, first, w, block_scales, bk, out, out_stride)
 }
 
 /* ---------------------------------------------------------------- dispatch */
@@ -444,8 +446,9 @@ static int simd_shape(const matrix *m) {
 }
 
 /* Output rows [row0, row1) of expert `expert`'s matrix for `rows` rows of x (prepared: split for NVFP4,
- * plain for FP8), rows `x_stride` apart; y[r * y_stride + row]. */
-static void project_rows(const matrix *m, int64_t expert, int64_t row0, int64_t row1, const float *x,
+ * plain for FP8), rows `x_stride` apart, over input columns [first, k) (a multiple of GROUP for NVFP4, of the
+ * block for FP8; the columns before it belong to the device's part of a split expert); y[r * y_stride + row]. */
+static void project_rows(const matrix *m, int64_t expert, int64_t row0, int64_t row1, int64_t first, const float *x,
                          int64_t x_stride, int64_t rows, float *y, int64_t y_stride, const float *fp8_table,
                          int level) {
     if (!simd_shape(m)) level = PORTABLE;
@@ -461,14 +464,15 @@ static void project_rows(const matrix *m, int64_t expert, int64_t row0, int64_t 
                 const uint8_t *c = codes + row * half_k, *s = scales + row * (m->k / GROUP);
                 const float gs = global[row * m->global_stride];
                 float *out = y + r0 * y_stride + row;
+                const int64_t g0 = first / GROUP;
                 if (level == AVX512_VNNI)
-                    nvfp4_row_x8(xr, x_stride, count, half_k, c, s, fp8_table, gs, out, y_stride);
+                    nvfp4_row_x8(xr, x_stride, count, half_k, g0, c, s, fp8_table, gs, out, y_stride);
                 else if (level == AVX512)
-                    nvfp4_row_avx512(xr, x_stride, count, half_k, c, s, fp8_table, gs, out, y_stride);
+                    nvfp4_row_avx512(xr, x_stride, count, half_k, g0, c, s, fp8_table, gs, out, y_stride);
                 else if (level == AVX2)
-                    nvfp4_row_avx2(xr, x_stride, count, half_k, c, s, fp8_table, gs, out, y_stride);
+                    nvfp4_row_avx2(xr, x_stride, count, half_k, g0, c, s, fp8_table, gs, out, y_stride);
                 else
-                    nvfp4_row_scalar(xr, x_stride, count, half_k, c, s, fp8_table, gs, out, y_stride);
+                    nvfp4_row_scalar(xr, x_stride, count, half_k, g0, c, s, fp8_table, gs, out, y_stride);
             }
     } else {
         const int64_t kb = (m->k + m->bk - 1) / m->bk, nb = (m->n + m->bn - 1) / m->bn;
@@ -482,11 +486,11 @@ static void project_rows(const matrix *m, int64_t expert, int64_t row0, int64_t 
                 const float *sr = block_scales + (row / m->bn) * kb;
                 float *out = y + r0 * y_stride + row;
                 if (level >= AVX512)
-                    fp8_row_avx512(xr, x_stride, count, m->k, wr, sr, m->bk, fp8_table, out, y_stride);
+                    fp8_row_avx512(xr, x_stride, count, m->k, first, wr, sr, m->bk, fp8_table, out, y_stride);
                 else if (level == AVX2)
-                    fp8_row_avx2(xr, x_stride, count, m->k, wr, sr, m->bk, fp8_table, out, y_stride);
+                    fp8_row_avx2(xr, x_stride, count, m->k, first, wr, sr, m->bk, fp8_table, out, y_stride);
                 else
-                    fp8_row_scalar(xr, x_stride, count, m->k, wr, sr, m->bk, fp8_table, out, y_stride);
+                    fp8_row_scalar(xr, x_stride, count, m->k, first, wr, sr, m->bk, fp8_table, out, y_stride);
             }
     }
 }
@@ -541,7 +545,7 @@ static void gemv_share(void *context, int id, int team) {
     const int64_t tiles = (j->m->n + TILE - 1) / TILE;
     for (int64_t t = pool_claim(&j->next_tile); t < tiles; t = pool_claim(&j->next_tile)) {
         const int64_t row1 = (t + 1) * TILE < j->m->n ? (t + 1) * TILE : j->m->n;
-        project_rows(j->m, 0, t * TILE, row1, j->x, j->m->k, j->rows, j->y, j->m->n, j->fp8_table, j->level);
+        project_rows(j->m, 0, t * TILE, row1, 0, j->x, j->m->k, j->rows, j->y, j->m->n, j->fp8_table, j->level);
     }
 }
 
@@ -573,6 +577,7 @@ typedef struct {
     const float *x;
     int64_t pairs, groups;
     const int64_t *experts, *starts;
+    const int64_t *firsts; /* per group: its first intermediate row (the rows before it run on the device) */
     const float *pair_weights;
     float limit;
     float *out, *xin, *g_out, *u_out, *h;
@@ -597,13 +602,14 @@ static void prepare_unit(experts_job *j, int64_t unit) {
 
 static void gate_up_unit(experts_job *j, int64_t g, int64_t t) {
     const int64_t d = j->gate->k, inter = j->gate->n, p0 = j->starts[g], count = j->starts[g + 1] - p0;
-    const int64_t row0 = t * TILE, row1 = row0 + TILE < inter ? row0 + TILE : inter;
-    for (int64_t p = p0; p < p0 + count; p++) wait_for(&j->prepared[p], j->chunks);
-    project_rows(j->gate, j->experts[g], row0, row1, j->xin + p0 * d, d, count, j->g_out + p0 * inter, inter,
+    const int64_t first = j->firsts[g], end = (t + 1) * TILE < inter ? (t + 1) * TILE : inter;
+    const int64_t row0 = t * TILE > first ? t * TILE : first, row1 = end > row0 ? end : row0;
+    for (int64_t p = p0; p < p0 + count && row0 < row1; p++) wait_for(&j->prepared[p], j->chunks);
+    project_rows(j->gate, j->experts[g], row0, row1, 0, j->xin + p0 * d, d, count, j->g_out + p0 * inter, inter,
                  j->fp8_table, j->level);
-    project_rows(j->up, j->experts[g], row0, row1, j->xin + p0 * d, d, count, j->u_out + p0 * inter, inter,
+    project_rows(j->up, j->experts[g], row0, row1, 0, j->xin + p0 * d, d, count, j->u_out + p0 * inter, inter,
                  j->fp8_table, j->level);
-    for (int64_t p = p0; p < p0 + count; p++) {
+    for (int64_t p = p0; p < p0 + count && row0 < row1; p++) {
         float *act = j->g_out + p * inter; /* the activation overwrites the gate, then is prepared */
         const float *up = j->u_out + p * inter;
         for (int64_t i = row0; i < row1; i++)
@@ -617,8 +623,8 @@ static void down_unit(experts_job *j, int64_t g, int64_t t) {
     const int64_t d = j->down->n, inter = j->down->k, p0 = j->starts[g], count = j->starts[g + 1] - p0;
     const int64_t row0 = t * TILE, row1 = row0 + TILE < d ? row0 + TILE : d;
     wait_for(&j->activated[g], j->tiles_in);
-    project_rows(j->down, j->experts[g], row0, row1, j->h + p0 * inter, inter, count, j->out + p0 * d, d,
-                 j->fp8_table, j->level);
+    project_rows(j->down, j->experts[g], row0, row1, j->firsts[g], j->h + p0 * inter, inter, count, j->out + p0 * d,
+                 d, j->fp8_table, j->level);
     for (int64_t p = p0; p < p0 + count; p++)
         for (int64_t c = row0; c < row1; c++) j->out[p * d + c] *= j->pair_weights[p];
 }
@@ -641,26 +647,37 @@ static void expert_units(void *context, int id, int team) {
 /* The routed experts' MLP for P (row, expert) pairs grouped by expert:
  *   out[p] = weight[p] * down_e(silu(min(gate_e x_p, L)) * clamp(up_e x_p, -L, L))
  * x [P, d] fp32 (one row per pair, pairs of group g at [starts[g], starts[g + 1]) use expert
- * experts[g]); out [P, d] fp32. gate and up are [E, i, d], down [E, d, i].
+ * experts[g]); out [P, d] fp32. gate and up are [E, i, d], down [E, d, i]. firsts (NULL: all 0): group g
+ * runs only intermediate rows [firsts[g], i) of its expert (gate and up rows, down columns; a multiple of
+ * TILE and of the quantization blocks), the device having the rest of a split expert: the two parts add up.
  * workspace: at least P * (d + 3 * i) floats. spin_ns: how long the pool's workers wait awake for the
  * next pass (thread_pool.h). Returns 0, or -1 on bad shapes. */
 int experts_forward(const matrix *gate, const matrix *up, const matrix *down, const float *x, int64_t pairs,
-                    int64_t groups, const int64_t *experts, const int64_t *starts, const float *pair_weights,
-                    float limit, float *out, float *workspace, const float *fp8_table, int threads, int level,
-                    int64_t spin_ns) {
+                    int64_t groups, const int64_t *experts, const int64_t *starts, const int64_t *firsts,
+                    const float *pair_weights, float limit, float *out, float *workspace, const float *fp8_table,
+                    int threads, int level, int64_t spin_ns) {
     if (check(gate) || check(up) || check(down)) return -1;
     const int64_t d = gate->k, inter = gate->n;
     if (up->k != d || up->n != inter || down->k != inter || down->n != d || up->format != gate->format ||
         pairs < 0 || groups < 0)
         return -1;
+    const int64_t align = down->format == NVFP4 ? GROUP : down->bk;
+    for (int64_t g = 0; firsts && g < groups; g++)
+        if (firsts[g] < 0 || firsts[g] > inter || firsts[g] % align) return -1;
     _Atomic int64_t *counters = calloc((size_t)(pairs + groups + 1), sizeof(_Atomic int64_t));
-    if (!counters) return -1;
+    int64_t *zeros = firsts ? NULL : calloc((size_t)groups + 1, sizeof(int64_t));
+    if (!counters || (!firsts && !zeros)) {
+        free(counters);
+        return -1;
+    }
     float *xin = workspace, *g_out = xin + pairs * d, *u_out = g_out + pairs * inter, *h = u_out + pairs * inter;
-    experts_job job = {gate, up, down, x, pairs, groups, experts, starts, pair_weights, limit, out, xin, g_out,
+    experts_job job = {gate, up, down, x, pairs, groups, experts, starts, firsts ? firsts : zeros, pair_weights,
+                       limit, out, xin, g_out,
                        u_out, h, fp8_table, level_for(level), (d + PREPARE_COLUMNS - 1) / PREPARE_COLUMNS,
                        (inter + TILE - 1) / TILE, (d + TILE - 1) / TILE, counters, counters + pairs, 0};
     pool_run(threads, expert_units, &job, spin_ns);
     free(counters);
+    free(zeros);
     return 0;
 }
 
@@ -671,11 +688,15 @@ int experts_forward(const matrix *gate, const matrix *up, const matrix *down, co
  * per step. The device copies the step's rows, top-k ids and routing weights into the pinned inputs
  * before, and copies `out` back after. `cpu_entry` maps an expert id to its host bank entry (-1: the
  * CPU does not run it); it is read at run time, so swaps between steps move experts under a captured
- * graph. Of the missed pairs (those with an entry), in row-major order, the device takes a share over
- * PCIe: the pair of miss rank r if ((r + 2) * p - 1) / 100 > ((r + 1) * p - 1) / 100 (p = pcie_percent,
- * integer division: n misses send ((n + 1) * p - 1) / 100, the count that lets the later side finish
- * soonest) and fewer than pcie_capacity went before it; the device applies the same rule to the same ids,
- * so the two sides split the misses without talking. The totals are for metrics (read between steps). */
+ * graph. Of the n missed pairs (those with an entry), in row-major order, the device takes a share over
+ * PCIe in units of 1/split_units of an expert (its intermediate rows, gate and up rows with the matching
+ * down columns): of N = n * split_units units, q = ((N + 1) * p - 1) / 100 (p = pcie_percent, integer
+ * division: the count that lets the later side finish soonest, ties to the CPU), at most pcie_capacity
+ * experts' worth; the first pairs whole and the next one's first q % split_units units, the CPU running the
+ * rest of that pair's rows (the two parts add up). A whole expert as the unit left one side idle while the other ran a second expert
+ * at batch 1 (two or three misses a layer). The device applies the same rule to the same ids, so the two
+ * sides split the misses without talking. The totals are for metrics (read between steps): units_left
+ * counts the units of the CPU's split pairs the device ran. */
 typedef struct {
     const matrix *gate, *up, *down;
     const float *x;          /* [rows, d] */
@@ -684,21 +705,26 @@ typedef struct {
     const int64_t *cpu_entry;   /* [num_experts] */
     const int64_t *live_rows;   /* rows in use this step: a graph's padding rows are skipped */
     int64_t rows, topk, num_experts;
-    int64_t pcie_percent, pcie_capacity;
+    int64_t pcie_percent, pcie_capacity, split_units;
     float limit;
     float *out;              /* [rows, d]: sum over the CPU's pairs of weight * expert(x); zero elsewhere */
     float *workspace;        /* rows * topk * (1 + 3 * d + 3 * i) + 1 floats */
-    int64_t *scratch;        /* 4 * rows * topk + 1 */
+    int64_t *scratch;        /* 6 * rows * topk + 1 */
     const float *fp8_table;
     int32_t threads, level;
     int64_t spin_ns;         /* the pool's workers wait awake this long for the next layer's step */
     int32_t status;          /* 0, or -1 once a step failed (bad shapes) */
-    int64_t steps, pairs_seen, pairs_missed, pairs_run, experts_run, nanoseconds;
+    int64_t steps, pairs_seen, pairs_missed, pairs_run, experts_run, units_left, nanoseconds;
 } host_step_args;
 
-/* Whether the missed pair of rank `rank` goes over PCIe (see host_step_args), given `taken` before it. */
-static int to_pcie(int64_t rank, int64_t taken, int64_t percent, int64_t capacity) {
-    return taken < capacity && ((rank + 2) * percent - 1) / 100 > ((rank + 1) * percent - 1) / 100;
+/* Units (of split_units per expert) of the missed pair of rank `rank` that go over PCIe (see host_step_args),
+ * of `missed` misses in all. */
+static int64_t pcie_units(int64_t rank, int64_t missed, int64_t percent, int64_t capacity, int64_t units) {
+    int64_t share = ((missed * units + 1) * percent - 1) / 100; /* N units send ((N + 1) p - 1) / 100 */
+    if (share < 0) share = 0;
+    if (share > capacity * units) share = capacity * units;
+    const int64_t left = share - rank * units;
+    return left < 0 ? 0 : left < units ? left : units;
 }
 
 void host_step(void *arg) {
@@ -710,35 +736,43 @@ void host_step(void *arg) {
     /* Pairs the CPU runs, ordered by bank entry (a counting pass: at most rows * topk of them). */
     const int64_t cap = a->rows * a->topk;
     int64_t *entry = a->scratch, *token = entry + cap, *experts = token + cap, *starts = experts + cap;
+    int64_t *first = starts + cap + 1, *firsts = first + cap;
     float *pair_weights = a->workspace, *xs = pair_weights + cap, *ys = xs + cap * d, *ws = ys + cap * d;
-    int64_t pairs = 0, missed = 0, pcie = 0;
+    const int64_t units = a->split_units > 0 ? a->split_units : 1, unit_rows = a->gate->n / units;
+    int64_t missed = 0;
+    for (int64_t p = 0; p < rows * a->topk; p++) {
+        const int64_t e = a->ids[p];
+        missed += e >= 0 && e < a->num_experts && a->cpu_entry[e] >= 0;
+    }
+    int64_t pairs = 0, rank = 0, left = 0;
     for (int64_t p = 0; p < rows * a->topk; p++) {
         const int64_t e = a->ids[p];
         const int64_t bank = e >= 0 && e < a->num_experts ? a->cpu_entry[e] : -1;
         if (bank < 0) continue;
-        if (to_pcie(missed++, pcie, a->pcie_percent, a->pcie_capacity)) {
-            pcie++;
-            continue;
-        }
-        int64_t at = pairs++; /* insertion by entry, stable */
-        while (at > 0 && entry[at - 1] > bank) {
+        const int64_t over = pcie_units(rank++, missed, a->pcie_percent, a->pcie_capacity, units);
+        if (over == units) continue;
+        left += over;
+        int64_t at = pairs++; /* insertion by (entry, first row), stable */
+        while (at > 0 && (entry[at - 1] > bank || (entry[at - 1] == bank && first[at - 1] > over * unit_rows))) {
             entry[at] = entry[at - 1], token[at] = token[at - 1], pair_weights[at] = pair_weights[at - 1];
+            first[at] = first[at - 1];
             at--;
         }
-        entry[at] = bank, token[at] = p / a->topk, pair_weights[at] = a->weights[p];
+        entry[at] = bank, token[at] = p / a->topk, pair_weights[at] = a->weights[p], first[at] = over * unit_rows;
     }
     int64_t groups = 0;
     for (int64_t p = 0; p < pairs; p++) {
-        if (p == 0 || entry[p] != entry[p - 1]) experts[groups] = entry[p], starts[groups++] = p;
+        if (p == 0 || entry[p] != entry[p - 1] || first[p] != first[p - 1])
+            experts[groups] = entry[p], firsts[groups] = first[p], starts[groups++] = p;
         memcpy(xs + p * d, a->x + token[p] * d, sizeof(float) * (size_t)d);
     }
     starts[groups] = pairs;
-    if (pairs && experts_forward(a->gate, a->up, a->down, xs, pairs, groups, experts, starts, pair_weights,
+    if (pairs && experts_forward(a->gate, a->up, a->down, xs, pairs, groups, experts, starts, firsts, pair_weights,
                                  a->limit, ys, ws, a->fp8_table, a->threads, a->level, a->spin_ns))
         a->status = -1;
     for (int64_t p = 0; p < pairs; p++)
         for (int64_t j = 0; j < d; j++) a->out[token[p] * d + j] += ys[p * d + j];
     a->steps++, a->pairs_seen += rows * a->topk, a->pairs_missed += missed, a->pairs_run += pairs;
-    a->experts_run += groups;
+    a->experts_run += groups, a->units_left += left;
     a->nanoseconds += pool_now_ns() - start;
 }

@@ -62,11 +62,12 @@ class HostStepArgs(ctypes.Structure):
     _fields_ = [("gate", ctypes.POINTER(Matrix)), ("up", ctypes.POINTER(Matrix)), ("down", ctypes.POINTER(Matrix)),
                 ("x", _P), ("ids", _P), ("weights", _P), ("cpu_entry", _P), ("live_rows", _P),
                 ("rows", _I), ("topk", _I), ("num_experts", _I), ("pcie_percent", _I), ("pcie_capacity", _I),
+                ("split_units", _I),
                 ("limit", ctypes.c_float),
                 ("out", _P), ("workspace", _P), ("scratch", _P), ("fp8_table", _P),
                 ("threads", ctypes.c_int32), ("level", ctypes.c_int32), ("spin_ns", _I), ("status", ctypes.c_int32),
                 ("steps", _I), ("pairs_seen", _I), ("pairs_missed", _I), ("pairs_run", _I), ("experts_run", _I),
-                ("nanoseconds", _I)]
+                ("units_left", _I), ("nanoseconds", _I)]
 
 
 @functools.lru_cache(maxsize=None)
@@ -77,8 +78,8 @@ def _library() -> ctypes.CDLL | None:
     lib = ctypes.CDLL(spec.origin)
     lib.gemv.argtypes = [ctypes.POINTER(Matrix), _P, _I, _P, _P, ctypes.c_int, ctypes.c_int]
     lib.gemv.restype = ctypes.c_int
-    lib.experts_forward.argtypes = ([ctypes.POINTER(Matrix)] * 3 + [_P, _I, _I, _P, _P, _P, ctypes.c_float, _P, _P, _P,
-                                                                    ctypes.c_int, ctypes.c_int, _I])
+    lib.experts_forward.argtypes = ([ctypes.POINTER(Matrix)] * 3 + [_P, _I, _I, _P, _P, _P, _P, ctypes.c_float, _P, _P,
+                                                                    _P, ctypes.c_int, ctypes.c_int, _I])
     lib.experts_forward.restype = ctypes.c_int
     lib.host_step.argtypes = [_P]
     lib.host_step.restype = None
@@ -195,21 +196,25 @@ class ExpertStacks:
         self.hidden, self.inter = gate.shape[-1], gate.shape[-2]
 
     def forward(self, x: torch.Tensor, experts: torch.Tensor, starts: torch.Tensor, pair_weights: torch.Tensor,
-                limit: float, threads: int, spin_ns: int = 0) -> torch.Tensor:
+                limit: float, threads: int, spin_ns: int = 0, firsts: torch.Tensor | None = None) -> torch.Tensor:
         """x [P, D]: one row per (token, expert) pair, grouped by expert (group g: rows starts[g]..starts[g+1]
-        use experts[g]) -> [P, D] fp32, each row its expert's MLP output times its pair weight. The threads
-        stay awake `spin_ns` after the pass."""
+        use experts[g]) -> [P, D] fp32, each row its expert's MLP output times its pair weight. firsts: group
+        g runs only its expert's intermediate rows from firsts[g] on (the rest being the device's part of a
+        split expert; None: every row). The threads stay awake `spin_ns` after the pass."""
         lib = _built()
         xf, w = x.float().contiguous(), pair_weights.float().contiguous()
         experts, starts = experts.to(torch.int64).contiguous(), starts.to(torch.int64).contiguous()
+        firsts = firsts.to(torch.int64).contiguous() if firsts is not None else None
         pairs = xf.shape[0]
         out = torch.empty(pairs, self.hidden, dtype=torch.float32)
         workspace = torch.empty(pairs * (self.hidden + 3 * self.inter) + 1, dtype=torch.float32)
         gate, up, down = (ctypes.byref(m) for m in self.matrices)
         status = lib.experts_forward(gate, up, down, xf.data_ptr(), pairs, experts.numel(), experts.data_ptr(),
-                                     starts.data_ptr(), w.data_ptr(), limit, out.data_ptr(), workspace.data_ptr(),
+                                     starts.data_ptr(), firsts.data_ptr() if firsts is not None else None,
+                                     w.data_ptr(), limit, out.data_ptr(), workspace.data_ptr(),
                                      fp8_table().data_ptr(), threads, simd_level(), spin_ns)
         if status:
             raise ValueError(f"experts_forward: stacks of shapes {[(m.n, m.k) for m in self.matrices]} do not "
-                             "form an expert MLP the kernel can take")
+                             "form an expert MLP the kernel can take, or a first row is not a multiple of the "
+                             "down projection's block")
         return out

@@ -1,58 +1,155 @@
-"""Stack rows gathered by entry numbers held on the device: dst[s] = src[entries[s]] where entries[s] >= 0.
+"""Missed experts gathered from the host bank into device staging slots, all of an expert's tensors in one launch.
 
-Hybrid decode uses it to bring some missed experts from the pinned host bank to device staging slots:
-the Triton kernel reads the host memory directly over PCIe (a pinned tensor is addressable from the
-device), and because the entries are read on the device, no host decision sits between the router and
-the copy: the copy is part of a captured CUDA graph, where a memcpy node would fix its source at
-capture. The torch version is the reference (and the CPU path).
+Hybrid decode uses it to bring its PCIe share of the misses to the device: staging slot s receives host
+bank entry entries[s] (where >= 0), or only its first units[s] of `split_units` parts when the slot holds
+the device's part of an expert split with the CPU (the parts are slices of the intermediate rows: gate and
+up rows, down columns; `engine/kernels/experts/pcie_pick.py` decides them). Past the split, the gate and up
+scales are zeroed, so those rows' outputs, and the SwiGLU of them, are exactly zero and the down columns
+there (stale, finite) add nothing: the device runs a staged part with the kernels it runs whole experts
+with. The Triton kernel reads the pinned host memory directly over PCIe (a pinned tensor is addressable
+from the device) and the entries on the device, so no host decision sits between the router and the copy
+and it sits in a captured CUDA graph; its program count is fixed by the shapes (programs past a split
+return without reading). It was one launch per tensor (nine for NVFP4), the small ones waiting behind the
+codes. The torch version is the reference (and the CPU path).
 """
 
 from __future__ import annotations
+
+import math
+from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
 from engine.kernels.dispatch import register
+from engine.weights import DenseWeight, Fp8BlockWeight, Nvfp4Weight, Weight, tensor_fields
 
-BLOCK = 4096  # words per program: 16 KiB in flight per program over the link
+BLOCK = 4096  # elements per program: 16 KiB of words in flight per program over the link
+SPLIT_BY_ROWS = (True, True, False)  # gate and up are split along their rows, down along its columns
+ZEROED = {Nvfp4Weight: "scale", Fp8BlockWeight: "scale_inv", DenseWeight: "data"}  # zero past a row split
+
+
+@dataclass(frozen=True)
+class GatherPart:
+    """One tensor of an expert stack as [E, outer, split, inner] elements (4-byte words where every part allows,
+    else bytes): the split runs along `split` (1 and whole: copied entirely for any part of the expert)."""
+
+    src: torch.Tensor  # [E, n] the host bank's
+    dst: torch.Tensor  # [slots, n] the staging stack's
+    split: int
+    inner: int
+    whole: bool
+    zero: bool
+
+
+@dataclass
+class GatherPlan:
+    """What `gather_experts` copies from one layer's host bank into the staging stacks (built once a layer)."""
+
+    parts: list[GatherPart]
+    split_units: int
+    table: torch.Tensor | None = None  # the kernel's view of the parts, on the staging device
+    blocks: int = 0
+
+
+def _view(t: torch.Tensor, words: bool) -> torch.Tensor:
+    rows = t.view(t.shape[0], -1).view(torch.uint8)
+    return rows.view(torch.int32) if words else rows
+
+
+def gather_plan(staging: tuple[Weight, Weight, Weight], host: tuple[Weight, Weight, Weight],
+                split_units: int) -> GatherPlan:
+    """The parts of gate, up and down from `host` (stacks [E, ...]) to `staging` (stacks [slots, ...]), an expert
+    split into `split_units` parts of its intermediate rows."""
+    shapes = []  # (dst, src, split length, inner bytes, whole, zero)
+    for by_rows, dst_stack, src_stack in zip(SPLIT_BY_ROWS, staging, host):
+        for name in tensor_fields(dst_stack):
+            dst, src = getattr(dst_stack, name), getattr(src_stack, name)
+            if dst.shape[1:] != src.shape[1:] or dst.dtype != src.dtype:
+                raise ValueError(f"gather: {name} {src.dtype} {tuple(src.shape)} into {dst.dtype} {tuple(dst.shape)}")
+            shape, size = dst.shape[1:], dst.element_size()
+            whole = name == "global_scale" and (not by_rows or math.prod(shape) == 1)
+            if whole:
+                shapes.append((dst, src, 1, math.prod(shape) * size, True, False))
+                continue
+            axis = 0 if by_rows else len(shape) - 1
+            split, inner = shape[axis], math.prod(shape[axis + 1:]) * size
+            if split % split_units:
+                raise ValueError(f"gather: {name} {tuple(src.shape)} does not split into {split_units} parts")
+            shapes.append((dst, src, split, inner, False, by_rows and name == ZEROED[type(dst_stack)]))
+    # words where every part's elements and parts are whole words (the release's shapes), else bytes
+    words = all(dst[0].numel() * dst.element_size() % 4 == 0 and
+                (inner % 4 == 0 or split * inner % (4 * (1 if whole else split_units)) == 0)
+                for dst, _, split, inner, whole, _ in shapes)
+    parts = []
+    for dst, src, split, inner, whole, zero in shapes:
+        if words:
+            split, inner = (split, inner // 4) if inner % 4 == 0 else (split * inner // 4, 1)
+        parts.append(GatherPart(_view(src, words), _view(dst, words), split, inner, whole, zero))
+    return GatherPlan(parts, split_units)
+
+
+def _check(plan: GatherPlan, entries: torch.Tensor, units: torch.Tensor) -> None:
+    slots = plan.parts[0].dst.shape[0]
+    if entries.shape != (slots,) or units.shape != (slots,):
+        raise ValueError(f"gather: entries {tuple(entries.shape)} and units {tuple(units.shape)} for {slots} slots")
+
+
+@register("gather_experts", "torch")
+def gather_experts_torch(plan: GatherPlan, entries: torch.Tensor, units: torch.Tensor) -> None:
+    """Staging slot s <- host entry entries[s] (>= 0), its first units[s] parts (see the module docstring)."""
+    _check(plan, entries, units)
+    for slot, (entry, part_units) in enumerate(zip(entries.tolist(), units.tolist())):
+        if entry < 0:
+            continue
+        for p in plan.parts:
+            dst, src = p.dst[slot].view(-1, p.split, p.inner), p.src[entry].to(p.dst.device).view(-1, p.split, p.inner)
+            end = p.split if p.whole else p.split * part_units // plan.split_units
+            dst[:, :end] = src[:, :end]
+            if p.zero:
+                dst[:, end:] = 0
 
 
 @triton.jit
-def _gather_kernel(src_ptr, entries_ptr, dst_ptr, WORDS: tl.constexpr, BLOCK: tl.constexpr):
+def _gather_kernel(table_ptr, entries_ptr, units_ptr, PARTS: tl.constexpr, PARTS_BLOCK: tl.constexpr,
+                   UNITS: tl.constexpr, ELEMENT: tl.constexpr, BLOCK: tl.constexpr):
     slot = tl.program_id(0)
     entry = tl.load(entries_ptr + slot)
     if entry >= 0:
-        offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-        mask = offs < WORDS
-        words = tl.load(src_ptr + entry.to(tl.int64) * WORDS + offs, mask=mask)
-        tl.store(dst_ptr + slot.to(tl.int64) * WORDS + offs, words, mask=mask)
+        block = tl.program_id(1)
+        index = tl.arange(0, PARTS_BLOCK)
+        firsts = tl.load(table_ptr + index * 8 + 7, mask=index < PARTS, other=1 << 40)
+        row = table_ptr + (tl.sum((firsts <= block).to(tl.int32), 0) - 1) * 8
+        src = tl.load(row).to(tl.pointer_type(ELEMENT))
+        dst = tl.load(row + 1).to(tl.pointer_type(ELEMENT))
+        n, split, inner = tl.load(row + 2), tl.load(row + 3), tl.load(row + 4)
+        end = tl.where(tl.load(row + 5) != 0, split, split * tl.load(units_ptr + slot) // UNITS)
+        offs = (block - tl.load(row + 7)) * BLOCK + tl.arange(0, BLOCK).to(tl.int64)
+        valid = offs < n
+        copy = valid & ((offs // inner) % split < end)
+        values = tl.load(src + entry * n + offs, mask=copy, other=0)
+        tl.store(dst + slot.to(tl.int64) * n + offs, values, mask=copy | (valid & (tl.load(row + 6) != 0)))
 
 
-def _words(t: torch.Tensor) -> torch.Tensor:
-    """A contiguous stack as rows of 4-byte words where the row size allows, else bytes."""
-    rows = t.view(t.shape[0], -1).view(torch.uint8)
-    return rows.view(torch.int32) if rows.shape[1] % 4 == 0 else rows
+def _table(plan: GatherPlan, device: torch.device) -> tuple[torch.Tensor, int]:
+    """A row of 8 per part (src and dst addresses, elements an expert, split length, inner, whole, zero, its first
+    program), and the programs a slot takes."""
+    rows, blocks = [], 0
+    for p in plan.parts:
+        n = p.dst.shape[1]
+        rows.append([p.src.data_ptr(), p.dst.data_ptr(), n, p.split, p.inner, int(p.whole), int(p.zero), blocks])
+        blocks += triton.cdiv(n, BLOCK)
+    return torch.tensor(rows, dtype=torch.int64, device=device), blocks
 
 
-def _check(dst: torch.Tensor, src: torch.Tensor, entries: torch.Tensor) -> None:
-    if dst.shape[1:] != src.shape[1:] or dst.dtype != src.dtype or entries.shape != (dst.shape[0],):
-        raise ValueError(f"gather_rows: src {src.dtype} {tuple(src.shape)}, dst {dst.dtype} {tuple(dst.shape)}, "
-                         f"entries {tuple(entries.shape)}")
-
-
-@register("gather_rows", "triton")
-def gather_rows_triton(dst: torch.Tensor, src: torch.Tensor, entries: torch.Tensor) -> None:
-    _check(dst, src, entries)
-    s, d = _words(src.contiguous()), _words(dst)
-    words = s.shape[1]
-    block = min(BLOCK, triton.next_power_of_2(words))
-    _gather_kernel[(d.shape[0], triton.cdiv(words, block))](s, entries, d, WORDS=words, BLOCK=block)
-
-
-@register("gather_rows", "torch")
-def gather_rows_torch(dst: torch.Tensor, src: torch.Tensor, entries: torch.Tensor) -> None:
-    _check(dst, src, entries)
-    s, d = _words(src.contiguous()), _words(dst)
-    rows = s[entries.clamp(min=0).to(s.device)].to(d.device)
-    d.copy_(torch.where((entries >= 0).to(d.device)[:, None], rows, d))
+@register("gather_experts", "triton")
+def gather_experts_triton(plan: GatherPlan, entries: torch.Tensor, units: torch.Tensor) -> None:
+    """As gather_experts_torch, in one launch for every tensor of the three stacks."""
+    _check(plan, entries, units)
+    if plan.table is None:
+        plan.table, plan.blocks = _table(plan, plan.parts[0].dst.device)
+    element = tl.int32 if plan.parts[0].dst.dtype == torch.int32 else tl.uint8
+    _gather_kernel[(len(entries), plan.blocks)](plan.table, entries, units, PARTS=len(plan.parts),
+                                                PARTS_BLOCK=triton.next_power_of_2(len(plan.parts)),
+                                                UNITS=plan.split_units, ELEMENT=element, BLOCK=BLOCK)

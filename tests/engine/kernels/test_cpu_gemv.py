@@ -18,7 +18,7 @@ from engine.checkpoint.quant import quantize_fp8_block, quantize_nvfp4
 from engine.experts.cpu_experts import CpuExperts
 from engine.experts.torch_experts import TorchExperts
 from engine.kernels.experts import cpu_gemv
-from engine.weights import Fp8BlockWeight, Nvfp4Weight
+from engine.weights import DenseWeight, Fp8BlockWeight, Nvfp4Weight
 from tests.cpu_kernels import assert_expert_close
 
 
@@ -197,3 +197,50 @@ def test_cpu_experts_equal_the_reference_on_quantized_experts(monkeypatch, mode,
     assert 0 in executor.compiled
     want = TorchExperts(stacks, 1.5)(0, x, ids, w)
     assert_expert_close(executor(0, x, ids, w), want, fmt)
+
+
+@pytest.mark.parametrize("mode", ["auto", "avx512", "avx2", "portable"])
+@pytest.mark.parametrize("fmt", ["nvfp4", "fp8"])
+def test_a_group_from_its_first_row_runs_only_its_experts_rows_from_there(monkeypatch, mode, fmt):
+    """The CPU's part of an expert split with the device: group g runs intermediate rows [firsts[g], i) (gate
+    and up rows, down columns). Against the reference on the same rows (dequantized weights sliced), and the
+    two parts of each expert adding up to the whole pass; the same expert whole and split in one pass; a first
+    row that is not a multiple of the down block is refused."""
+    monkeypatch.setenv("GLMFLASH_CPU_KERNELS", mode)
+    d, i, e = 128, 384, 4
+    g = torch.Generator().manual_seed(11)
+
+    def stack(n: int, k: int):
+        weights = [torch.randn(n, k, generator=g) / k ** 0.5 for _ in range(e)]
+        if fmt == "fp8":
+            parts = [quantize_fp8_block(w) for w in weights]
+            return Fp8BlockWeight(torch.stack([p[0] for p in parts]), torch.stack([p[1] for p in parts]))
+        parts = [quantize_nvfp4(w) for w in weights]
+        return Nvfp4Weight(*(torch.stack([p[j] for p in parts]) for j in range(3)))
+
+    gate, up, down = stack(i, d), stack(i, d), stack(d, i)
+    one_pass = cpu_gemv.ExpertStacks(gate, up, down)
+    x = torch.randn(5, d, generator=g)
+    experts, starts, w = torch.tensor([1, 1, 3]), torch.tensor([0, 2, 3, 5]), torch.rand(5, generator=g)
+    firsts = torch.tensor([0, 128, 256])
+    got = one_pass.forward(x, experts, starts, w, 1.5, threads=3, firsts=firsts)
+    dense = [s.dequantize(torch.float32) for s in (gate, up, down)]
+    want = torch.empty_like(got)
+    for group, (expert, first) in enumerate(zip(experts.tolist(), firsts.tolist())):
+        rows = slice(starts[group], starts[group + 1])
+        sliced = {0: tuple(DenseWeight(t[expert:expert + 1, first:] if k < 2 else t[expert:expert + 1, :, first:])
+                           for k, t in enumerate(dense))}
+        ids = torch.zeros(rows.stop - rows.start, 1, dtype=torch.long)
+        want[rows] = TorchExperts(sliced, 1.5)(0, x[rows], ids, w[rows].unsqueeze(1))
+    assert_expert_close(got, want, fmt)
+    whole = one_pass.forward(x, experts, starts, w, 1.5, threads=3)
+    device_part = torch.empty_like(got)
+    for group, (expert, first) in enumerate(zip(experts.tolist(), firsts.tolist())):
+        rows = slice(starts[group], starts[group + 1])
+        sliced = {0: tuple(DenseWeight(t[expert:expert + 1, :first] if k < 2 else t[expert:expert + 1, :, :first])
+                           for k, t in enumerate(dense))}
+        ids = torch.zeros(rows.stop - rows.start, 1, dtype=torch.long)
+        device_part[rows] = TorchExperts(sliced, 1.5)(0, x[rows], ids, w[rows].unsqueeze(1)) if first else 0
+    assert_expert_close(got + device_part, whole, fmt)
+    with pytest.raises(ValueError, match="first row"):
+        one_pass.forward(x, experts, starts, w, 1.5, threads=1, firsts=torch.tensor([0, 8 if fmt == "nvfp4" else 64, 0]))

@@ -1,13 +1,13 @@
 """The one-program pick of a decode step's PCIe share (Triton, in the interpreter here) against its torch
-reference: the same staging entries, slots and weights, exactly, over ragged batches, live rows, every
-share and a full staging area."""
+reference: the same staging entries, parts, slots and weights, exactly, over ragged batches, live rows,
+every share, whole and split experts and a full staging area."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from engine.kernels.experts.pcie_pick import pcie_pick_torch, pcie_pick_triton, to_pcie
+from engine.kernels.experts.pcie_pick import pcie_pick_torch, pcie_pick_triton, pcie_share
 from tests.engine.kernels.sm90 import assert_compiles_for_sm90
 
 E, K = 24, 4
@@ -22,34 +22,42 @@ def case(rows: int, seed: int, miss_rate: float) -> tuple[torch.Tensor, ...]:
     return ids, weights, entry_of[ids] >= 0, entry_of
 
 
+@pytest.mark.parametrize("units", [1, 16])
 @pytest.mark.parametrize("percent", [0, 34, 50, 100])
 @pytest.mark.parametrize("rows,live,capacity", [(1, None, 8), (3, None, 2), (8, 5, 8), (32, 32, 8), (16, 0, 4)])
-def test_the_kernel_picks_what_the_reference_picks(percent, rows, live, capacity):
+def test_the_kernel_picks_what_the_reference_picks(percent, rows, live, capacity, units):
     ids, weights, miss, entry_of = case(rows, 7 * rows + percent, 0.6)
     live_rows = None if live is None else torch.tensor(live)
-    want = pcie_pick_torch(ids, weights, miss, entry_of, live_rows, percent, capacity)
-    got = pcie_pick_triton(ids, weights, miss, entry_of, live_rows, percent, capacity)
+    want = pcie_pick_torch(ids, weights, miss, entry_of, live_rows, percent, capacity, units)
+    got = pcie_pick_triton(ids, weights, miss, entry_of, live_rows, percent, capacity, units)
     for g, w in zip(got, want):
         assert g.dtype == w.dtype and torch.equal(g, w)
 
 
-def test_the_reference_sends_the_share_the_rule_gives_and_fills_slots_in_order():
+@pytest.mark.parametrize("units", [1, 16])
+def test_the_reference_sends_the_share_the_rule_gives_and_fills_slots_in_order(units):
+    """Two live rows of four misses at 50%: of 8 * units parts, the first pairs go whole, in order into the
+    slots, the next one its remaining parts, while the three slots last; the padding row sends nothing."""
     ids = torch.arange(12).view(3, 4)
     weights = torch.rand(3, 4)
     miss = torch.ones(3, 4, dtype=torch.bool)
     entry_of = torch.arange(E) + 100
-    entries, slots, picked = pcie_pick_torch(ids, weights, miss, entry_of, torch.tensor(2), 50, 3)
-    chosen = to_pcie(torch.arange(8), 50).nonzero().squeeze(1)[:3]  # rank r of the live rows' misses
-    assert entries.tolist() == (chosen + 100).tolist()  # the first picks fill slots 0, 1, 2 in order
-    assert slots.flatten()[chosen].tolist() == [0, 1, 2] and not picked[2].any()  # row 2 is padding
-    assert torch.equal(picked.flatten()[chosen], weights.flatten()[chosen])
-    assert int((picked != 0).sum()) == 3  # the staging area bounds the share
+    entries, parts, slots, picked = pcie_pick_torch(ids, weights, miss, entry_of, torch.tensor(2), 50, 3, units)
+    share = min(int(pcie_share(torch.tensor(8 * units), 50)), 3 * units)
+    want = [min(units, share - r * units) for r in range(3) if share > r * units]
+    assert parts.tolist()[:len(want)] == want and sum(parts.tolist()) == share
+    assert entries.tolist()[:len(want)] == [100 + r for r in range(len(want))]  # ranks 0, 1, ... in order
+    assert slots.flatten()[:len(want)].tolist() == list(range(len(want))) and not picked[2].any()  # padding
+    assert torch.equal(picked.flatten()[:len(want)], weights.flatten()[:len(want)])
+    assert int((picked != 0).sum()) == len(want) <= 3  # the staging area bounds the share
+    entries, parts, _, _ = pcie_pick_torch(ids, weights, miss, entry_of, torch.tensor(1), 33, 8, 16)
+    assert entries.tolist()[:2] == [100, 101] and parts.tolist()[:3] == [16, 5, 0]  # 21 of 64 parts
 
 
 def test_more_pairs_than_a_decode_batch_is_refused():
     ids, weights, miss, entry_of = case(40, 1, 0.5)  # 160 pairs
     with pytest.raises(ValueError, match="decode-sized"):
-        pcie_pick_triton(ids, weights, miss, entry_of, None, 50, 8)
+        pcie_pick_triton(ids, weights, miss, entry_of, None, 50, 8, 16)
 
 
 def test_the_kernel_compiles_for_sm90(tmp_path):
@@ -57,9 +65,9 @@ def test_the_kernel_compiles_for_sm90(tmp_path):
     assert_compiles_for_sm90("""
 from engine.kernels.experts.pcie_pick import _pick_kernel
 pointers = dict(ids_ptr="*i64", weights_ptr="*fp32", miss_ptr="*i1", entry_ptr="*i64", live_ptr="*i64",
-                entries_ptr="*i64", slots_ptr="*i64", out_w_ptr="*fp32")
+                entries_ptr="*i64", parts_ptr="*i64", slots_ptr="*i64", out_w_ptr="*fp32")
 for live in (True, False):
-    compile_for_sm90(_pick_kernel, pointers, dict(K=8, PERCENT=34, CAPACITY=8, HAS_LIVE=live, BLOCK=128,
+    compile_for_sm90(_pick_kernel, pointers, dict(K=8, PERCENT=34, CAPACITY=8, UNITS=16, HAS_LIVE=live, BLOCK=128,
                                                   CAP_BLOCK=8), 4)
 print("compiled")
 """, tmp_path)
