@@ -175,6 +175,8 @@ class HybridExperts:
                                    lambda stacks: device_executor(stacks, swiglu_limit))
         self.expert_bytes = expert_nbytes(first.device or first.host)
         self.split_units = split_units((first.device or first.host)[0].shape[-2])  # of a PCIe/CPU split expert
+        for layer in self.layers:  # before any graph capture
+            self.fetch.plan(self.host[layer], self.split_units)
         # Every layer's host bank in a format the compiled CPU pass takes (fixed by the weights).
         self._host_compiled = all(layer in self.host_run.compiled for layer in self.layers)
         self.rates_at_load: tuple[float, float] = (0.0, 0.0)  # (CPU, PCIe) bytes/s, when measured

@@ -54,10 +54,14 @@ class ExpertFetcher:
         """First staging stack slot s <- host expert entries[s] (where >= 0), its first parts[s] of `split_units`
         parts, by one kernel reading the host bank over PCIe with the entries on the device: no host decision,
         so it can sit in a captured graph."""
+        kernel("gather_experts", entries.device.type)(self.plan(host, split_units), entries, parts)
+
+    def plan(self, host: Stacks, split_units: int) -> GatherPlan:
+        """What `gather` copies from this host bank (built at the first call: make it before a graph capture)."""
         key = (host[0].shape, *(getattr(host[0], name).data_ptr() for name in tensor_fields(host[0])))
         if key not in self._plans:
             self._plans[key] = gather_plan(self.staging, host, split_units)
-        kernel("gather_experts", entries.device.type)(self._plans[key], entries, parts)
+        return self._plans[key]
 
     def __call__(self, host: Stacks, x: torch.Tensor, rows: torch.Tensor, ids: torch.Tensor,
                  weights: torch.Tensor) -> torch.Tensor:

@@ -54,7 +54,7 @@ class GatherPlan:
 
 
 def _view(t: torch.Tensor, words: bool) -> torch.Tensor:
-    rows = t.view(t.shape[0], -1).view(torch.uint8)
+    rows = t.reshape(t.shape[0], math.prod(t.shape[1:])).view(torch.uint8)  # explicit: a bank may have no rows
     return rows.view(torch.int32) if words else rows
 
 
@@ -87,7 +87,10 @@ def gather_plan(staging: tuple[Weight, Weight, Weight], host: tuple[Weight, Weig
         if words:
             split, inner = (split, inner // 4) if inner % 4 == 0 else (split * inner // 4, 1)
         parts.append(GatherPart(_view(src, words), _view(dst, words), split, inner, whole, zero))
-    return GatherPlan(parts, split_units)
+    plan = GatherPlan(parts, split_units)
+    if parts[0].dst.is_cuda:  # made here, not at a first launch that may sit in a graph capture
+        plan.table, plan.blocks = _table(plan, parts[0].dst.device)
+    return plan
 
 
 def _check(plan: GatherPlan, entries: torch.Tensor, units: torch.Tensor) -> None:
@@ -147,7 +150,7 @@ def _table(plan: GatherPlan, device: torch.device) -> tuple[torch.Tensor, int]:
 def gather_experts_triton(plan: GatherPlan, entries: torch.Tensor, units: torch.Tensor) -> None:
     """As gather_experts_torch, in one launch for every tensor of the three stacks."""
     _check(plan, entries, units)
-    if plan.table is None:
+    if plan.table is None:  # staging on the CPU (the interpreter's tests)
         plan.table, plan.blocks = _table(plan, plan.parts[0].dst.device)
     element = tl.int32 if plan.parts[0].dst.dtype == torch.int32 else tl.uint8
     _gather_kernel[(len(entries), plan.blocks)](plan.table, entries, units, PARTS=len(plan.parts),
