@@ -352,7 +352,8 @@ def auto_slots(cfg: ModelConfig, fmt: str, device: torch.device, max_batched_tok
     per_matrix = {"nvfp4-ct": inter * hidden * 9 // 16, "nvfp4-modelopt": inter * hidden * 9 // 16,
                   "fp8": inter * hidden, "bf16": 2 * inter * hidden}[fmt]
     free = torch.cuda.mem_get_info(device)[0]
-    budget = free - dense - reserve_bytes(max_batched_tokens, max_model_len) - (1 << 30)  # 1 GiB: the caches here
+    # 1 GiB: the caches at these sizes; 2 GiB: the largest tensor the synthetic build allocates beside the weights
+    budget = free - dense - reserve_bytes(max_batched_tokens, max_model_len) - (3 << 30)
     return slots_per_layer(max(budget, 0), 3 * per_matrix, len(cfg.moe_layers), cfg.n_routed_experts)
 
 
