@@ -35,7 +35,8 @@ from engine.offload.cpu_cores import usable_cores, worker_cpus
 from engine.offload.cuda_driver import copy_async
 from engine.offload.fetch import ExpertFetcher, Stacks
 from engine.offload.host_memory import host_copy
-from engine.offload.host_steps import HostSteps
+from engine.offload.host_steps import HostSteps, HostStepTotals
+from engine.offload import miss_split
 from engine.offload.placement import slots_per_layer, spare_entries
 from engine.weights import SplitStack, map_tensors, tensor_fields
 
@@ -52,6 +53,7 @@ SWAP_MARGIN = 1.25
 # differences, which grow with the counts faster than the noise, pass it (simulated: ops/sim_swaps.py).
 SWAP_Z = 3.0
 COUNT_DECAY = 0.998  # per step: routing counts remember ~500 steps
+FOLLOW_STEPS = 8  # decode steps between two looks at the CPU's rate inside them (the miss split follows it)
 
 
 @dataclass
@@ -65,7 +67,7 @@ class OffloadStats:
     swaps: int = 0
     host_seconds: float = 0.0
     host_bytes: int = 0  # expert bytes the CPU executor read
-    pcie_percent: int = 0  # share of decode misses sent over PCIe (fixed at load)
+    pcie_percent: int = 0  # share of decode misses sent over PCIe (from the rates, following the CPU's in steps)
     cpu_rate_at_load: float = 0.0  # bytes/s the CPU pass and the PCIe gather reached when measured at load
     pcie_rate_at_load: float = 0.0
 
@@ -164,6 +166,8 @@ class HybridExperts:
         self.entry_on_device = self.entry_of.to(device)  # the same map, for the device's share of the misses
         self._slot_of_host = self.slot_of.cpu()  # what commits change, then copied to the device whole
         self.pcie_percent = 0
+        self._percent_on_device = torch.zeros((), dtype=torch.long, device=device)  # what the device's pick reads
+        self._followed = (0, 0.0, 0)  # host totals (steps, seconds, bytes) at the last `follow_cpu_rate`
         self._live_rows = torch.zeros((), dtype=torch.long, device=device)  # a replayed graph's rows in use
         self.counts = torch.zeros(len(self.layers), self.num_experts, device=device)
         self.device_run = device_executor(self.device_stacks, swiglu_limit)
@@ -236,14 +240,51 @@ class HybridExperts:
                  ",".join(map(str, cpus)) if cpus else "none")
 
     def split_misses(self, pcie_percent: int, measured: tuple[float, float] | None = None) -> None:
-        """Set the share of decode misses that go over PCIe (and the (CPU, PCIe) rates it came from), before
-        the first decode step: it is built into the host steps and into captured graphs."""
+        """Set the share of decode misses that go over PCIe and the (CPU, PCIe) rates it came from (given: the
+        split then follows the CPU's rate inside the steps, `follow_cpu_rate`). Read at run time by the host
+        steps and the device's pick, also inside captured graphs; whether the PCIe path runs at all is built
+        into them, so a split on or off is set before the first decode step."""
         if not 0 <= pcie_percent <= 100:
             raise ValueError(f"pcie_percent must be within 0..100, got {pcie_percent}")
-        if self.host_steps and pcie_percent != self.pcie_percent:
-            raise RuntimeError("the miss split is fixed once decode steps have run")
+        if self.host_steps and (pcie_percent == 0) != (self.pcie_percent == 0):
+            raise RuntimeError("the PCIe share is turned on or off before decode steps run, not after")
         self.pcie_percent = pcie_percent
+        self._percent_on_device.fill_(pcie_percent)
+        for steps in self.host_steps.values():
+            steps.split(pcie_percent)
         self.rates_at_load = measured or (0.0, 0.0)
+
+    def follow_cpu_rate(self) -> int | None:
+        """Every FOLLOW_STEPS decode steps, the split from the rate the CPU's passes reached inside them and the
+        link's rate measured at load (when the split came from measured rates) -> the new share, or None. The
+        load's measurement runs a few experts alone; inside the steps the passes ran 25% slower on the H200's
+        host (74 against 98 GB/s), and the CPU then held the step while the link waited."""
+        if not self.pcie_percent or not self.rates_at_load[1] or not self.host_steps:
+            return None
+        steps, seconds, nbytes = self._host_totals()
+        last_steps, last_seconds, last_bytes = self._followed
+        if steps - last_steps < FOLLOW_STEPS:
+            return None
+        self._followed = (steps, seconds, nbytes)
+        if seconds <= last_seconds or nbytes <= last_bytes:
+            return None
+        cpu = (nbytes - last_bytes) / (seconds - last_seconds)
+        percent = min(100, max(1, miss_split.pcie_percent(cpu, self.rates_at_load[1])))
+        if percent != self.pcie_percent:
+            log.info("event=miss_split_followed cpu_GBps=%.1f pcie_GBps=%.1f pcie_percent=%d", cpu / 1e9,
+                     self.rates_at_load[1] / 1e9, percent)
+            self.split_misses(percent, self.rates_at_load)
+        return percent
+
+    def _host_totals(self) -> tuple[int, float, int]:
+        """(decode steps the host steps ran, seconds the CPU passes took, expert bytes they read) since start."""
+        totals = [steps.totals() for steps in self.host_steps.values()]
+        nbytes = sum(t.experts_run * self.expert_bytes - self._split_bytes(t) for t in totals)
+        return sum(t.steps for t in totals) // len(self.layers), sum(t.seconds for t in totals), nbytes
+
+    def _split_bytes(self, totals: HostStepTotals) -> int:
+        """Bytes of the CPU's split experts that the device ran instead."""
+        return totals.units_left * self.expert_bytes // self.split_units
 
     @property
     def graph_safe(self) -> bool:
@@ -261,7 +302,7 @@ class HybridExperts:
             s.device_pairs += t.pairs_seen - t.pairs_missed
             s.host_pairs += t.pairs_run
             s.fetched_pairs += t.pairs_missed - t.pairs_run
-            split = t.units_left * self.expert_bytes // self.split_units  # the device's parts of the CPU's pairs
+            split = self._split_bytes(t)
             s.fetched_bytes += (t.pairs_missed - t.pairs_run) * self.expert_bytes + split
             s.host_seconds += t.seconds
             s.host_bytes += t.experts_run * self.expert_bytes - split
@@ -329,7 +370,7 @@ class HybridExperts:
         # a replay runs padding rows: copy nothing for them
         live = self._live_rows if x.is_cuda and torch.cuda.is_current_stream_capturing() else None
         entries, parts, slots, picked_weights = kernel("pcie_pick", x.device.type)(
-            expert_ids, weights, miss, self.entry_on_device[index], live, self.pcie_percent, self.fetch.capacity,
+            expert_ids, weights, miss, self.entry_on_device[index], live, self._percent_on_device, self.fetch.capacity,
             self.split_units)
         self.fetch.gather(self.host[layer], entries, parts, self.split_units)
         return self.fetch.run(0, x, slots, picked_weights)
@@ -361,6 +402,7 @@ class HybridExperts:
         those whose copies are done in place; -> moves started. A move's copies run on copy streams beside the
         steps, which read both experts where they were until a later call commits it: no step waits on a
         swap. Each layer has as many moves under way as spare host entries (`spare_entries`)."""
+        self.follow_cpu_rate()
         if self.swaps_held:
             return 0
         if self.settle_all:  # a calibration ran while swaps were held: its whole placement, once, exactly

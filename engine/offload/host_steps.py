@@ -86,6 +86,12 @@ class HostSteps:
         self.bell = Doorbell(len(stacks) * max_rows, self.spin_ns, device) \
             if pin and handshake == "doorbell" and memory_operations_available() else None
 
+    def split(self, percent: int) -> None:
+        """The PCIe share of the misses from the next step on (each layer's host step reads it at run time)."""
+        self.pcie = (percent, *self.pcie[1:])
+        for args in self._args.values():
+            args.pcie_percent = percent
+
     def use_rows(self, rows: int) -> None:
         """Rows in use in the next replayed step (a graph's padding rows past them are skipped)."""
         self.live_rows.value = rows

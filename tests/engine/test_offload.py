@@ -420,6 +420,37 @@ def test_the_gather_kernel_equals_the_reference_and_stages_an_experts_first_part
         gather_plan(staged[0], host, 3)
 
 
+def test_the_split_follows_the_cpus_rate_inside_the_steps():
+    """From measured rates, every FOLLOW_STEPS decode steps the share becomes what the CPU's passes reached in
+    them against the link's rate: the host steps and the device's pick read it from the next step on, the
+    outputs still equal the reference; a requested share stays."""
+    from engine.experts.hybrid import FOLLOW_STEPS
+    from engine.offload.miss_split import pcie_percent
+
+    stacks = {1: layer_stacks("nvfp4", 91, inter=256), 4: layer_stacks("nvfp4", 93, inter=256)}
+    reference = TorchExperts(stacks, LIMIT)
+    hybrid = HybridExperts.place(stacks, {1: [0, 2], 4: [3]}, torch.device("cpu"), LIMIT, fetch_capacity=4)
+    hybrid.split_misses(50, (1e12, 1e9))  # a CPU far faster than this machine's: half the misses to start
+    for step in range(FOLLOW_STEPS):
+        assert hybrid.follow_cpu_rate() is None  # not yet
+        for layer in (1, 4):
+            x, ids, w = routed(1, 4, 100 + step)
+            assert_expert_close(hybrid(layer, x, ids, w), reference(layer, x, ids, w), "nvfp4")
+    steps, seconds, nbytes = hybrid._host_totals()
+    assert steps == FOLLOW_STEPS and seconds > 0 and nbytes > 0
+    want = max(1, pcie_percent(nbytes / seconds, 1e9))
+    assert hybrid.follow_cpu_rate() == want == hybrid.pcie_percent == int(hybrid._percent_on_device)
+    assert all(args.pcie_percent == want for steps in hybrid.host_steps.values() for args in steps._args.values())
+    x, ids, w = routed(3, 4, 120)
+    assert_expert_close(hybrid(1, x, ids, w), reference(1, x, ids, w), "nvfp4")
+    fixed = HybridExperts.place(stacks, {1: [0, 2], 4: [3]}, torch.device("cpu"), LIMIT, pcie_percent=30)
+    for step in range(FOLLOW_STEPS + 1):
+        fixed(1, *routed(1, 4, step)), fixed(4, *routed(1, 4, step))
+    assert fixed.follow_cpu_rate() is None and fixed.pcie_percent == 30
+    with pytest.raises(RuntimeError, match="on or off"):
+        fixed.split_misses(0)
+
+
 def test_the_gather_kernel_compiles_for_sm90(tmp_path):
     """Both element widths (words at the release's shapes, bytes elsewhere) compile for sm_90 (the interpreter
     the test above runs in takes code the compiler rejects)."""

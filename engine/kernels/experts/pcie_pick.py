@@ -30,7 +30,7 @@ def split_units(inter: int) -> int:
     return inter // SPLIT_ROWS if inter % SPLIT_ROWS == 0 else 1
 
 
-def pcie_share(parts: torch.Tensor, percent: int) -> torch.Tensor:
+def pcie_share(parts: torch.Tensor, percent: int | torch.Tensor) -> torch.Tensor:
     """Of `parts` parts, how many go over PCIe when it moves percent : 100 - percent of what the CPU and the link
     move together: ((parts + 1) * percent - 1) // 100, the count that lets the later of the two sides finish
     soonest (ties to the CPU; cpu_gemv.c's host step computes the same)."""
@@ -39,10 +39,11 @@ def pcie_share(parts: torch.Tensor, percent: int) -> torch.Tensor:
 
 @register("pcie_pick", "torch")
 def pcie_pick_torch(expert_ids: torch.Tensor, weights: torch.Tensor, miss: torch.Tensor, entry_of: torch.Tensor,
-                    live_rows: torch.Tensor | None, percent: int, capacity: int,
+                    live_rows: torch.Tensor | None, percent: torch.Tensor, capacity: int,
                     units: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """expert_ids, weights, miss [T, k]; entry_of [E] (expert -> host bank entry); live_rows: rows past it are
-    a graph's padding (None: every row is live); units: parts an expert splits into -> (entries [capacity]: the
+    a graph's padding (None: every row is live); percent: the link's share, a 0-d tensor (read at run time,
+    so a captured graph follows a new split); units: parts an expert splits into -> (entries [capacity]: the
     host entry each staging slot receives, -1 none; parts [capacity]: how many of its first parts, 0 none;
     slots [T, k]: the staging slot of each picked pair, 0 elsewhere; weights [T, k] fp32, zero where not
     picked)."""
@@ -63,8 +64,8 @@ def pcie_pick_torch(expert_ids: torch.Tensor, weights: torch.Tensor, miss: torch
 
 
 @triton.jit(do_not_specialize=["pairs"], do_not_specialize_on_alignment=["entry_ptr"])  # one build a model
-def _pick_kernel(ids_ptr, weights_ptr, miss_ptr, entry_ptr, live_ptr, entries_ptr, parts_ptr, slots_ptr, out_w_ptr,
-                 pairs, K: tl.constexpr, PERCENT: tl.constexpr, CAPACITY: tl.constexpr, UNITS: tl.constexpr,
+def _pick_kernel(ids_ptr, weights_ptr, miss_ptr, entry_ptr, live_ptr, percent_ptr, entries_ptr, parts_ptr, slots_ptr,
+                 out_w_ptr, pairs, K: tl.constexpr, CAPACITY: tl.constexpr, UNITS: tl.constexpr,
                  HAS_LIVE: tl.constexpr, BLOCK: tl.constexpr, CAP_BLOCK: tl.constexpr):
     offs = tl.arange(0, BLOCK)
     valid = offs < pairs
@@ -73,7 +74,7 @@ def _pick_kernel(ids_ptr, weights_ptr, miss_ptr, entry_ptr, live_ptr, entries_pt
         missed = missed & (offs // K < tl.load(live_ptr))
     rank = tl.cumsum(missed.to(tl.int32), 0) - 1
     total = tl.sum(missed.to(tl.int32), 0) * UNITS
-    share = tl.minimum(tl.maximum(((total + 1) * PERCENT - 1) // 100, 0), CAPACITY * UNITS)
+    share = tl.minimum(tl.maximum(((total + 1) * tl.load(percent_ptr).to(tl.int32) - 1) // 100, 0), CAPACITY * UNITS)
     pair_parts = tl.where(missed, tl.minimum(tl.maximum(share - rank * UNITS, 0), UNITS), 0)
     picked = pair_parts > 0
     taken = tl.cumsum(picked.to(tl.int32), 0) - 1
@@ -92,7 +93,7 @@ def _pick_kernel(ids_ptr, weights_ptr, miss_ptr, entry_ptr, live_ptr, entries_pt
 
 @register("pcie_pick", "triton")
 def pcie_pick_triton(expert_ids: torch.Tensor, weights: torch.Tensor, miss: torch.Tensor, entry_of: torch.Tensor,
-                     live_rows: torch.Tensor | None, percent: int, capacity: int,
+                     live_rows: torch.Tensor | None, percent: torch.Tensor, capacity: int,
                      units: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """As pcie_pick_torch, in one program (at most DECODE_MAX_PAIRS pairs: a decode-sized batch)."""
     pairs = expert_ids.numel()
@@ -104,8 +105,8 @@ def pcie_pick_triton(expert_ids: torch.Tensor, weights: torch.Tensor, miss: torc
     slots = torch.empty(expert_ids.shape, dtype=torch.long, device=dev)
     out_w = torch.empty(expert_ids.shape, dtype=torch.float32, device=dev)
     live = live_rows if live_rows is not None else entries  # never read without HAS_LIVE
-    _pick_kernel[(1,)](expert_ids.contiguous(), weights.contiguous(), miss.contiguous(), entry_of, live, entries,
-                       parts, slots, out_w, pairs, K=expert_ids.shape[1], PERCENT=percent, CAPACITY=capacity,
+    _pick_kernel[(1,)](expert_ids.contiguous(), weights.contiguous(), miss.contiguous(), entry_of, live, percent,
+                       entries, parts, slots, out_w, pairs, K=expert_ids.shape[1], CAPACITY=capacity,
                        UNITS=units, HAS_LIVE=live_rows is not None, BLOCK=DECODE_MAX_PAIRS,
                        CAP_BLOCK=max(2, triton.next_power_of_2(capacity)), num_warps=4)
     return entries, parts, slots, out_w
