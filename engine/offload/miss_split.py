@@ -3,10 +3,10 @@
 The CPU runs a missed expert at the rate its compiled pass reads host memory; the device runs one after
 a kernel copies it over PCIe (reading the pinned host bank directly). Both proceed at once, so the
 split that ends them together gives the link the share pcie / (cpu + pcie) of the misses. Measured on
-the engine's own buffers and threads, on as many experts of the first MoE layer as a batch-1 step's layer
-misses (tens of milliseconds), before the decode graphs are captured (the share is built into them): a pass
-over 8 experts ran 98 GB/s on the H200's host where a step's passes of two or three ran 74, so the CPU took
-more than it could finish while the link waited. The rates are kept
+the engine's own buffers and threads, a few experts of the first MoE layer each way (tens of
+milliseconds), before the decode graphs are captured. That is where the split starts: the steps read it at
+run time, and it then follows the rate the CPU's passes reach inside them (experts/hybrid.py,
+`follow_cpu_rate`; 74 GB/s on the H200's host where 8 experts alone ran 98). The rates are kept
 in a file (beside the prepared snapshot, when the caller names one) under a key of what they depend on:
 the same machine and weights start with the same split instead of a new sample of a noisy measurement.
 """
@@ -42,13 +42,7 @@ def _best_of(runs: int, fn: Callable[[], None]) -> float:
     return min(times)
 
 
-def layer_misses(hybrid, topk: int) -> int:
-    """Experts a batch-1 step's MoE layer misses under uniform routing (at least one)."""
-    hosted = sum(hybrid.host_experts(layer) for layer in hybrid.layers) / max(len(hybrid.layers), 1)
-    return max(1, round(topk * hosted / hybrid.num_experts))
-
-
-def miss_rates(hybrid, experts: int) -> tuple[float, float]:
+def miss_rates(hybrid, experts: int = 8) -> tuple[float, float]:
     """(CPU, PCIe) bytes per second on `experts` missed experts of the first MoE layer (batch-1 shaped; its
     host bank in a format the compiled CPU kernels take)."""
     layer = hybrid.layers[0]
@@ -82,9 +76,9 @@ def pcie_percent(cpu_rate: float, pcie_rate: float) -> int:
     return round(100 * pcie_rate / total) if total > 0 else 0
 
 
-def rates_key(hybrid, experts: int) -> dict:
+def rates_key(hybrid) -> dict:
     """What the two rates depend on: the CPU, the cores and threads, the kernels' code path, the GPU, the
-    expert's size and format, the experts a measurement runs."""
+    expert's size and format."""
     cpu = platform.processor()
     try:
         cpu = next(line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
@@ -95,8 +89,7 @@ def rates_key(hybrid, experts: int) -> dict:
     return {"cpu": cpu, "cpus": len(allowed_cpus()), "cpu_quota": str(quota_cores()),
             "threads": hybrid.host_run.threads, "simd_path": simd_path(),
             "gpu": torch.cuda.get_device_name(hybrid.device) if hybrid.device.type == "cuda" else "",
-            "expert_bytes": hybrid.expert_bytes, "format": type(hybrid.host[layer][0]).__name__,
-            "experts": experts}
+            "expert_bytes": hybrid.expert_bytes, "format": type(hybrid.host[layer][0]).__name__}
 
 
 def cached_rates(path: Path, key: dict) -> tuple[float, float] | None:
@@ -133,10 +126,9 @@ def choose_split(hybrid, topk: int, requested: int | None, rates_file: Path | No
         percent = 0 if requested is None else requested
         log.info("event=miss_split pcie_percent=%d missed_gb_per_token=%.2f", percent, miss_bytes / 1e9)
         return percent, None
-    experts = layer_misses(hybrid, topk)
-    key = rates_key(hybrid, experts)
+    key = rates_key(hybrid)
     kept = cached_rates(rates_file, key) if rates_file is not None else None
-    cpu, pcie = kept or miss_rates(hybrid, experts)
+    cpu, pcie = kept or miss_rates(hybrid)
     if rates_file is not None and kept is None:
         try:
             keep_rates(rates_file, key, (cpu, pcie))

@@ -468,11 +468,10 @@ print("compiled")
 
 
 def test_miss_split_follows_the_measured_rates():
-    from engine.offload.miss_split import layer_misses, miss_rates, pcie_percent
+    from engine.offload.miss_split import miss_rates, pcie_percent
 
     assert pcie_percent(30e9, 50e9) == 62 and pcie_percent(1.0, 0.0) == 0 and pcie_percent(0.0, 0.0) == 0
     hybrid = HybridExperts.place({0: layer_stacks("nvfp4", 3)}, {0: [0]}, torch.device("cpu"), LIMIT)
-    assert layer_misses(hybrid, 8) == 7 and layer_misses(hybrid, 1) == 1  # 11 of 12 experts in the host bank
     cpu, pcie = miss_rates(hybrid, experts=4)
     assert cpu > 0 and pcie > 0
     with pytest.raises(ValueError, match="pcie_percent"):
@@ -484,8 +483,8 @@ def test_measured_rates_are_kept_under_their_key(tmp_path):
     from engine.offload.miss_split import cached_rates, keep_rates, rates_key
 
     hybrid = HybridExperts.place({0: layer_stacks("nvfp4", 3)}, {0: [0]}, torch.device("cpu"), LIMIT)
-    key = rates_key(hybrid, 2)
-    assert key["threads"] == hybrid.host_run.threads and key["format"] == "Nvfp4Weight" and key["experts"] == 2
+    key = rates_key(hybrid)
+    assert key["threads"] == hybrid.host_run.threads and key["format"] == "Nvfp4Weight"
     assert key["expert_bytes"] == hybrid.expert_bytes and key["cpus"] >= 1
     path = tmp_path / "not-yet" / "miss_split.json"  # a local source's cache folder before its first write
     assert cached_rates(path, key) is None
