@@ -293,9 +293,11 @@ nvfp4_step_x8(const int rows, const float *xs, int64_t x_stride, int64_t half_k,
  * into a block on the stack before its steps; the last few one by one from the table. */
 #define SCALE_BLOCK 64
 /* Bytes of codes ahead of the step that each cache line's prefetch asks for (rows of a tile are contiguous,
- * so the stream runs on into the next row). */
+ * so the stream runs on into the next row). 4 KiB against 1 KiB: 8 experts at batch 1 on the H200's 16
+ * Xeon cores 67.8 against 58.1 GB/s (75% of the read rate against 60%), on 2 cores 14.9 against 12.2
+ * (ops/BENCHMARKS.md): a core's misses need that much in flight to cover the loaded memory's latency. */
 #ifndef PREFETCH_AHEAD /* a build may set it (-DPREFETCH_AHEAD=...) to compare distances */
-#define PREFETCH_AHEAD 1024
+#define PREFETCH_AHEAD 4096
 #endif
 __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni"), always_inline)) static inline void
 nvfp4_rows_x8(const int rows, const float *xs, int64_t x_stride, int64_t half_k, int64_t g0, const uint8_t *codes,
