@@ -141,8 +141,9 @@ class HybridExperts:
                  device_executor=TorchExperts, count_decay: float = COUNT_DECAY, host_threads: int | None = None,
                  fetch_min_pairs: int = 256, fetch_capacity: int = 8, pcie_percent: int = 0,
                  pin_host_threads: bool = True) -> None:
-        """pcie_percent: the share of a decode step's misses copied to the device and run there (0-100; the
-        staging slots bound it per layer step), fixed before the first decode step. pin_host_threads: with
+        """pcie_percent: the share of a decode step's misses copied to the device and run there (0-100, in parts
+        of an expert; the staging slots bound it per layer step; on or off before the first decode step, see
+        `split_misses`). pin_host_threads: with
         a GPU, the CPU threads go to one core each where the process's CPU mask allows (`worker_cpus`);
         without one they share the cores with torch and float."""
         self.device, self.decay = device, count_decay
