@@ -264,8 +264,9 @@ def _placement(settings: Settings, config: ModelConfig, device: torch.device, si
     dtype = DTYPES[settings.resolved_dtype()]
     options = engine_options(settings)
     caches = EngineCore.cache_bytes(config, options, dtype)
+    reserve = reserve_bytes(options.max_num_batched_tokens, options.max_model_len)
     return plan_load(settings.moe_vram_budget_bytes, device, sizes, len(config.moe_layers),
-                     config.n_routed_experts, caches, reserve_bytes(options.max_num_batched_tokens, options.max_model_len))
+                     config.n_routed_experts, caches, reserve)
 
 
 def _resume_problems(source: Source, files: Path, prepared: Path, wanted: dict) -> list[str]:

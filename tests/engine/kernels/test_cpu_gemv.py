@@ -10,6 +10,7 @@ import os
 import signal
 import threading
 import time
+from typing import Callable
 
 import pytest
 import torch
@@ -170,6 +171,16 @@ def test_inputs_wider_than_one_preparing_unit_give_every_team_the_same_pass(monk
     torch.testing.assert_close(alone, TorchExperts(stacks, 1.5)(0, x, ids, w), rtol=1e-4, atol=1e-4)
 
 
+def quantized_stack(fmt: str, experts: int, n: int, k: int, g: torch.Generator) -> Fp8BlockWeight | Nvfp4Weight:
+    """`experts` random [n, k] matrices quantized to FP8 blocks or NVFP4, stacked."""
+    weights = [torch.randn(n, k, generator=g) / k ** 0.5 for _ in range(experts)]
+    if fmt == "fp8":
+        parts = [quantize_fp8_block(w) for w in weights]
+        return Fp8BlockWeight(torch.stack([p[0] for p in parts]), torch.stack([p[1] for p in parts]))
+    parts = [quantize_nvfp4(w) for w in weights]
+    return Nvfp4Weight(*(torch.stack([p[j] for p in parts]) for j in range(3)))
+
+
 @pytest.mark.parametrize("mode", ["auto", "avx512", "avx2", "portable"])
 @pytest.mark.parametrize("fmt", ["nvfp4", "fp8"])
 @pytest.mark.parametrize("d,i,tokens", [(128, 64, 5), (96, 80, 12)])
@@ -178,18 +189,8 @@ def test_cpu_experts_equal_the_reference_on_quantized_experts(monkeypatch, mode,
     kernel takes (12 > 8), widths that are not a multiple of its tiles, an odd count of NVFP4 groups
     (80 / 16), FP8 blocks ragged at 96 and 80."""
     monkeypatch.setenv("GLMFLASH_CPU_KERNELS", mode)
-    e = 6
     g = torch.Generator().manual_seed(d + tokens)
-
-    def stack(n: int, k: int):
-        weights = [torch.randn(n, k, generator=g) / k ** 0.5 for _ in range(e)]
-        if fmt == "fp8":
-            parts = [quantize_fp8_block(w) for w in weights]
-            return Fp8BlockWeight(torch.stack([p[0] for p in parts]), torch.stack([p[1] for p in parts]))
-        parts = [quantize_nvfp4(w) for w in weights]
-        return Nvfp4Weight(*(torch.stack([p[j] for p in parts]) for j in range(3)))
-
-    stacks = {0: (stack(i, d), stack(i, d), stack(d, i))}
+    stacks = {0: (quantized_stack(fmt, 6, i, d, g), quantized_stack(fmt, 6, i, d, g), quantized_stack(fmt, 6, d, i, g))}
     x = torch.randn(tokens, d, generator=g)
     ids = torch.stack([torch.tensor([0, 2]) if t % 3 else torch.tensor([5, 2]) for t in range(tokens)])
     w = torch.rand(tokens, 2, generator=g)
@@ -207,40 +208,32 @@ def test_a_group_from_its_first_row_runs_only_its_experts_rows_from_there(monkey
     two parts of each expert adding up to the whole pass; the same expert whole and split in one pass; a first
     row that is not a multiple of the down block is refused."""
     monkeypatch.setenv("GLMFLASH_CPU_KERNELS", mode)
-    d, i, e = 128, 384, 4
+    d, i = 128, 384
     g = torch.Generator().manual_seed(11)
-
-    def stack(n: int, k: int):
-        weights = [torch.randn(n, k, generator=g) / k ** 0.5 for _ in range(e)]
-        if fmt == "fp8":
-            parts = [quantize_fp8_block(w) for w in weights]
-            return Fp8BlockWeight(torch.stack([p[0] for p in parts]), torch.stack([p[1] for p in parts]))
-        parts = [quantize_nvfp4(w) for w in weights]
-        return Nvfp4Weight(*(torch.stack([p[j] for p in parts]) for j in range(3)))
-
-    gate, up, down = stack(i, d), stack(i, d), stack(d, i)
+    gate, up, down = (quantized_stack(fmt, 4, n, k, g) for n, k in ((i, d), (i, d), (d, i)))
     one_pass = cpu_gemv.ExpertStacks(gate, up, down)
     x = torch.randn(5, d, generator=g)
     experts, starts, w = torch.tensor([1, 1, 3]), torch.tensor([0, 2, 3, 5]), torch.rand(5, generator=g)
     firsts = torch.tensor([0, 128, 256])
-    got = one_pass.forward(x, experts, starts, w, 1.5, threads=3, firsts=firsts)
     dense = [s.dequantize(torch.float32) for s in (gate, up, down)]
-    want = torch.empty_like(got)
-    for group, (expert, first) in enumerate(zip(experts.tolist(), firsts.tolist())):
-        rows = slice(starts[group], starts[group + 1])
-        sliced = {0: tuple(DenseWeight(t[expert:expert + 1, first:] if k < 2 else t[expert:expert + 1, :, first:])
-                           for k, t in enumerate(dense))}
-        ids = torch.zeros(rows.stop - rows.start, 1, dtype=torch.long)
-        want[rows] = TorchExperts(sliced, 1.5)(0, x[rows], ids, w[rows].unsqueeze(1))
-    assert_expert_close(got, want, fmt)
+
+    def on_rows(rows_of: Callable[[int], slice]) -> torch.Tensor:
+        """Each group's pairs through its expert's intermediate rows `rows_of(first)` only (dequantized)."""
+        out = torch.zeros(len(x), d)
+        for group, (expert, first) in enumerate(zip(experts.tolist(), firsts.tolist())):
+            pairs, rows = slice(starts[group], starts[group + 1]), rows_of(first)
+            picked = (dense[0][expert:expert + 1, rows], dense[1][expert:expert + 1, rows],
+                      dense[2][expert:expert + 1, :, rows])
+            sliced = {0: tuple(DenseWeight(t) for t in picked)}
+            ids = torch.zeros(pairs.stop - pairs.start, 1, dtype=torch.long)
+            if rows.start != rows.stop:
+                out[pairs] = TorchExperts(sliced, 1.5)(0, x[pairs], ids, w[pairs].unsqueeze(1))
+        return out
+
+    got = one_pass.forward(x, experts, starts, w, 1.5, threads=3, firsts=firsts)
+    assert_expert_close(got, on_rows(lambda first: slice(first, i)), fmt)
     whole = one_pass.forward(x, experts, starts, w, 1.5, threads=3)
-    device_part = torch.empty_like(got)
-    for group, (expert, first) in enumerate(zip(experts.tolist(), firsts.tolist())):
-        rows = slice(starts[group], starts[group + 1])
-        sliced = {0: tuple(DenseWeight(t[expert:expert + 1, :first] if k < 2 else t[expert:expert + 1, :, :first])
-                           for k, t in enumerate(dense))}
-        ids = torch.zeros(rows.stop - rows.start, 1, dtype=torch.long)
-        device_part[rows] = TorchExperts(sliced, 1.5)(0, x[rows], ids, w[rows].unsqueeze(1)) if first else 0
-    assert_expert_close(got + device_part, whole, fmt)
+    assert_expert_close(got + on_rows(lambda first: slice(0, first)), whole, fmt)
     with pytest.raises(ValueError, match="first row"):
-        one_pass.forward(x, experts, starts, w, 1.5, threads=1, firsts=torch.tensor([0, 8 if fmt == "nvfp4" else 64, 0]))
+        misaligned = torch.tensor([0, 8 if fmt == "nvfp4" else 64, 0])
+        one_pass.forward(x, experts, starts, w, 1.5, threads=1, firsts=misaligned)
