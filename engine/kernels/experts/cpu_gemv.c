@@ -84,28 +84,36 @@ __attribute__((target("avx2,fma"))) static inline float hsum256(__m256 v) {
 
 /* Twice the E2M1 values as int8, by code: one byte shuffle looks up 16 codes at once, exactly. */
 static const int8_t E2M1_X2[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
+/* ... plus 12, as unsigned bytes (AVX-512 VNNI multiplies an unsigned byte by a signed one). */
+#define E2M1_X2_BIAS 12
+static const uint8_t E2M1_X2_BIASED[16] = {12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4, 0};
 
 /* The integer NVFP4 paths (AVX2, AVX-512 VNNI) read x as 16-bit integers: per group of 16 columns a float
- * scale (the group's largest |x| over 32767) and the columns rounded to it, so the products of the int8
+ * scale (the group's largest |x| over X16_TOP) and the columns rounded to it, so the products of the int8
  * weights (x2) and x add up exactly in int32, where a float path widens every weight to float and needs an
- * FMA per 8 or 16. The rounding is the only change: at most half a step, 1/65534 of the group's largest |x|
+ * FMA per 8 or 16. The rounding is the only change: at most half a step, 1/65278 of the group's largest |x|
  * (bf16 activations round ~100x coarser). A prepared row of k columns takes the k floats the other paths use:
  * its 2k bytes of integers, then each group's float scale.
  * AVX2 (vpmaddwd, 16 products a step): k int16, the even columns then the odd ones; 4 copies of each scale (a
  * 2-group step loads them as one vector).
- * AVX-512 VNNI (vpdpbusd, 64 products of a byte of x and an int8 weight): each x + 32768 (so it fits 16 bits
- * unsigned) split into its low and high bytes, 4 planes of k/2: low bytes of the even columns, of the odd,
- * high bytes of the even, of the odd. The weights stay the bytes one shuffle looks up (no widening to 16
- * bits): sum w x = 256 sum w hi + sum w lo - 32768 sum w, exactly, in int32. */
-#define X16_SCALES(k) ((k) / 2) /* float offset of a prepared row's scales */
+ * AVX-512 VNNI (vpdpbusd, 64 products of an unsigned byte and a signed one): each x = 256 a + b with a and b
+ * signed bytes (b = x's low byte as signed, so |x| <= X16_TOP = 32639 keeps a within a byte), 4 planes of
+ * k/2: b of the even columns, of the odd, a of the even, of the odd; the weights as unsigned bytes u = w + 12,
+ * looked up by one shuffle: sum w x = 256 sum u a + sum u b - 12 sum x, exactly, in int32. The last sum is
+ * x's alone: each group's -12 sum x times its scale is kept after the scales, and a weight row adds its
+ * scales' dot product with them. An offset on x instead (x + 32768, unsigned bytes against signed weights)
+ * left the weights' own sums to compute at every step: two more vpdpbusd and a shift in every 128 codes. */
+#define X16_SCALES(k) ((k) / 2)                   /* float offset of a prepared row's scales */
+#define X8_CORRECTIONS(k) ((k) / 2 + (k) / GROUP) /* ... and of its groups' corrections (VNNI) */
+#define X16_TOP 32639
 
 /* Group `g` of src rounded to int16 as above -> its scale. */
 static float x16_group(const float *src, int64_t g, int16_t q[GROUP]) {
     float top = 0.0f;
     for (int j = 0; j < GROUP; j++) top = fmaxf(top, fabsf(src[g * GROUP + j]));
-    const float inverse = top > 0.0f ? 32767.0f / top : 0.0f;
+    const float inverse = top > 0.0f ? (float)X16_TOP / top : 0.0f;
     for (int j = 0; j < GROUP; j++) q[j] = (int16_t)lrintf(src[g * GROUP + j] * inverse);
-    return top / 32767.0f;
+    return top / (float)X16_TOP;
 }
 
 static void prepare_row_x16(const float *src, int64_t k, float *dst, int copies, int64_t g0, int64_t g1) {
@@ -126,13 +134,17 @@ static void prepare_row_x8_planes(const float *src, int64_t k, float *dst, int64
     uint8_t *planes = (uint8_t *)dst;
     int16_t q[GROUP];
     for (int64_t g = g0; g < g1; g++) {
-        dst[X16_SCALES(k) + g] = x16_group(src, g, q);
+        const float scale = x16_group(src, g, q);
+        int32_t sum = 0;
+        dst[X16_SCALES(k) + g] = scale;
         for (int j = 0; j < GROUP; j++) {
-            const uint16_t shifted = (uint16_t)(q[j] + 32768);
+            const int8_t low = (int8_t)(uint8_t)(q[j] & 255), high = (int8_t)((q[j] - low) / 256);
             const int64_t at = (j % 2) * half_k + g * 8 + j / 2; /* even columns' plane, then the odd */
-            planes[at] = (uint8_t)(shifted & 255);
-            planes[k + at] = (uint8_t)(shifted >> 8);
+            planes[at] = (uint8_t)low;
+            planes[k + at] = (uint8_t)high;
+            sum += q[j];
         }
+        dst[X8_CORRECTIONS(k) + g] = -(float)(E2M1_X2_BIAS * sum) * scale;
     }
 }
 
@@ -256,33 +268,31 @@ __attribute__((target("avx512f,avx512bw"), always_inline)) static inline __m512 
 }
 
 /* Groups g..g+7 (64 bytes: 128 codes) against `rows` prepared rows (byte planes): byte shuffles look the low
- * nibbles (even columns) and the high ones (odd) up as int8 weights x2; per row four vpdpbusd against the low
- * and high bytes of x give 16 int32 sums, 2 per group, corrected for x's offset by the weights' own sums, and
- * scaled by weight scale x x scale. Past the last group every load is masked: the weights there are zero and
- * so are the scales. */
+ * nibbles (even columns) and the high ones (odd) up as unsigned weights x2 + 12; per row four vpdpbusd against
+ * x's low and high bytes give 16 int32 sums, 2 per group (their -12 sum x is added per weight row, see
+ * nvfp4_rows_x8), scaled by weight scale x x scale. Past the last group every load is masked: the x bytes there
+ * are zero and so are the scales. */
 __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni"), always_inline)) static inline void
 nvfp4_step_x8(const int rows, const float *xs, int64_t x_stride, int64_t half_k, const uint8_t *codes,
               const float *wscale, int64_t g, int64_t groups, __m512 *acc) {
     const int64_t left = groups - g;
     const __mmask64 lanes = left >= 8 ? ~0ULL : (1ULL << (8 * left)) - 1; /* a code byte (x byte) each */
     const __mmask8 eight = left >= 8 ? 0xFF : (1u << left) - 1;          /* a group each */
-    const __m512i table = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)E2M1_X2));
-    const __m512i nibble = _mm512_set1_epi8(15), ones = _mm512_set1_epi8(1);
+    const __m512i table = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)E2M1_X2_BIASED));
+    const __m512i nibble = _mm512_set1_epi8(15);
     const __m512i bytes = _mm512_maskz_loadu_epi8(lanes, codes + g * 8);
     const __m512i we = _mm512_shuffle_epi8(table, _mm512_and_si512(bytes, nibble));
     const __m512i wo = _mm512_shuffle_epi8(table, _mm512_and_si512(_mm512_srli_epi16(bytes, 4), nibble));
-    const __m512i offset = _mm512_slli_epi32(
-        _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), ones, we), ones, wo), 15);
     const __m256 ws = _mm256_maskz_loadu_ps(eight, wscale);
     const __m512i spread = _mm512_set_epi32(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0);
     for (int r = 0; r < rows; r++) {
         const float *row = xs + r * x_stride;
         const uint8_t *low = (const uint8_t *)row + g * 8, *high = low + 2 * half_k;
-        __m512i lo = _mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_maskz_loadu_epi8(lanes, low), we);
-        lo = _mm512_dpbusd_epi32(lo, _mm512_maskz_loadu_epi8(lanes, low + half_k), wo);
-        __m512i hi = _mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_maskz_loadu_epi8(lanes, high), we);
-        hi = _mm512_dpbusd_epi32(hi, _mm512_maskz_loadu_epi8(lanes, high + half_k), wo);
-        const __m512i sums = _mm512_sub_epi32(_mm512_add_epi32(_mm512_slli_epi32(hi, 8), lo), offset);
+        __m512i lo = _mm512_dpbusd_epi32(_mm512_setzero_si512(), we, _mm512_maskz_loadu_epi8(lanes, low));
+        lo = _mm512_dpbusd_epi32(lo, wo, _mm512_maskz_loadu_epi8(lanes, low + half_k));
+        __m512i hi = _mm512_dpbusd_epi32(_mm512_setzero_si512(), we, _mm512_maskz_loadu_epi8(lanes, high));
+        hi = _mm512_dpbusd_epi32(hi, wo, _mm512_maskz_loadu_epi8(lanes, high + half_k));
+        const __m512i sums = _mm512_add_epi32(_mm512_slli_epi32(hi, 8), lo);
         const __m256 scale8 = _mm256_mul_ps(ws, _mm256_maskz_loadu_ps(eight, row + X16_SCALES(2 * half_k) + g));
         const __m512 scale = _mm512_permutexvar_ps(spread, _mm512_castps256_ps512(scale8));
         acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums), scale, acc[r]);
@@ -304,19 +314,27 @@ nvfp4_rows_x8(const int rows, const float *xs, int64_t x_stride, int64_t half_k,
               const uint8_t *scales, const float *fp8_table, float global, float *out, int64_t out_stride) {
     const int64_t groups = half_k / 8;
     float wscale[SCALE_BLOCK];
-    __m512 acc[MAX_ROWS];
-    for (int r = 0; r < rows; r++) acc[r] = _mm512_setzero_ps();
+    __m512 acc[MAX_ROWS], fix[MAX_ROWS]; /* fix: the weight scales' dot product with x's group corrections */
+    for (int r = 0; r < rows; r++) acc[r] = fix[r] = _mm512_setzero_ps();
     for (int64_t b0 = g0; b0 < groups; b0 += SCALE_BLOCK) {
         const int64_t b1 = b0 + SCALE_BLOCK < groups ? b0 + SCALE_BLOCK : groups;
         int64_t g = b0;
         for (; g + 16 <= b1; g += 16) _mm512_storeu_ps(wscale + (g - b0), e4m3_scaled16(scales + g));
         for (; g < b1; g++) wscale[g - b0] = fp8_table[scales[g]] / 256.0f;
+        for (g = b0; g < b1; g += 16) {
+            const __mmask16 in = b1 - g >= 16 ? 0xFFFF : (__mmask16)((1u << (b1 - g)) - 1);
+            const __m512 ws = _mm512_maskz_loadu_ps(in, wscale + (g - b0));
+            const float *corrections = xs + X8_CORRECTIONS(2 * half_k) + g;
+            for (int r = 0; r < rows; r++)
+                fix[r] = _mm512_fmadd_ps(ws, _mm512_maskz_loadu_ps(in, corrections + r * x_stride), fix[r]);
+        }
         for (g = b0; g < b1; g += 8) {
             _mm_prefetch((const char *)(codes + g * 8) + PREFETCH_AHEAD, _MM_HINT_T0);
             nvfp4_step_x8(rows, xs, x_stride, half_k, codes, wscale + (g - b0), g, b1, acc);
         }
     }
-    for (int r = 0; r < rows; r++) out[r * out_stride] = _mm512_reduce_add_ps(acc[r]) * 128.0f * global;
+    for (int r = 0; r < rows; r++)
+        out[r * out_stride] = _mm512_reduce_add_ps(_mm512_add_ps(acc[r], fix[r])) * 128.0f * global;
 }
 
 __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni"))) static void

@@ -4,7 +4,7 @@
 CPU expert executor keeps its torch path. GLMFLASH_CPU_KERNELS picks the path: `auto` (the widest the
 CPU has), `avx512` (AVX-512 without VNNI's integer NVFP4 path), `avx2`, `portable` (plain C), `torch`
 (the compiled kernels off), for comparisons. The AVX2 and AVX-512 VNNI paths run NVFP4 with x in 16-bit
-integers, rounded to 1/65534 of each 16 columns' largest value (finer than the bf16 activations it starts
+integers, rounded to 1/65278 of each 16 columns' largest value (finer than the bf16 activations it starts
 from): with VNNI 6% faster than the float AVX-512 path on 16 threads, 22% on 2 (ops/BENCHMARKS.md).
 """
 

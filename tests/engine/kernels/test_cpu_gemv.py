@@ -42,13 +42,13 @@ def random_fp8(n: int, k: int, seed: int) -> Fp8BlockWeight:
 
 def as_the_kernel_reads(x: torch.Tensor, weight) -> torch.Tensor:
     """x as the kernel's path multiplies it: on the integer NVFP4 paths (AVX2, VNNI) rounded to int16 per 16
-    columns (scale: the group's largest |x| over 32767, both in float32, half to even), else unchanged."""
+    columns (scale: the group's largest |x| over 32639, both in float32, half to even), else unchanged."""
     if not isinstance(weight, Nvfp4Weight) or cpu_gemv.simd_path() not in cpu_gemv.X16_PATHS:
         return x.double()
     groups = x.float().reshape(x.shape[0], -1, 16)
     top = groups.abs().amax(-1, keepdim=True)
-    inverse = torch.where(top > 0, torch.tensor(32767.0) / top, torch.zeros(()))
-    return (torch.round(groups * inverse).double() * (top / 32767.0).double()).reshape(x.shape)
+    inverse = torch.where(top > 0, torch.tensor(32639.0) / top, torch.zeros(()))
+    return (torch.round(groups * inverse).double() * (top / 32639.0).double()).reshape(x.shape)
 
 
 def test_kernel_is_built():
