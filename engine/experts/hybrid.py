@@ -31,12 +31,12 @@ from engine.kernels import kernel
 from engine.kernels.experts import DECODE_MAX_PAIRS
 from engine.kernels.experts.cpu_gemv import available as cpu_kernels_built, pin_workers
 from engine.kernels.experts.pcie_pick import split_units
+from engine.offload import miss_split
 from engine.offload.cpu_cores import usable_cores, worker_cpus
 from engine.offload.cuda_driver import copy_async
 from engine.offload.fetch import ExpertFetcher, Stacks
 from engine.offload.host_memory import host_copy
 from engine.offload.host_steps import HostSteps, HostStepTotals
-from engine.offload import miss_split
 from engine.offload.placement import slots_per_layer, spare_entries
 from engine.weights import SplitStack, map_tensors, tensor_fields
 

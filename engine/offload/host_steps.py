@@ -133,8 +133,9 @@ class HostSteps:
             self._args[key] = HostStepArgs(
                 ctypes.pointer(m[0]), ctypes.pointer(m[1]), ctypes.pointer(m[2]), self.x.data_ptr(),
                 self.ids.data_ptr(), self.weights.data_ptr(), self.cpu_entry[layer].data_ptr(),
-                ctypes.addressof(self.live_rows), rows, self.topk, self.cpu_entry[layer].numel(), *self.pcie, self.limit,
-                self.out.data_ptr(), self.workspace.data_ptr(), self.scratch.data_ptr(), fp8_table().data_ptr(),
+                ctypes.addressof(self.live_rows), rows, self.topk, self.cpu_entry[layer].numel(), *self.pcie,
+                self.limit, self.out.data_ptr(), self.workspace.data_ptr(), self.scratch.data_ptr(),
+                fp8_table().data_ptr(),
                 self.threads, simd_level(), self.spin_ns, 0, 0, 0, 0, 0, 0, 0, 0)
             if self.bell is not None:
                 self.bell.name(self._bell_index(layer, rows), ctypes.addressof(self._args[key]))
