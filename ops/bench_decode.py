@@ -307,6 +307,7 @@ def hybrid_decode_figures(name: str, llm: LLM, batch: int, context: int, steps: 
             f"{name}_pcie_pairs_per_step": d["fetched_pairs"] / steps,
             f"{name}_distinct_host_experts_per_step": d["host_bytes"] / steps / per_expert,
             f"{name}_swaps_per_step": d["swaps"] / steps,
+            f"{name}_pcie_percent": core.offload.pcie_percent,  # where the split stood after the timed steps
             f"{name}_cpu_GBps": d["host_bytes"] / d["host_seconds"] / 1e9 if d["host_seconds"] > 0 else 0.0,
             f"{name}_cpu_ms_per_step": d["host_seconds"] / steps * 1e3,
             f"{name}_host_roofline_ms": host_ms, f"{name}_ratio_to_host_roofline": seconds * 1e3 / max(host_ms, 1e-9)}

@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
 # Hybrid offload on a CUDA machine in time-boxed parts (each fits a 10-minute call), from the repo root:
-#   bash ops/gpu_hybrid.sh OUT_DIR checks|vnni|whole|skew|slice|swaps|threads|offload
+#   bash ops/gpu_hybrid.sh OUT_DIR checks|vnni|executor|whole|skew|slice|swaps|threads|offload
 # checks: the compiled CPU kernels' tests, the release-shape hybrid tests (split, graphs, swaps, pinning,
 #         the kept miss split) and the cost of one GPU<->CPU handshake per layer (ops/bench_handshake.py);
 # vnni:   the AVX-512 VNNI NVFP4 path (the default where the CPU has it): the kernels' tests, its speed against
 #         the float AVX-512 path (GLMFLASH_CPU_KERNELS=avx512) at 16 and 2 threads;
+# executor: the CPU expert pass's rate against the host's read rate on 16 and 2 threads (the 70% target);
 # whole: scenario (b), all 45 layers, uniform routing, the miss split measured at load;
 # skew:  the same under a Zipf-like routing trace with swaps on;
 # slice: scenario (a), a 32 GB-class budget (18 slots per MoE layer) on an 8-layer slice;
@@ -17,7 +18,7 @@
 #          under OUT_DIR/<part>.
 # Wheels the machine lacks: see ops/gpu_env.sh.
 set -uo pipefail
-out=${1:?output directory}; part=${2:?checks, vnni, whole, skew, slice, swaps, threads or offload}
+out=${1:?output directory}; part=${2:?checks, vnni, executor, whole, skew, slice, swaps, threads or offload}
 if [ "$part" = offload ]; then
   for each in whole swaps skew; do bash "$0" "$out/$each" "$each"; done
   exit 0
@@ -36,6 +37,9 @@ case "$part" in
         for t in 16 2; do for mode in avx512 auto; do
           GLMFLASH_CPU_KERNELS=$mode timeout 100 python3 -m ops.bench_cpu_moe --threads $t --spin-us 2000 --json
         done; done ;;
+  executor) for t in 16 2; do
+              timeout 90 python3 -m ops.bench_cpu_moe --threads $t --spin-us 2000 --pin --steps 20 --rounds 3 --json
+            done ;;
   whole) timeout 540 $decode --layers 45 --expert-slots auto --max-expert-swaps 0 --json "$out/whole.json" 2>&1 | tail -45 ;;
   skew) timeout 540 $decode --layers 45 --expert-slots auto --routing-skew 2 --json "$out/skew.json" 2>&1 | tail -45 ;;
   slice) timeout 540 $decode --layers 8 --expert-slots 18 --json "$out/slice.json" 2>&1 | tail -45 ;;
