@@ -287,7 +287,7 @@ class EngineCore:
         budget = options.moe_vram_budget
         if budget == AUTO:
             free = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else 0
-            budget = auto_budget(free, reserve_bytes(options.max_num_batched_tokens, options.max_model_len))
+            budget = auto_budget(free, EngineCore.expert_reserve(options))
         hybrid = HybridExperts.from_weights(weights, config.moe_layers, config.swiglu_limit, device, budget,
                                             executor_class(device), options.cpu_expert_threads,
                                             options.cpu_expert_pin)
@@ -309,8 +309,7 @@ class EngineCore:
         cls.start_warm_up(config, device, DTYPES[dtype], options.kernels_file, options.precompile_processes)
         budget, slots = plan_load(options.moe_vram_budget, device, checkpoint_sizes(Path(model), config),
                                   len(config.moe_layers), config.n_routed_experts,
-                                  cls.cache_bytes(config, options, DTYPES[dtype]),
-                                  reserve_bytes(options.max_num_batched_tokens, options.max_model_len))
+                                  cls.cache_bytes(config, options, DTYPES[dtype]), cls.expert_reserve(options))
         weights = load_weights(model, config, device, DTYPES[dtype], slots)
         tokenizer_file = Path(model) / "tokenizer.json"
         tokenizer = Tokenizer.from_file(str(tokenizer_file)) if tokenizer_file.exists() else None
@@ -326,6 +325,11 @@ class EngineCore:
         matcher = self.grammars.matcher(params.grammar) if params.grammar is not None else None
         stops = set(params.stop_token_ids) | (set() if params.ignore_eos else set(self.config.eos_token_ids))
         return RequestConstraint(request_id, self.config.vocab_size, matcher, params.reasoning, stops)
+
+    @staticmethod
+    def expert_reserve(options: EngineOptions) -> int:
+        """Device bytes an automatic expert budget leaves for the largest step these options allow."""
+        return reserve_bytes(options.max_num_batched_tokens, options.max_model_len)
 
     @staticmethod
     def cache_bytes(config: ModelConfig, options: EngineOptions, dtype: torch.dtype) -> int:

@@ -37,7 +37,7 @@ from engine.checkpoint.prepared_store import (PreparedPlan, PreparedSnapshotErro
 from engine.config import ModelConfig
 from engine.engine_core import DTYPES, EngineCore
 from engine.offload.cpu_cores import usable_cores
-from engine.offload.placement import WeightBytes, plan_load, reserve_bytes
+from engine.offload.placement import WeightBytes, plan_load
 from engine.tiny.factory import write_tiny_model
 from provision.cache import PREPARED_DIRNAME, check_snapshot, model_home
 from provision.download import DownloadProgress, download_snapshot
@@ -264,9 +264,8 @@ def _placement(settings: Settings, config: ModelConfig, device: torch.device, si
     dtype = DTYPES[settings.resolved_dtype()]
     options = engine_options(settings)
     caches = EngineCore.cache_bytes(config, options, dtype)
-    reserve = reserve_bytes(options.max_num_batched_tokens, options.max_model_len)
     return plan_load(settings.moe_vram_budget_bytes, device, sizes, len(config.moe_layers),
-                     config.n_routed_experts, caches, reserve)
+                     config.n_routed_experts, caches, EngineCore.expert_reserve(options))
 
 
 def _resume_problems(source: Source, files: Path, prepared: Path, wanted: dict) -> list[str]:

@@ -169,6 +169,7 @@ class HybridExperts:
         self.pcie_percent = 0
         self._percent_on_device = torch.zeros((), dtype=torch.long, device=device)  # what the device's pick reads
         self._followed: tuple[int, float, int] | None = None  # host totals (steps, seconds, bytes) last followed
+        self._calls = 0  # follow_cpu_rate calls since it last read the totals
         self._live_rows = torch.zeros((), dtype=torch.long, device=device)  # a replayed graph's rows in use
         self.counts = torch.zeros(len(self.layers), self.num_experts, device=device)
         self.device_run = device_executor(self.device_stacks, swiglu_limit)
@@ -256,13 +257,17 @@ class HybridExperts:
         self.rates_at_load = measured or (0.0, 0.0)
 
     def follow_cpu_rate(self) -> int | None:
-        """Every FOLLOW_STEPS decode steps (from the second call on), the split moved halfway to the share that the
+        """Called once a step; every FOLLOW_STEPS decode steps (from the second look on), the split moved halfway to the share that the
         rate the CPU's passes reached inside them and the link's rate measured at load give (when the split came
         from measured rates) -> the new share, or None. The load's measurement runs a few experts alone; inside
         the steps the passes ran 25% slower on the H200's host (74 against 98 GB/s), and the CPU then held the
         step while the link waited. The share where the two rates agree is where both sides take as long."""
         if not self.pcie_percent or not self.rates_at_load[1] or not self.host_steps:
             return None
+        self._calls += 1
+        if self._followed is not None and self._calls < FOLLOW_STEPS:  # the totals read every host step's counters
+            return None
+        self._calls = 0
         steps, seconds, nbytes = self._host_totals()
         if self._followed is None:  # the steps so far were the start's warm-up (graph captures, dummy rows)
             self._followed = (steps, seconds, nbytes)
