@@ -390,6 +390,8 @@ class EngineCore:
         done = [seq for seq, new in scheduled if seq.cached + new == seq.num_tokens]  # the logits rows, in order
         masks = self.masks.start(done)  # filled on the CPU while the forward runs
         saves = self.prefix.step_saves(self.cache.latents.device) if self.prefix else None
+        if self.offload is not None:  # here, where no step is in flight: its later layers would read a new share
+            self.offload.follow_cpu_rate()
         logits = self.runner.run(scheduled, saves=saves)
         self.scheduler.commit(scheduled)
         if self.offload is not None and self.pending is None:  # swaps would move experts the fill has yet to write

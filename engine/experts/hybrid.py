@@ -36,7 +36,7 @@ from engine.offload.cpu_cores import usable_cores, worker_cpus
 from engine.offload.cuda_driver import copy_async
 from engine.offload.fetch import ExpertFetcher, Stacks
 from engine.offload.host_memory import host_copy
-from engine.offload.host_steps import HostSteps, HostStepTotals
+from engine.offload.host_steps import HostSteps, HostStepTotals, PendingSum
 from engine.offload.placement import slots_per_layer, spare_entries
 from engine.weights import SplitStack, map_tensors, tensor_fields
 
@@ -194,6 +194,7 @@ class HybridExperts:
         # A move's copies: device-to-host on the first, host-to-device on the second (the link moves both ways
         # at once).
         self._copy_streams = [torch.cuda.Stream(device) for _ in range(2)] if self._pin else []
+        self._link_stream = torch.cuda.Stream(device) if self._pin else None  # a decode step's PCIe share
         self._spare = {layer: [j for j, e in enumerate(self.hosted[layer]) if e is None] for layer in self.layers}
         self._moves: list[_Move] = []
         self._staging: list[Stacks] = []  # device experts no move uses: where an incoming expert's copy lands
@@ -257,10 +258,11 @@ class HybridExperts:
         self.rates_at_load = measured or (0.0, 0.0)
 
     def follow_cpu_rate(self) -> int | None:
-        """Called once a step; every FOLLOW_STEPS decode steps (from the second look on), the split moved halfway
-        to the share that the rate the CPU's passes reached inside them and the link's rate measured at load give
-        (when the split came from measured rates) -> the new share, or None. The load's measurement runs a few experts alone; inside
-        the steps the passes ran 25% slower on the H200's host (74 against 98 GB/s), and the CPU then held the
+        """Called once a step, before it is queued: a step in flight would run its later layers' host steps at a
+        new share and their device picks at the old one (pairs run twice or not at all). Every FOLLOW_STEPS decode
+        steps (from the second look on), the split moved halfway to the share that the rate the CPU's passes
+        reached inside them and the link's rate measured at load give (when the split came from measured rates)
+        -> the new share, or None. The load's measurement runs a few experts alone; inside the steps the passes ran 25% slower on the H200's host (74 against 98 GB/s), and the CPU then held the
         step while the link waited. The share where the two rates agree is where both sides take as long."""
         if not self.pcie_percent or not self.rates_at_load[1] or not self.host_steps:
             return None
@@ -339,10 +341,11 @@ class HybridExperts:
         # Too few pairs to ever fetch (and few enough for the decode kernels): the CPU takes the misses.
         if expert_ids.numel() < self.fetch_min_pairs and expert_ids.numel() <= DECODE_MAX_PAIRS and self.graph_safe:
             pending = self._host_steps(expert_ids.shape[1]).run(layer, x, expert_ids, weights)
+            fetched = self._over_pcie(layer, x, expert_ids, weights, ~hit) if self.pcie_percent else None
             dense = beside() if beside is not None else None
             out = self._on_device(layer, x, slots, hit, weights).float()
-            if self.pcie_percent:
-                out += self._over_pcie(layer, x, expert_ids, weights, ~hit).float()
+            if fetched is not None:
+                out += fetched.wait().float()
             out = (out + pending.wait()).to(x.dtype)
             return out if dense is None else out + dense
         # Find the misses and bring their rows to the host before the device work is queued, so the
@@ -374,19 +377,24 @@ class HybridExperts:
         return self.device_run(layer, x, slots.clamp(min=0), weights * hit)
 
     def _over_pcie(self, layer: int, x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor,
-                   miss: torch.Tensor) -> torch.Tensor:
+                   miss: torch.Tensor) -> PendingSum:
         """The device's share of the misses: the first pairs whole and a part of the next one's rows, by the rule
         of kernels/experts/pcie_pick.py, while staging slots last (the host step applies the same rule to the
         same ids and runs the rest). Those experts (or parts) are copied into the staging slots by one kernel
-        reading the host bank, then run by the device executor -> [T, D] in x's dtype."""
+        reading the host bank, then run by the device executor -> [T, D] in x's dtype, once waited for. With a
+        GPU all of it runs on a stream of its own, beside the resident experts and the shared expert: the copy
+        waits on the link, not on them."""
         index = self._index[layer]
         # a replay runs padding rows: copy nothing for them
         live = self._live_rows if x.is_cuda and torch.cuda.is_current_stream_capturing() else None
-        entries, parts, slots, picked_weights = kernel("pcie_pick", x.device.type)(
-            expert_ids, weights, miss, self.entry_on_device[index], live, self._percent_on_device, self.fetch.capacity,
-            self.split_units)
-        self.fetch.gather(self.host[layer], entries, parts, self.split_units)
-        return self.fetch.run(0, x, slots, picked_weights)
+        if self._link_stream is not None:
+            self._link_stream.wait_stream(torch.cuda.current_stream(x.device))
+        with torch.cuda.stream(self._link_stream):
+            entries, parts, slots, picked_weights = kernel("pcie_pick", x.device.type)(
+                expert_ids, weights, miss, self.entry_on_device[index], live, self._percent_on_device,
+                self.fetch.capacity, self.split_units)
+            self.fetch.gather(self.host[layer], entries, parts, self.split_units)
+            return PendingSum(self.fetch.run(0, x, slots, picked_weights), self._link_stream)
 
     def _host_steps(self, topk: int) -> HostSteps:
         if topk not in self.host_steps:
@@ -415,7 +423,6 @@ class HybridExperts:
         those whose copies are done in place; -> moves started. A move's copies run on copy streams beside the
         steps, which read both experts where they were until a later call commits it: no step waits on a
         swap. Each layer has as many moves under way as spare host entries (`spare_entries`)."""
-        self.follow_cpu_rate()
         if self.swaps_held:
             return 0
         if self.settle_all:  # a calibration ran while swaps were held: its whole placement, once, exactly

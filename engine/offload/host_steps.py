@@ -98,7 +98,7 @@ class HostSteps:
         if self.bell is not None:
             self.bell.arm()
 
-    def run(self, layer: int, x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor) -> "PendingHostStep":
+    def run(self, layer: int, x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor) -> "PendingSum":
         """Queue (or, without a GPU, run) the CPU's pairs of this layer -> their weighted sum, once waited for."""
         rows = x.shape[0]
         if rows > self.max_rows:
@@ -110,7 +110,7 @@ class HostSteps:
             self.ids[:rows].copy_(expert_ids)
             self.weights[:rows].copy_(weights)
             run_host_step(args)
-            return PendingHostStep(self.out[:rows], None)
+            return PendingSum(self.out[:rows], None)
         main = torch.cuda.current_stream(self.device)
         if not torch.cuda.is_current_stream_capturing():
             self.live_rows.value = rows  # a captured step takes the rows its replay is given (use_rows)
@@ -124,7 +124,7 @@ class HostSteps:
             self.bell.arm()
             self.bell.ring(self.stream, self._bell_index(layer, rows))
         copy_async(self.device_out[:rows], self.out[:rows], self.stream)
-        return PendingHostStep(self.device_out[:rows], self.stream)
+        return PendingSum(self.device_out[:rows], self.stream)
 
     def _arguments(self, layer: int, rows: int) -> HostStepArgs:
         key = (layer, rows)
@@ -162,12 +162,14 @@ class HostSteps:
 
 
 @dataclass
-class PendingHostStep:
-    out: torch.Tensor  # fp32 [rows, D]
+class PendingSum:
+    """A sum a side stream computes (a host step's, the PCIe share's), joined to the current stream when used."""
+
+    out: torch.Tensor  # [rows, D]
     stream: torch.cuda.Stream | None
 
     def wait(self) -> torch.Tensor:
-        """The sum, ordered after the host step on the current stream."""
+        """The sum, ordered after the side stream's work on the current stream."""
         if self.stream is not None:
             torch.cuda.current_stream(self.out.device).wait_stream(self.stream)
         return self.out

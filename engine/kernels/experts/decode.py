@@ -5,6 +5,10 @@ the gate and up rows over all of D, applies the globals and the clamped SwiGLU, 
 down: one program per token and BLOCK_N output features; it walks the token's k experts and all of
 I in a single flattened loop (so the software pipeline runs across expert boundaries), weights each
 expert's rows by its routing weight and global, and writes the sum over k: no atomics, deterministic.
+Pairs of routing weight zero are skipped, reading nothing: a hybrid step runs every pair with the ones
+whose experts are elsewhere weighted zero (about a quarter of the pairs in the resident experts' launch,
+all but one or two in the PCIe share's). Each gate/up program of a live pair writes its h row at the
+pair's rank among its token's live pairs (with the expert and its weight), so down walks only those.
 h between the two stays fp32 (and in code order for an NVFP4 down stack), like the fp32 copy of x
 the gate/up loop reads: no conversion per weight in either loop.
 Every shape is static and nothing reads back to the host, so the pair is CUDA-graph capturable.
@@ -50,54 +54,78 @@ class DecodeTiles:
 
 
 @triton.jit
-def _gate_up_kernel(x_ptr, ids_ptr, h_ptr, gw_ptr, gs_ptr, gg_ptr, uw_ptr, us_ptr, ug_ptr,
-                    stride_xt, stride_hp,
+def _gate_up_kernel(x_ptr, ids_ptr, route_ptr, h_ptr, live_ids_ptr, live_route_ptr, live_count_ptr,
+                    gw_ptr, gs_ptr, gg_ptr, uw_ptr, us_ptr, ug_ptr, stride_xt, stride_hp,
                     stride_we, stride_wn, stride_se, stride_sn, stride_ge, stride_gn, limit,
-                    K: tl.constexpr, TOPK: tl.constexpr, FP4: tl.constexpr, H_CODE_ORDER: tl.constexpr,
-                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr):
+                    K: tl.constexpr, TOPK: tl.constexpr, TOPK_BLOCK: tl.constexpr, FP4: tl.constexpr,
+                    H_CODE_ORDER: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                    NUM_STAGES: tl.constexpr):
     pair = tl.program_id(0)
-    rows = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    token = pair // TOPK
+    slot = pair - token * TOPK
+    first_rows = tl.program_id(1) == 0
+    k = tl.arange(0, TOPK_BLOCK)
+    live = tl.load(route_ptr + token * TOPK + k, mask=k < TOPK, other=0.0) != 0
+    count = tl.sum(live.to(tl.int32), 0)
+    route = tl.load(route_ptr + pair)
+    earlier = (k < slot).to(tl.int32)
+    # the token's live pairs first, in their order, then the others (weight 0, h 0)
+    position = token * TOPK + tl.where(route != 0, tl.sum(live.to(tl.int32) * earlier, 0),
+                                       count + tl.sum((~live).to(tl.int32) * earlier, 0))
     expert = tl.load(ids_ptr + pair).to(tl.int64)
-    x_row = x_ptr + (pair // TOPK) * stride_xt
-    gw_ptr += expert * stride_we
-    uw_ptr += expert * stride_we
-    gs_ptr += expert * stride_se
-    us_ptr += expert * stride_se
-    acc_gate = tl.zeros([BLOCK_N, BLOCK_K // 16], tl.float32)
-    acc_up = tl.zeros([BLOCK_N, BLOCK_K // 16], tl.float32)
-    for k0 in tl.range(0, K, BLOCK_K, num_stages=NUM_STAGES):
-        x = tl.load(x_row + k0 + tl.arange(0, BLOCK_K)).to(tl.float32)
-        acc_gate += gemv_partial(gw_ptr, gs_ptr, rows, k0, x, stride_wn, stride_sn, FP4, BLOCK_K)
-        acc_up += gemv_partial(uw_ptr, us_ptr, rows, k0, x, stride_wn, stride_sn, FP4, BLOCK_K)
-    gate = tl.sum(acc_gate, axis=1) * global_multiplier(gg_ptr + expert * stride_ge, rows, stride_gn, FP4)
-    up = tl.sum(acc_up, axis=1) * global_multiplier(ug_ptr + expert * stride_ge, rows, stride_gn, FP4)
-    h = clamped_swiglu(gate, up, limit)
+    if first_rows:
+        tl.store(live_ids_ptr + position, expert)
+        tl.store(live_route_ptr + position, route)
+        if slot == 0:
+            tl.store(live_count_ptr + token, count)
+    rows = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    h = tl.zeros([BLOCK_N], tl.float32)
+    if route != 0:
+        x_row = x_ptr + token * stride_xt
+        gw_ptr += expert * stride_we
+        uw_ptr += expert * stride_we
+        gs_ptr += expert * stride_se
+        us_ptr += expert * stride_se
+        acc_gate = tl.zeros([BLOCK_N, BLOCK_K // 16], tl.float32)
+        acc_up = tl.zeros([BLOCK_N, BLOCK_K // 16], tl.float32)
+        for k0 in tl.range(0, K, BLOCK_K, num_stages=NUM_STAGES):
+            x = tl.load(x_row + k0 + tl.arange(0, BLOCK_K)).to(tl.float32)
+            acc_gate += gemv_partial(gw_ptr, gs_ptr, rows, k0, x, stride_wn, stride_sn, FP4, BLOCK_K)
+            acc_up += gemv_partial(uw_ptr, us_ptr, rows, k0, x, stride_wn, stride_sn, FP4, BLOCK_K)
+        gate = tl.sum(acc_gate, axis=1) * global_multiplier(gg_ptr + expert * stride_ge, rows, stride_gn, FP4)
+        up = tl.sum(acc_up, axis=1) * global_multiplier(ug_ptr + expert * stride_ge, rows, stride_gn, FP4)
+        h = clamped_swiglu(gate, up, limit)
     h_cols = rows
     if H_CODE_ORDER:  # h meets an NVFP4 down stack
         h_cols = code_position(rows)
-    tl.store(h_ptr + pair * stride_hp + h_cols, h)
+    tl.store(h_ptr + position * stride_hp + h_cols, h)
 
 
 @triton.jit
-def _down_kernel(h_ptr, ids_ptr, route_ptr, out_ptr, w_ptr, s_ptr, g_ptr,
+def _down_kernel(h_ptr, live_ids_ptr, live_route_ptr, live_count_ptr, out_ptr, w_ptr, s_ptr, g_ptr,
                  stride_hp, stride_ot,
                  stride_we, stride_wn, stride_se, stride_sn, stride_ge, stride_gn,
                  K: tl.constexpr, TOPK: tl.constexpr, FP4: tl.constexpr, BLOCK_N: tl.constexpr,
-                 BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr):
+                 BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr, RUNTIME_BOUND: tl.constexpr):
     token = tl.program_id(0)
     rows = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     steps: tl.constexpr = K // BLOCK_K
     acc = tl.zeros([BLOCK_N, BLOCK_K // 16], tl.float32)
-    for step in tl.range(0, TOPK * steps, num_stages=NUM_STAGES):
-        slot = step // steps
-        k0 = (step - slot * steps) * BLOCK_K
-        pair = token * TOPK + slot
-        expert = tl.load(ids_ptr + pair).to(tl.int64)  # uniform scalar loads: L1 hits after the first
+    live = tl.load(live_count_ptr + token)
+    # Triton's interpreter (CPU tensors) takes no loaded bound: it walks every pair, the dead ones selected out
+    bound: tl.constexpr = TOPK * steps
+    if RUNTIME_BOUND:
+        bound = live * steps
+    for step in tl.range(0, bound, num_stages=NUM_STAGES):
+        rank = step // steps
+        k0 = (step - rank * steps) * BLOCK_K
+        pair = token * TOPK + rank
+        expert = tl.load(live_ids_ptr + pair)  # uniform scalar loads: L1 hits after the first
         h = tl.load(h_ptr + pair * stride_hp + k0 + tl.arange(0, BLOCK_K))
         partial = gemv_partial(w_ptr + expert * stride_we, s_ptr + expert * stride_se, rows, k0, h,
                                stride_wn, stride_sn, FP4, BLOCK_K)
-        scale = tl.load(route_ptr + pair) * global_multiplier(g_ptr + expert * stride_ge, rows, stride_gn, FP4)
-        acc += partial * scale[:, None]
+        scale = tl.load(live_route_ptr + pair) * global_multiplier(g_ptr + expert * stride_ge, rows, stride_gn, FP4)
+        acc += tl.where(rank < live, partial * scale[:, None], 0.0)
     tl.store(out_ptr + token * stride_ot + rows, tl.sum(acc, axis=1).to(out_ptr.dtype.element_ty))
 
 
@@ -126,15 +154,19 @@ def moe_decode(x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor,
     ids = expert_ids.contiguous()
     route = weights.contiguous().float()
     h = torch.empty(tokens * topk, inter, dtype=torch.float32, device=x.device)
+    live_ids = torch.empty(tokens * topk, dtype=torch.int64, device=x.device)
+    live_route = torch.empty(tokens * topk, dtype=torch.float32, device=x.device)
+    live_count = torch.empty(tokens, dtype=torch.int32, device=x.device)
     bn, bk = tile(inter, tiles.gate_up_n), tile(hidden, _columns(tiles.gate_up_k, g))
     _gate_up_kernel[(tokens * topk, inter // bn)](
-        acts, ids, h, *g.tensors(), *u.tensors(), acts.stride(0), h.stride(0), *g.strides(), limit,
-        K=hidden, TOPK=topk, FP4=g.fp4, H_CODE_ORDER=d.fp4, BLOCK_N=bn, BLOCK_K=bk, NUM_STAGES=tiles.num_stages,
+        acts, ids, route, h, live_ids, live_route, live_count, *g.tensors(), *u.tensors(), acts.stride(0),
+        h.stride(0), *g.strides(), limit, K=hidden, TOPK=topk, TOPK_BLOCK=triton.next_power_of_2(topk),
+        FP4=g.fp4, H_CODE_ORDER=d.fp4, BLOCK_N=bn, BLOCK_K=bk, NUM_STAGES=tiles.num_stages,
         num_warps=tiles.num_warps)
     out = torch.empty(tokens, hidden, dtype=x.dtype, device=x.device)
     bn, bk = tile(hidden, tiles.down_n), tile(inter, _columns(tiles.down_k, d))
     _down_kernel[(tokens, hidden // bn)](
-        h, ids, route, out, *d.tensors(), h.stride(0), out.stride(0), *d.strides(),
+        h, live_ids, live_route, live_count, out, *d.tensors(), h.stride(0), out.stride(0), *d.strides(),
         K=inter, TOPK=topk, FP4=d.fp4, BLOCK_N=bn, BLOCK_K=bk, NUM_STAGES=tiles.num_stages,
-        num_warps=tiles.num_warps)
+        RUNTIME_BOUND=x.is_cuda, num_warps=tiles.num_warps)
     return out

@@ -33,11 +33,14 @@ _TILE_ROWS = 64  # pairs per grouped-GEMM row block: about the tokens one expert
 
 
 @triton.jit
-def _gate_up_gemv(x_ptr, ids_ptr, gw_ptr, gs_ptr, uw_ptr, us_ptr, h_ptr, I, limit,
+def _gate_up_gemv(x_ptr, ids_ptr, rw_ptr, gw_ptr, gs_ptr, uw_ptr, us_ptr, h_ptr, I, limit,
                   stride_x, stride_we, stride_wn, stride_se, stride_sn,
                   D: tl.constexpr, TOPK: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
-    """Program (pair, row slice): h[pair, rows] = swiglu(gate_e x, up_e x) over BN rows of I; BN divides 128."""
+    """Program (pair, row slice): h[pair, rows] = swiglu(gate_e x, up_e x) over BN rows of I; BN divides 128.
+    A pair of routing weight zero (a hybrid step's pair whose expert is elsewhere) reads and writes nothing."""
     pair = tl.program_id(0)
+    if tl.load(rw_ptr + pair) == 0:
+        return
     rows = tl.program_id(1) * BN + tl.arange(0, BN)
     row_ok = rows < I
     expert = tl.load(ids_ptr + pair).to(tl.int64)
@@ -64,7 +67,8 @@ def _gate_up_gemv(x_ptr, ids_ptr, gw_ptr, gs_ptr, uw_ptr, us_ptr, h_ptr, I, limi
 def _down_gemv(h_ptr, ids_ptr, rw_ptr, dw_ptr, ds_ptr, out_ptr, D,
                stride_we, stride_wn, stride_se, stride_sn, stride_out,
                I: tl.constexpr, TOPK: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
-    """Program (token, row slice): out[token, rows] = sum_j weight_j * down_e_j h_j over BN rows of D."""
+    """Program (token, row slice): out[token, rows] = sum_j weight_j * down_e_j h_j over BN rows of D, the pairs of
+    weight zero skipped."""
     token = tl.program_id(0)
     rows = tl.program_id(1) * BN + tl.arange(0, BN)
     row_ok = rows < D
@@ -74,16 +78,17 @@ def _down_gemv(h_ptr, ids_ptr, rw_ptr, dw_ptr, ds_ptr, out_ptr, D,
         pair = token * TOPK + j
         expert = tl.load(ids_ptr + pair).to(tl.int64)
         weight = tl.load(rw_ptr + pair)
-        w_rows = expert * stride_we + rows64[:, None] * stride_wn
-        s_row = expert * stride_se + (tl.program_id(1) * BN // QBLOCK) * stride_sn
-        h_row = h_ptr + pair.to(tl.int64) * I
-        for k0 in range(0, I, BK):
-            cols = k0 + tl.arange(0, BK)
-            col_ok = cols < I
-            hv = tl.load(h_row + cols, mask=col_ok, other=0.0)
-            s = tl.load(ds_ptr + s_row + cols // QBLOCK, mask=col_ok, other=0.0)
-            w = tl.load(dw_ptr + w_rows + cols[None, :], mask=row_ok[:, None] & col_ok[None, :], other=0.0)
-            acc += tl.sum(w.to(tl.float32) * (hv * (s * weight))[None, :], axis=1)
+        if weight != 0:
+            w_rows = expert * stride_we + rows64[:, None] * stride_wn
+            s_row = expert * stride_se + (tl.program_id(1) * BN // QBLOCK) * stride_sn
+            h_row = h_ptr + pair.to(tl.int64) * I
+            for k0 in range(0, I, BK):
+                cols = k0 + tl.arange(0, BK)
+                col_ok = cols < I
+                hv = tl.load(h_row + cols, mask=col_ok, other=0.0)
+                s = tl.load(ds_ptr + s_row + cols // QBLOCK, mask=col_ok, other=0.0)
+                w = tl.load(dw_ptr + w_rows + cols[None, :], mask=row_ok[:, None] & col_ok[None, :], other=0.0)
+                acc += tl.sum(w.to(tl.float32) * (hv * (s * weight))[None, :], axis=1)
     tl.store(out_ptr + token.to(tl.int64) * stride_out + rows, acc.to(out_ptr.dtype.element_ty), mask=row_ok)
 
 
@@ -184,7 +189,7 @@ def _decode(x: torch.Tensor, ids: torch.Tensor, rw: torch.Tensor, gate: Fp8Block
     h = torch.empty(t * k, i, dtype=torch.float32, device=x.device)
     bn = _gemv_rows(t * k, i, x.device)
     _gate_up_gemv[(t * k, triton.cdiv(i, bn))](
-        x, ids, gate.data, gate.scale_inv, up.data, up.scale_inv, h, i, limit,
+        x, ids, rw, gate.data, gate.scale_inv, up.data, up.scale_inv, h, i, limit,
         x.stride(0), gate.data.stride(0), gate.data.stride(1), gate.scale_inv.stride(0), gate.scale_inv.stride(1),
         D=d, TOPK=k, BN=bn, BK=_GEMV_TILE // bn, num_warps=4)
     out = torch.empty_like(x)

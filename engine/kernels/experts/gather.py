@@ -8,8 +8,8 @@ scales are zeroed, so those rows' outputs, and the SwiGLU of them, are exactly z
 there (stale, finite) add nothing: the device runs a staged part with the kernels it runs whole experts
 with. The Triton kernel reads the pinned host memory directly over PCIe (a pinned tensor is addressable
 from the device) and the entries on the device, so no host decision sits between the router and the copy
-and it sits in a captured CUDA graph; its program count is fixed by the shapes (programs past a split
-return without reading). It was one launch per tensor (nine for NVFP4), the small ones waiting behind the
+and it sits in a captured CUDA graph; its program count is fixed by the shapes (blocks past a split are
+not read). It was one launch per tensor (nine for NVFP4), the small ones waiting behind the
 codes. The torch version is the reference (and the CPU path).
 """
 
@@ -25,7 +25,11 @@ import triton.language as tl
 from engine.kernels.dispatch import register
 from engine.weights import DenseWeight, Fp8BlockWeight, Nvfp4Weight, Weight, tensor_fields
 
-BLOCK = 4096  # elements per program: 16 KiB of words in flight per program over the link
+BLOCK = 4096  # elements a program copies at a time: 16 KiB of words in flight per program over the link
+# Programs a staging slot takes, each looping over its share of the slot's blocks: 32 x 16 KiB in flight keep
+# the link busy, and the SMs stay free for the device's experts, which run beside the gather (one program a
+# block left the link's wait in every SM's slots, and the kernels queued beside it waited).
+PROGRAMS = 32
 SPLIT_BY_ROWS = (True, True, False)  # gate and up are split along their rows, down along its columns
 ZEROED = {Nvfp4Weight: "scale", Fp8BlockWeight: "scale_inv", DenseWeight: "data"}  # zero past a row split
 
@@ -116,23 +120,25 @@ def gather_experts_torch(plan: GatherPlan, entries: torch.Tensor, units: torch.T
 
 @triton.jit
 def _gather_kernel(table_ptr, entries_ptr, units_ptr, PARTS: tl.constexpr, PARTS_BLOCK: tl.constexpr,
-                   UNITS: tl.constexpr, ELEMENT: tl.constexpr, BLOCK: tl.constexpr):
+                   UNITS: tl.constexpr, ELEMENT: tl.constexpr, BLOCK: tl.constexpr, BLOCKS: tl.constexpr,
+                   PROGRAMS: tl.constexpr):
     slot = tl.program_id(0)
     entry = tl.load(entries_ptr + slot)
     if entry >= 0:
-        block = tl.program_id(1)
         index = tl.arange(0, PARTS_BLOCK)
         firsts = tl.load(table_ptr + index * 8 + 7, mask=index < PARTS, other=1 << 40)
-        row = table_ptr + (tl.sum((firsts <= block).to(tl.int32), 0) - 1) * 8
-        src = tl.load(row).to(tl.pointer_type(ELEMENT))
-        dst = tl.load(row + 1).to(tl.pointer_type(ELEMENT))
-        n, split, inner = tl.load(row + 2), tl.load(row + 3), tl.load(row + 4)
-        end = tl.where(tl.load(row + 5) != 0, split, split * tl.load(units_ptr + slot) // UNITS)
-        offs = (block - tl.load(row + 7)) * BLOCK + tl.arange(0, BLOCK).to(tl.int64)
-        valid = offs < n
-        copy = valid & ((offs // inner) % split < end)
-        values = tl.load(src + entry * n + offs, mask=copy, other=0)
-        tl.store(dst + slot.to(tl.int64) * n + offs, values, mask=copy | (valid & (tl.load(row + 6) != 0)))
+        for step in range(0, tl.cdiv(BLOCKS, PROGRAMS)):
+            block = step * PROGRAMS + tl.program_id(1)
+            row = table_ptr + (tl.sum((firsts <= block).to(tl.int32), 0) - 1) * 8
+            src = tl.load(row).to(tl.pointer_type(ELEMENT))
+            dst = tl.load(row + 1).to(tl.pointer_type(ELEMENT))
+            n, split, inner = tl.load(row + 2), tl.load(row + 3), tl.load(row + 4)
+            end = tl.where(tl.load(row + 5) != 0, split, split * tl.load(units_ptr + slot) // UNITS)
+            offs = (block - tl.load(row + 7)) * BLOCK + tl.arange(0, BLOCK).to(tl.int64)
+            valid = (offs < n) & (block < BLOCKS)
+            copy = valid & ((offs // inner) % split < end)
+            values = tl.load(src + entry * n + offs, mask=copy, other=0)
+            tl.store(dst + slot.to(tl.int64) * n + offs, values, mask=copy | (valid & (tl.load(row + 6) != 0)))
 
 
 def _table(plan: GatherPlan, device: torch.device) -> tuple[torch.Tensor, int]:
@@ -153,6 +159,8 @@ def gather_experts_triton(plan: GatherPlan, entries: torch.Tensor, units: torch.
     if plan.table is None:  # staging on the CPU (the interpreter's tests)
         plan.table, plan.blocks = _table(plan, plan.parts[0].dst.device)
     element = tl.int32 if plan.parts[0].dst.dtype == torch.int32 else tl.uint8
-    _gather_kernel[(len(entries), plan.blocks)](plan.table, entries, units, PARTS=len(plan.parts),
-                                                PARTS_BLOCK=triton.next_power_of_2(len(plan.parts)),
-                                                UNITS=plan.split_units, ELEMENT=element, BLOCK=BLOCK)
+    programs = min(PROGRAMS, plan.blocks)
+    _gather_kernel[(len(entries), programs)](plan.table, entries, units, PARTS=len(plan.parts),
+                                             PARTS_BLOCK=triton.next_power_of_2(len(plan.parts)),
+                                             UNITS=plan.split_units, ELEMENT=element, BLOCK=BLOCK,
+                                             BLOCKS=plan.blocks, PROGRAMS=programs)

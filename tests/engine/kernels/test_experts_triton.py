@@ -12,6 +12,7 @@ from engine.experts import TorchExperts, TritonExperts
 from engine.kernels.experts import DecodeTiles, PrefillTiles, align_by_expert, moe_decode, moe_prefill
 from engine.kernels.experts.dequant import E2M1_UNIT, e2m1_values, to_code_order
 from engine.weights import DenseWeight, Fp8BlockWeight, Nvfp4Weight
+from tests.engine.kernels.sm90 import assert_compiles_for_sm90
 
 D, I, E, LIMIT = 64, 32, 6, 10.0
 SHAPES = ((I, D), (I, D), (D, I))  # gate, up, down
@@ -150,6 +151,71 @@ def test_several_row_tiles_and_k_steps(run, tokens, dtype):
     g = gen(5)
     ids, w = routes(tokens, 2, g)
     check(nvfp4_layer(5), torch.randn(tokens, D, generator=g).to(dtype), ids, w, run)
+
+
+def dead_pairs(tokens: int, topk: int, g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """Routes where expert 0 takes only pairs of weight zero (a hybrid step's misses): at the start, in the
+    middle and at the end of a token's pairs, and every pair of the last token."""
+    ids, w = routes(tokens, topk, g, experts=list(range(1, E)))
+    ids[0, 0] = ids[1, topk // 2] = ids[2, topk - 1] = 0
+    ids[tokens - 1, 0] = 0
+    w[ids == 0] = 0
+    w[tokens - 1] = 0
+    return ids, w
+
+
+def poisoned(stack: Nvfp4Weight | DenseWeight) -> Nvfp4Weight | DenseWeight:
+    """A copy of the stack whose expert 0 computes NaN wherever it is read."""
+    if isinstance(stack, Nvfp4Weight):
+        glob = stack.global_scale.clone()
+        glob[0] = float("nan")
+        return Nvfp4Weight(stack.packed, stack.scale, glob)
+    data = stack.data.clone()
+    data[0] = float("nan")
+    return DenseWeight(data)
+
+
+@pytest.mark.parametrize("fmt", ["nvfp4", "bf16"])
+def test_pairs_of_weight_zero_read_nothing(fmt):
+    """A pair of routing weight zero is skipped: its expert (NaN here) is never read, the live pairs add up as
+    they would alone, and a token with no live pair gets zeros."""
+    g = gen(6)
+    layer = nvfp4_layer(6) if fmt == "nvfp4" else \
+        tuple(DenseWeight((torch.randn(E, n, k, generator=g) / k**0.5).to(torch.bfloat16)) for n, k in SHAPES)
+    x = torch.randn(4, D, generator=g)
+    ids, w = dead_pairs(4, 4, g)
+    want = TorchExperts({0: layer}, LIMIT)(0, x, ids, w)
+    got = moe_decode(x, ids, w, *(poisoned(s) for s in layer), LIMIT, tiles=WIDE_DECODE)
+    assert rel(got, want) < TOL[x.dtype]
+    assert torch.equal(got[3], torch.zeros(D))
+
+
+def test_the_decode_kernels_compile_for_sm90(tmp_path):
+    """The GPU builds (NVFP4, dense and FP8 blocks; the live pairs' count as the NVFP4 and dense down loop's bound,
+    which the interpreter cannot take)."""
+    assert_compiles_for_sm90("""
+from engine.kernels.experts.decode import _down_kernel, _gate_up_kernel
+for fp4 in (True, False):
+    weights = "*i32" if fp4 else "*bf16"
+    stack = dict(gw_ptr=weights, gs_ptr="*fp8e4nv", gg_ptr="*fp32", uw_ptr=weights, us_ptr="*fp8e4nv",
+                 ug_ptr="*fp32")
+    compile_for_sm90(_gate_up_kernel, dict(x_ptr="*fp32", ids_ptr="*i64", route_ptr="*fp32", h_ptr="*fp32",
+                                           live_ids_ptr="*i64", live_route_ptr="*fp32", live_count_ptr="*i32",
+                                           **stack),
+                     dict(K=4096, TOPK=8, TOPK_BLOCK=8, FP4=fp4, H_CODE_ORDER=fp4, BLOCK_N=32, BLOCK_K=512,
+                          NUM_STAGES=3), 4, dict(limit="fp32"))
+    compile_for_sm90(_down_kernel, dict(h_ptr="*fp32", live_ids_ptr="*i64", live_route_ptr="*fp32",
+                                        live_count_ptr="*i32", out_ptr="*bf16", w_ptr=weights, s_ptr="*fp8e4nv",
+                                        g_ptr="*fp32"),
+                     dict(K=2048, TOPK=8, FP4=fp4, BLOCK_N=16, BLOCK_K=1024, NUM_STAGES=3, RUNTIME_BOUND=True), 4)
+from engine.kernels.experts.fp8_block import _down_gemv, _gate_up_gemv
+fp8 = dict(gw_ptr="*fp8e4nv", gs_ptr="*fp32", uw_ptr="*fp8e4nv", us_ptr="*fp32")
+compile_for_sm90(_gate_up_gemv, dict(x_ptr="*bf16", ids_ptr="*i64", rw_ptr="*fp32", h_ptr="*fp32", **fp8),
+                 dict(D=4096, TOPK=8, BN=32, BK=256), 4, dict(limit="fp32"))
+compile_for_sm90(_down_gemv, dict(h_ptr="*fp32", ids_ptr="*i64", rw_ptr="*fp32", dw_ptr="*fp8e4nv", ds_ptr="*fp32",
+                                  out_ptr="*bf16"), dict(I=2048, TOPK=8, BN=16, BK=512), 4)
+print("compiled")
+""", tmp_path)
 
 
 def check_alignment(ids: torch.Tensor, experts: int, block_m: int) -> list[tuple[int, list[int]]]:

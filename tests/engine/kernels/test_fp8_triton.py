@@ -94,6 +94,20 @@ def test_moe_decode_one_expert_for_all(stacks):
     assert rel_err(fp8_block_moe(x, ids, w, *stacks, LIMIT), reference(stacks, x, ids, w)) < 1e-5
 
 
+def test_moe_decode_skips_pairs_of_weight_zero(stacks):
+    """A pair of routing weight zero (a hybrid step's miss) reads nothing: expert 0, NaN here, only takes such
+    pairs; the last token has no live pair and gets zeros."""
+    x, ids, w = inputs(3, 3, torch.float32, seed=7, choices=[1, 2, 3, 4])
+    ids[0, 1] = ids[2, 0] = 0
+    w[ids == 0] = 0
+    w[2] = 0
+    gate, up, down = stacks
+    nan = Fp8BlockWeight(gate.data, gate.scale_inv.clone())
+    nan.scale_inv[0] = float("nan")
+    out = fp8_block_moe(x, ids, w, nan, up, down, LIMIT)
+    assert rel_err(out, reference(stacks, x, ids, w)) < 1e-5 and torch.equal(out[2], torch.zeros(D))
+
+
 def test_moe_prefill_fp32_with_empty_experts(stacks):
     x, ids, w = inputs(40, 3, torch.float32, seed=40, choices=[1, 2, 3])  # experts 0 and 4 get no rows
     assert 40 > DECODE_MAX_TOKENS
