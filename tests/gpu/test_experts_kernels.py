@@ -110,7 +110,7 @@ def test_decode_replays_from_a_cuda_graph(nvfp4_layers):
 def test_pairs_of_weight_zero_read_nothing_and_replay(nvfp4_layers, tokens):
     """A hybrid step's shape: about a quarter of the pairs weighted zero (their experts elsewhere), pointed at an
     expert whose global is NaN here: they add nothing and read nothing, eagerly and replayed from a graph whose
-    dead pairs move; a token without a live pair gets zeros."""
+    dead pairs move; a token without a live pair (the last of four) gets zeros."""
     gate, up, down = nvfp4_layers[0]
     nan = down.global_scale.clone()
     nan[0] = float("nan")
@@ -120,7 +120,7 @@ def test_pairs_of_weight_zero_read_nothing_and_replay(nvfp4_layers, tokens):
         ids, w = routes(tokens, E - 1, seed)
         ids += 1  # expert 0 only where the pair is dead
         drop = torch.rand(ids.shape, device="cuda", generator=torch.Generator(device="cuda").manual_seed(seed)) < 0.3
-        drop[-1] = True
+        drop[-1] |= tokens > 1  # the last of several tokens has no live pair
         ids[drop], w[drop] = 0, 0
         return ids, w
 
@@ -128,7 +128,7 @@ def test_pairs_of_weight_zero_read_nothing_and_replay(nvfp4_layers, tokens):
     ids, w = dead(8)
     want = TorchExperts({0: (gate, up, down)}, LIMIT)(0, x, ids, w)
     got = moe_decode(x, ids, w, gate, up, poisoned, LIMIT)
-    assert not got.isnan().any() and not got[-1].any()
+    assert not got.isnan().any() and (tokens == 1 or not got[-1].any())
     assert ((got.float() - want.float()).norm() / want.float().norm()).item() < TOL[x.dtype]
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):

@@ -23,13 +23,10 @@ import triton
 import triton.language as tl
 
 from engine.kernels.dispatch import register
+from engine.kernels.linear.triton_linear import sm_count
 from engine.weights import DenseWeight, Fp8BlockWeight, Nvfp4Weight, Weight, tensor_fields
 
 BLOCK = 4096  # elements a program copies at a time: 16 KiB of words in flight per program over the link
-# Programs a staging slot takes, each looping over its share of the slot's blocks: 32 x 16 KiB in flight keep
-# the link busy, and the SMs stay free for the device's experts, which run beside the gather (one program a
-# block left the link's wait in every SM's slots, and the kernels queued beside it waited).
-PROGRAMS = 32
 SPLIT_BY_ROWS = (True, True, False)  # gate and up are split along their rows, down along its columns
 ZEROED = {Nvfp4Weight: "scale", Fp8BlockWeight: "scale_inv", DenseWeight: "data"}  # zero past a row split
 
@@ -121,24 +118,32 @@ def gather_experts_torch(plan: GatherPlan, entries: torch.Tensor, units: torch.T
 @triton.jit
 def _gather_kernel(table_ptr, entries_ptr, units_ptr, PARTS: tl.constexpr, PARTS_BLOCK: tl.constexpr,
                    UNITS: tl.constexpr, ELEMENT: tl.constexpr, BLOCK: tl.constexpr, BLOCKS: tl.constexpr,
-                   PROGRAMS: tl.constexpr):
-    slot = tl.program_id(0)
-    entry = tl.load(entries_ptr + slot)
-    if entry >= 0:
-        index = tl.arange(0, PARTS_BLOCK)
-        firsts = tl.load(table_ptr + index * 8 + 7, mask=index < PARTS, other=1 << 40)
-        for step in range(0, tl.cdiv(BLOCKS, PROGRAMS)):
-            block = step * PROGRAMS + tl.program_id(1)
-            row = table_ptr + (tl.sum((firsts <= block).to(tl.int32), 0) - 1) * 8
-            src = tl.load(row).to(tl.pointer_type(ELEMENT))
-            dst = tl.load(row + 1).to(tl.pointer_type(ELEMENT))
-            n, split, inner = tl.load(row + 2), tl.load(row + 3), tl.load(row + 4)
-            end = tl.where(tl.load(row + 5) != 0, split, split * tl.load(units_ptr + slot) // UNITS)
-            offs = (block - tl.load(row + 7)) * BLOCK + tl.arange(0, BLOCK).to(tl.int64)
-            valid = (offs < n) & (block < BLOCKS)
-            copy = valid & ((offs // inner) % split < end)
-            values = tl.load(src + entry * n + offs, mask=copy, other=0)
-            tl.store(dst + slot.to(tl.int64) * n + offs, values, mask=copy | (valid & (tl.load(row + 6) != 0)))
+                   SLOTS: tl.constexpr, SLOTS_BLOCK: tl.constexpr, PROGRAMS: tl.constexpr,
+                   RUNTIME_BOUND: tl.constexpr):
+    index = tl.arange(0, PARTS_BLOCK)
+    firsts = tl.load(table_ptr + index * 8 + 7, mask=index < PARTS, other=1 << 40)
+    s = tl.arange(0, SLOTS_BLOCK)
+    staged = tl.max(tl.where(tl.load(entries_ptr + s, mask=s < SLOTS, other=-1) >= 0, s + 1, 0), 0)
+    # the blocks of the slots up to the last with an entry (the pick fills the first ones); Triton's interpreter
+    # (CPU tensors) takes no loaded bound: it walks every slot's
+    bound: tl.constexpr = (SLOTS * BLOCKS + PROGRAMS - 1) // PROGRAMS
+    if RUNTIME_BOUND:
+        bound = (staged * BLOCKS + PROGRAMS - 1) // PROGRAMS
+    for step in tl.range(0, bound):
+        item = step * PROGRAMS + tl.program_id(0)
+        slot = item // BLOCKS
+        block = item - slot * BLOCKS
+        entry = tl.load(entries_ptr + slot, mask=slot < SLOTS, other=-1)
+        row = table_ptr + (tl.sum((firsts <= block).to(tl.int32), 0) - 1) * 8
+        src = tl.load(row).to(tl.pointer_type(ELEMENT))
+        dst = tl.load(row + 1).to(tl.pointer_type(ELEMENT))
+        n, split, inner = tl.load(row + 2), tl.load(row + 3), tl.load(row + 4)
+        end = tl.where(tl.load(row + 5) != 0, split, split * tl.load(units_ptr + slot, mask=entry >= 0) // UNITS)
+        offs = (block - tl.load(row + 7)) * BLOCK + tl.arange(0, BLOCK).to(tl.int64)
+        valid = (offs < n) & (entry >= 0)
+        copy = valid & ((offs // inner) % split < end)
+        values = tl.load(src + entry * n + offs, mask=copy, other=0)
+        tl.store(dst + slot.to(tl.int64) * n + offs, values, mask=copy | (valid & (tl.load(row + 6) != 0)))
 
 
 def _table(plan: GatherPlan, device: torch.device) -> tuple[torch.Tensor, int]:
@@ -159,8 +164,13 @@ def gather_experts_triton(plan: GatherPlan, entries: torch.Tensor, units: torch.
     if plan.table is None:  # staging on the CPU (the interpreter's tests)
         plan.table, plan.blocks = _table(plan, plan.parts[0].dst.device)
     element = tl.int32 if plan.parts[0].dst.dtype == torch.int32 else tl.uint8
-    programs = min(PROGRAMS, plan.blocks)
-    _gather_kernel[(len(entries), programs)](plan.table, entries, units, PARTS=len(plan.parts),
-                                             PARTS_BLOCK=triton.next_power_of_2(len(plan.parts)),
-                                             UNITS=plan.split_units, ELEMENT=element, BLOCK=BLOCK,
-                                             BLOCKS=plan.blocks, PROGRAMS=programs)
+    # One program an SM, each looping over blocks of the staged slots: every SM reads over the link (a few SMs'
+    # reads cannot fill it), and the SMs keep room for the resident experts, which run beside the gather (a
+    # program a block filled every SM's slots with programs waiting on the link, and the kernels beside waited).
+    slots = len(entries)
+    programs = min(sm_count(entries.device), slots * plan.blocks)
+    _gather_kernel[(programs,)](plan.table, entries, units, PARTS=len(plan.parts),
+                                PARTS_BLOCK=triton.next_power_of_2(len(plan.parts)), UNITS=plan.split_units,
+                                ELEMENT=element, BLOCK=BLOCK, BLOCKS=plan.blocks, SLOTS=slots,
+                                SLOTS_BLOCK=max(2, triton.next_power_of_2(slots)), PROGRAMS=programs,
+                                RUNTIME_BOUND=entries.is_cuda)
