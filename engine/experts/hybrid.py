@@ -30,6 +30,7 @@ from engine.experts.torch_experts import TorchExperts
 from engine.kernels import kernel
 from engine.kernels.experts import DECODE_MAX_PAIRS
 from engine.kernels.experts.cpu_gemv import available as cpu_kernels_built, pin_workers
+from engine.kernels.experts.hybrid_pairs import place_pairs_torch
 from engine.kernels.experts.pcie_pick import split_units
 from engine.offload import miss_split
 from engine.offload.cpu_cores import usable_cores, worker_cpus
@@ -334,30 +335,28 @@ class HybridExperts:
         """The routed sum plus `beside()`, which the device runs while the CPU works on the misses (the shared
         expert is then off the path a layer waits on)."""
         index = self._index[layer]
-        flat = expert_ids.flatten()
-        self.counts[index].index_add_(0, flat, torch.ones(flat.shape, device=flat.device))
-        slots = self.slot_of[index][expert_ids]
-        hit = slots >= 0
         # Too few pairs to ever fetch (and few enough for the decode kernels): the CPU takes the misses.
-        if expert_ids.numel() < self.fetch_min_pairs and expert_ids.numel() <= DECODE_MAX_PAIRS and self.graph_safe:
+        decode = expert_ids.numel() < self.fetch_min_pairs and expert_ids.numel() <= DECODE_MAX_PAIRS and \
+            self.graph_safe
+        place = kernel("place_pairs", x.device.type) if decode else place_pairs_torch
+        slots, device_weights, miss = place(expert_ids, weights, self.slot_of[index], self.counts[index])
+        if decode:
             pending = self._host_steps(expert_ids.shape[1]).run(layer, x, expert_ids, weights)
-            fetched = self._over_pcie(layer, x, expert_ids, weights, ~hit) if self.pcie_percent else None
+            fetched = self._over_pcie(layer, x, expert_ids, weights, miss) if self.pcie_percent else None
             dense = beside() if beside is not None else None
-            out = self._on_device(layer, x, slots, hit, weights).float()
-            if fetched is not None:
-                out += fetched.wait().float()
-            out = (out + pending.wait()).to(x.dtype)
-            return out if dense is None else out + dense
+            resident = self._on_device(layer, x, slots, device_weights)
+            return kernel("sum_shares", x.device.type)(resident, fetched.wait() if fetched is not None else None,
+                                                       pending.wait(), dense)
         # Find the misses and bring their rows to the host before the device work is queued, so the
         # CPU computes while the device runs its experts.
-        missed = (~hit).flatten().nonzero().squeeze(1)
+        missed = miss.flatten().nonzero().squeeze(1)
         rows = missed // expert_ids.shape[1]
         fetch = missed.numel() >= self.fetch_min_pairs
         host_in = None
         if missed.numel() and not fetch:
             entries = self.entry_of[index][expert_ids.flatten()[missed].cpu()]
             host_in = x[rows].cpu(), entries, weights.flatten()[missed].cpu()
-        out = self._on_device(layer, x, slots, hit, weights)
+        out = self._on_device(layer, x, slots, device_weights)
         dense = beside() if beside is not None else None  # queued before the CPU's pass, which blocks this thread
         self._stats.device_pairs += expert_ids.numel() - missed.numel()
         if fetch:
@@ -369,12 +368,12 @@ class HybridExperts:
             out.index_add_(0, rows, self._host(layer, *host_in).to(x.device, non_blocking=True))
         return out if dense is None else out + dense
 
-    def _on_device(self, layer: int, x: torch.Tensor, slots: torch.Tensor, hit: torch.Tensor,
-                   weights: torch.Tensor) -> torch.Tensor:
-        """The pairs whose experts sit in device slots (misses weighted zero) -> [T, D] in x's dtype."""
+    def _on_device(self, layer: int, x: torch.Tensor, slots: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """The pairs whose experts sit in device slots (`place_pairs`: misses at slot 0, weighted zero, which the
+        decode kernels skip) -> [T, D] in x's dtype."""
         if layer not in self.device_stacks:
             return torch.zeros_like(x)
-        return self.device_run(layer, x, slots.clamp(min=0), weights * hit)
+        return self.device_run(layer, x, slots, weights)
 
     def _over_pcie(self, layer: int, x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor,
                    miss: torch.Tensor) -> PendingSum:

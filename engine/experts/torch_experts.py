@@ -6,7 +6,8 @@ import torch
 
 from engine.checkpoint.layout import EXPERT_PROJS, stacked_expert_name
 from engine.experts.base import OnePlaceExperts
-from engine.model.layers import clamped_swiglu, linear
+from engine.kernels.swiglu.torch_ref import clamped_swiglu
+from engine.model.layers import linear
 from engine.weights import Weight
 
 

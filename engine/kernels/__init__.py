@@ -2,6 +2,7 @@
 
 from engine.kernels import dispatch
 from engine.kernels.experts import gather as _gather  # noqa: F401
+from engine.kernels.experts import hybrid_pairs as _hybrid_pairs  # noqa: F401
 from engine.kernels.experts import pcie_pick as _pcie_pick  # noqa: F401
 from engine.kernels.indexer import torch_ref as _indexer  # noqa: F401
 from engine.kernels.indexer import triton_indexer as _indexer_triton  # noqa: F401
@@ -19,6 +20,8 @@ from engine.kernels.router import torch_ref as _router  # noqa: F401
 from engine.kernels.router import triton_router as _router_triton  # noqa: F401
 from engine.kernels.sparse_mla import torch_ref as _sparse_mla  # noqa: F401
 from engine.kernels.sparse_mla import triton_sparse_mla as _sparse_mla_triton  # noqa: F401
+from engine.kernels.swiglu import torch_ref as _swiglu  # noqa: F401
+from engine.kernels.swiglu import triton_swiglu as _swiglu_triton  # noqa: F401
 
 kernel = dispatch.kernel
 __all__ = ["kernel"]

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from engine.kernels import kernel
 from engine.weights import Weight, row_slice, stack_rows
@@ -50,4 +49,4 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 def clamped_swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
     """silu(min(gate, L)) * clamp(up, -L, L): the clamped gate feeds both factors of silu."""
-    return F.silu(gate.clamp(max=limit)) * up.clamp(-limit, limit)
+    return kernel("clamped_swiglu", gate.device.type)(gate, up, limit)
