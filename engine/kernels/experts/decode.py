@@ -7,8 +7,8 @@ I in a single flattened loop (so the software pipeline runs across expert bounda
 expert's rows by its routing weight and global, and writes the sum over k: no atomics, deterministic.
 Pairs of routing weight zero are skipped, reading nothing: a hybrid step runs every pair with the ones
 whose experts are elsewhere weighted zero (about a quarter of the pairs in the resident experts' launch,
-all but one or two in the PCIe share's). Each gate/up program of a live pair writes its h row at the
-pair's rank among its token's live pairs (with the expert and its weight), so down walks only those.
+all but one or two in the PCIe share's). The gate/up programs write h, and each pair's expert and
+weight, with a token's live pairs first (the others after them, h zero), so down walks only the live ones.
 h between the two stays fp32 (and in code order for an NVFP4 down stack), like the fp32 copy of x
 the gate/up loop reads: no conversion per weight in either loop.
 Every shape is static and nothing reads back to the host, so the pair is CUDA-graph capturable.
