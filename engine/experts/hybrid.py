@@ -19,6 +19,7 @@ import dataclasses
 import logging
 import math
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -55,6 +56,11 @@ SWAP_MARGIN = 1.25
 SWAP_Z = 3.0
 COUNT_DECAY = 0.998  # per step: routing counts remember ~500 steps
 FOLLOW_STEPS = 8  # decode steps between two looks at the CPU's rate inside them (the miss split follows it)
+# The split follows the highest of the last FOLLOW_WINDOWS windows' CPU rates (the load's measurement first): a
+# window whose steps were not back to back (the CPU threads asleep between them, a capture, a compile) reads a
+# rate far below the pass's own (6 GB/s once after a start, where the passes ran 60-74), and sent the split
+# from 58 to 73% before it came back down.
+FOLLOW_WINDOWS = 4
 
 
 @dataclass
@@ -171,6 +177,7 @@ class HybridExperts:
         self._percent_on_device = torch.zeros((), dtype=torch.long, device=device)  # what the device's pick reads
         self._followed: tuple[int, float, int] | None = None  # host totals (steps, seconds, bytes) last followed
         self._calls = 0  # follow_cpu_rate calls since it last read the totals
+        self._cpu_rates: deque[float] = deque(maxlen=FOLLOW_WINDOWS)  # the last windows' (B/s), the load's first
         self._live_rows = torch.zeros((), dtype=torch.long, device=device)  # a replayed graph's rows in use
         self.counts = torch.zeros(len(self.layers), self.num_experts, device=device)
         self.device_run = device_executor(self.device_stacks, swiglu_limit)
@@ -262,8 +269,8 @@ class HybridExperts:
         """Called once a step, before it is queued: a step in flight would run its later layers' host steps at a
         new share and their device picks at the old one (pairs run twice or not at all). Every FOLLOW_STEPS decode
         steps (from the second look on), the split moved halfway to the share that the rate the CPU's passes
-        reached inside them and the link's rate measured at load give (when the split came from measured rates)
-        -> the new share, or None. The load's measurement runs a few experts alone; inside the steps the passes
+        reached inside them (the highest of the last FOLLOW_WINDOWS windows') and the link's rate measured at load
+        give (when the split came from measured rates) -> the new share, or None. The load's measurement runs a few experts alone; inside the steps the passes
         ran 25% slower on the H200's host (74 against 98 GB/s), and the CPU then held the step while the link
         waited. The share where the two rates agree is where both sides take as long."""
         if not self.pcie_percent or not self.rates_at_load[1] or not self.host_steps:
@@ -282,14 +289,18 @@ class HybridExperts:
         self._followed = (steps, seconds, nbytes)
         if seconds <= last_seconds or nbytes <= last_bytes:
             return None
-        cpu = (nbytes - last_bytes) / (seconds - last_seconds)
+        window = (nbytes - last_bytes) / (seconds - last_seconds)
+        if not self._cpu_rates:
+            self._cpu_rates.append(self.rates_at_load[0])
+        self._cpu_rates.append(window)
+        cpu = max(self._cpu_rates)
         # Halfway to the share those rates give: a pass's rate falls as its share shrinks (fixed costs), and a
         # whole jump swung 41 -> 65 -> 78 -> 52% before settling at 44 on one machine.
         target = miss_split.pcie_percent(cpu, self.rates_at_load[1])
         percent = min(100, max(1, round((self.pcie_percent + target) / 2)))
         if percent != self.pcie_percent:
-            log.info("event=miss_split_followed cpu_GBps=%.1f pcie_GBps=%.1f pcie_percent=%d", cpu / 1e9,
-                     self.rates_at_load[1] / 1e9, percent)
+            log.info("event=miss_split_followed window_cpu_GBps=%.1f cpu_GBps=%.1f pcie_GBps=%.1f pcie_percent=%d",
+                     window / 1e9, cpu / 1e9, self.rates_at_load[1] / 1e9, percent)
             self.split_misses(percent, self.rates_at_load)
         return percent
 

@@ -435,7 +435,7 @@ def test_the_split_follows_the_cpus_rate_inside_the_steps():
     stacks = {1: layer_stacks("nvfp4", 91, inter=256), 4: layer_stacks("nvfp4", 93, inter=256)}
     reference = TorchExperts(stacks, LIMIT)
     hybrid = HybridExperts.place(stacks, {1: [0, 2], 4: [3]}, torch.device("cpu"), LIMIT, fetch_capacity=4)
-    hybrid.split_misses(50, (1e12, 1e9))  # a CPU far faster than this machine's: half the misses to start
+    hybrid.split_misses(50, (1e6, 1e9))  # a CPU far slower than this machine's: half the misses to start
     hybrid(1, *routed(1, 4, 99))  # a start's warm-up: not followed
     assert hybrid.follow_cpu_rate() is None
     start = hybrid._host_totals()
@@ -457,6 +457,38 @@ def test_the_split_follows_the_cpus_rate_inside_the_steps():
     assert fixed.follow_cpu_rate() is None and fixed.pcie_percent == 30
     with pytest.raises(RuntimeError, match="on or off"):
         fixed.split_misses(0)
+
+
+def test_the_split_follows_the_highest_recent_window(monkeypatch):
+    """A window whose steps were not back to back reads a rate far below the pass's own: the split follows the
+    highest of the last FOLLOW_WINDOWS windows' rates, the load's measurement first, so one slow window moves
+    nothing and a lasting change still comes through once the faster windows have aged out."""
+    from engine.experts.hybrid import FOLLOW_STEPS, FOLLOW_WINDOWS
+    from engine.offload.miss_split import pcie_percent
+
+    stacks = {1: layer_stacks("nvfp4", 91, inter=256)}
+    hybrid = HybridExperts.place(stacks, {1: [0, 2]}, torch.device("cpu"), LIMIT)
+    hybrid.split_misses(58, (32e9, 46e9))
+    hybrid(1, *routed(1, 4, 1))  # the host steps exist
+    totals = [(0, 0.0, 0)]  # (steps, seconds, bytes) since start, one entry a window
+    monkeypatch.setattr(hybrid, "_host_totals", lambda: totals[-1])
+
+    def window(rate: float) -> int | None:
+        steps, seconds, nbytes = totals[-1]
+        totals.append((steps + FOLLOW_STEPS, seconds + 1.0, nbytes + int(rate)))
+        for _ in range(FOLLOW_STEPS - 1):
+            assert hybrid.follow_cpu_rate() is None
+        return hybrid.follow_cpu_rate()
+
+    assert hybrid.follow_cpu_rate() is None  # the first look: the warm-up, not followed
+    shares, used = [58], [32e9]
+    for rate in [6e9, 48e9, 60e9, 70e9, 20e9, 20e9, 20e9, 20e9]:
+        used = (used + [rate])[-FOLLOW_WINDOWS:]
+        shares.append(max(1, round((shares[-1] + pcie_percent(max(used), 46e9)) / 2)))
+        assert window(rate) == shares[-1] == hybrid.pcie_percent
+    assert shares[1] == 58  # the slow window moved nothing (the load's 32 GB/s still counts)
+    assert shares[4] < shares[3] < shares[2] < 58  # faster windows: more to the CPU
+    assert max(shares[5:8]) <= shares[4] < shares[8]  # a lasting slowdown comes through once 70 GB/s ages out
 
 
 def test_the_gather_kernel_compiles_for_sm90(tmp_path):
