@@ -273,7 +273,8 @@ def main() -> None:
 def hybrid_decode_figures(name: str, llm: LLM, batch: int, context: int, steps: int, host_read: float,
                           per_expert: float) -> dict[str, float]:
     """Hybrid offload decode, timed step by step through the engine loop once every request decodes (the
-    prefill and its expert fetches excluded): wall ms per step, the share of routed pairs whose expert was
+    prefill and its expert fetches excluded), then through `LLM.generate` as the resident figures are
+    (`decode_step_s`: two lengths, the prefill cancels): wall ms per step, the share of routed pairs whose expert was
     in a device slot, the CPU executor's read rate on the misses, and the host side's roofline (the missed
     experts' bytes over the host read rate measured in this run)."""
     core = llm.core
@@ -299,7 +300,9 @@ def hybrid_decode_figures(name: str, llm: LLM, batch: int, context: int, steps: 
                    "swaps")}
     pairs = d["device_pairs"] + d["host_pairs"] + d["fetched_pairs"]
     host_ms = (d["host_bytes"] + d["fetched_bytes"]) / steps / (host_read * 1e9) * 1e3  # every miss read from RAM
+    generate_s = decode_step_s(llm, batch, context, steps, llm.model.device)  # the same, through the public path
     return {f"{name}_warm_steps": warm, f"{name}_step_ms": seconds * 1e3, f"{name}_tok_s": batch / seconds,
+            f"{name}_generate_step_ms": generate_s * 1e3, f"{name}_generate_tok_s": batch / generate_s,
             f"{name}_hit_rate": d["device_pairs"] / max(pairs, 1),
             f"{name}_ideal_hit_rate": ideal_hit_rate(core.offload.counts.cpu(), len(core.offload.resident[
                 core.offload.layers[0]])),
@@ -359,36 +362,39 @@ def auto_slots(cfg: ModelConfig, fmt: str, device: torch.device, max_batched_tok
 
 
 def profile_step(llm: LLM, device: torch.device, steps: int = 8) -> None:
-    """Top ops of `steps` eager batch-1 decode steps (the prompt's prefill runs before the profile), and the
+    """Top ops of `steps` batch-1 decode steps (the prompt's prefill runs before the profile), replayed from
+    the CUDA graphs (each kernel by name: what the served step spends) and eager (each op by name), and the
     device's kernel time per step: next to the graphed step's wall time, what launches and gaps cost."""
     from torch.profiler import ProfilerActivity, profile
 
     core = llm.core
-    params = SamplingParams(max_tokens=2 * steps + 8, temperature=0.0, ignore_eos=True)
+    params = SamplingParams(max_tokens=4 * steps + 8, temperature=0.0, ignore_eos=True)
     seq = llm._sequence(prompts(1, 16, llm.config.vocab_size, seed=3)[0], params)
     core.add(seq)
     while not seq.output_token_ids:
         core.step()
-    graphs, llm.runner.graphs = llm.runner.graphs, None  # eager, so the profile names each op
+    graphs = llm.runner.graphs
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    sort = "cuda_time_total" if device.type == "cuda" else "cpu_time_total"
     try:
-        for _ in range(steps):  # warm the eager shapes
-            core.step()
-        sync(device)
-        with profile(activities=activities) as prof:
-            for _ in range(steps):
+        for mode in ("graphed", "eager") if graphs else ("eager",):
+            llm.runner.graphs = graphs if mode == "graphed" else None  # eager, so the profile names each op
+            for _ in range(steps):  # warm this mode's shapes
                 core.step()
             sync(device)
+            with profile(activities=activities) as prof:
+                for _ in range(steps):
+                    core.step()
+                sync(device)
+            print(f"profile: {steps} {mode} batch-1 decode steps, {llm.config.num_layers} layers", flush=True)
+            print(prof.key_averages().table(sort_by=sort, row_limit=45, max_name_column_width=90), flush=True)
+            if device.type == "cuda":
+                kernels, seconds = device_kernels(prof)
+                print(f"profile_{mode}_kernels_per_step={kernels / steps:.0f}", flush=True)
+                print(f"profile_{mode}_kernel_ms_per_step={seconds / steps * 1e3:.3f}", flush=True)
     finally:
         llm.runner.graphs = graphs
         core.abort(seq.request_id)
-    sort = "cuda_time_total" if device.type == "cuda" else "cpu_time_total"
-    print(f"profile: {steps} eager batch-1 decode steps, {llm.config.num_layers} layers", flush=True)
-    print(prof.key_averages().table(sort_by=sort, row_limit=45, max_name_column_width=70), flush=True)
-    if device.type == "cuda":
-        kernels, seconds = device_kernels(prof)
-        print(f"profile_kernels_per_step={kernels / steps:.0f}", flush=True)
-        print(f"profile_kernel_ms_per_step={seconds / steps * 1e3:.3f}", flush=True)
 
 
 if __name__ == "__main__":
