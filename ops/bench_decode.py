@@ -274,9 +274,9 @@ def hybrid_decode_figures(name: str, llm: LLM, batch: int, context: int, steps: 
                           per_expert: float) -> dict[str, float]:
     """Hybrid offload decode, timed step by step through the engine loop once every request decodes (the
     prefill and its expert fetches excluded), then through `LLM.generate` as the resident figures are
-    (`decode_step_s`: two lengths, the prefill cancels): wall ms per step, the share of routed pairs whose expert was
-    in a device slot, the CPU executor's read rate on the misses, and the host side's roofline (the missed
-    experts' bytes over the host read rate measured in this run)."""
+    (`decode_step_s`: two lengths, the prefill cancels): wall ms per step, the share of routed pairs whose
+    expert was in a device slot, the CPU executor's read rate on the misses, the bytes the PCIe share moved,
+    and the host side's roofline (the missed experts' bytes over the host read rate measured in this run)."""
     core = llm.core
     params = SamplingParams(max_tokens=steps + SETTLE_MAX_STEPS + 8, temperature=0.0, ignore_eos=True)
     seqs = [llm._sequence(p, params) for p in prompts(batch, context, llm.config.vocab_size, seed=batch + context)]
@@ -313,6 +313,10 @@ def hybrid_decode_figures(name: str, llm: LLM, batch: int, context: int, steps: 
             f"{name}_pcie_percent": core.offload.pcie_percent,  # where the split stood after the timed steps
             f"{name}_cpu_GBps": d["host_bytes"] / d["host_seconds"] / 1e9 if d["host_seconds"] > 0 else 0.0,
             f"{name}_cpu_ms_per_step": d["host_seconds"] / steps * 1e3,
+            # The link's share: what crossed it per step, over the step's wall time (it runs on the device,
+            # beside the rest, so its own rate while busy is higher; the profile's gather times show that).
+            f"{name}_pcie_GB_per_step": d["fetched_bytes"] / steps / 1e9,
+            f"{name}_pcie_GBps_over_step": d["fetched_bytes"] / steps / seconds / 1e9,
             f"{name}_host_roofline_ms": host_ms, f"{name}_ratio_to_host_roofline": seconds * 1e3 / max(host_ms, 1e-9)}
 
 
