@@ -1,6 +1,6 @@
 """The CPU's share of hybrid decode steps, queued in the device's stream so a step stays one CUDA graph.
 
-Per MoE layer the device copies the step's rows, top-k ids and routing weights into pinned buffers,
+Per MoE layer the device writes the step's rows, top-k ids and routing weights into pinned buffers (one kernel),
 rings a listener thread (offload/doorbell.py; a CUDA host function where the driver lacks stream memory
 operations) that runs cpu_gemv.c's `host_step`, the pairs whose experts live in the host bank, on CPU
 threads, and the sum comes back. All of it is queued on a side stream that forks from the device
@@ -23,6 +23,7 @@ import torch
 
 from engine.kernels.experts.cpu_gemv import ExpertStacks, HostStepArgs, fp8_table, host_step_function, run_host_step, \
     simd_level
+from engine.kernels import kernel
 from engine.offload.cuda_driver import copy_async, launch_host_func, memory_operations_available
 from engine.offload.doorbell import Doorbell
 
@@ -104,19 +105,14 @@ class HostSteps:
         if rows > self.max_rows:
             raise ValueError(f"host step: {rows} rows, more than the {self.max_rows} it was sized for")
         args = self._arguments(layer, rows)
+        kernel("stage_host_rows", x.device.type)(x, expert_ids, weights, self.x, self.ids, self.weights)
         if self.stream is None:
             self.live_rows.value = rows
-            self.x[:rows].copy_(x)
-            self.ids[:rows].copy_(expert_ids)
-            self.weights[:rows].copy_(weights)
             run_host_step(args)
             return PendingSum(self.out[:rows], None)
         main = torch.cuda.current_stream(self.device)
         if not torch.cuda.is_current_stream_capturing():
             self.live_rows.value = rows  # a captured step takes the rows its replay is given (use_rows)
-        copy_async(self.x[:rows], x.float().contiguous(), main)
-        copy_async(self.ids[:rows], expert_ids.to(torch.int64).contiguous(), main)
-        copy_async(self.weights[:rows], weights.float().contiguous(), main)
         self.stream.wait_stream(main)
         if self.bell is None:
             launch_host_func(self.stream, self._function, ctypes.addressof(args))

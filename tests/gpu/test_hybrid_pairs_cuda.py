@@ -1,13 +1,14 @@
-"""The hybrid step's pair placement and share sum, and the clamped SwiGLU, compiled on CUDA against the torch
-references (the CPU tests run them in Triton's interpreter, which truncates where the GPU rounds)."""
+"""The hybrid step's pair placement, host-step staging and share sum, and the clamped SwiGLU, compiled on CUDA
+against the torch references (the CPU tests run them in Triton's interpreter, which truncates where the GPU
+rounds)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from engine.kernels.experts.hybrid_pairs import place_pairs_torch, place_pairs_triton, sum_shares_torch, \
-    sum_shares_triton
+from engine.kernels.experts.hybrid_pairs import place_pairs_torch, place_pairs_triton, stage_host_rows_triton, \
+    sum_shares_torch, sum_shares_triton
 from engine.kernels.swiglu.torch_ref import clamped_swiglu as torch_swiglu
 from engine.kernels.swiglu.triton_swiglu import clamped_swiglu as triton_swiglu
 
@@ -32,6 +33,36 @@ def test_place_pairs_and_sum_shares_equal_torch_bit_for_bit(rows):
     host = torch.randn(rows, 4096, device="cuda", generator=g)
     for f in (fetched, None):
         assert torch.equal(sum_shares_triton(resident, f, host, shared), sum_shares_torch(resident, f, host, shared))
+
+
+def test_stage_host_rows_writes_pinned_memory_eagerly_and_from_a_replayed_graph():
+    """The kernel's stores cross the link into pinned host buffers: after a synchronize the host reads the rows
+    (bf16 widened to fp32, exactly), the ids and the weights; a captured launch writes each replay's values."""
+    g = torch.Generator(device="cuda").manual_seed(5)
+    rows, k = 4, 8
+    x = torch.randn(rows, 4096, device="cuda", generator=g).bfloat16()
+    ids = torch.randint(0, 288, (rows, k), device="cuda", generator=g)
+    weights = torch.rand(rows, k, device="cuda", generator=g)
+    bufs = (torch.zeros(16, 4096).pin_memory(), torch.zeros(16, k, dtype=torch.long).pin_memory(),
+            torch.zeros(16, k).pin_memory())
+
+    def check() -> None:
+        torch.cuda.synchronize()
+        assert torch.equal(bufs[0][:rows], x.float().cpu()) and torch.equal(bufs[1][:rows], ids.cpu())
+        assert torch.equal(bufs[2][:rows], weights.cpu()) and not bufs[0][rows:].any()
+
+    stage_host_rows_triton(x, ids, weights, *bufs)
+    check()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        stage_host_rows_triton(x, ids, weights, *bufs)
+    for seed in (6, 7):
+        g.manual_seed(seed)
+        x.copy_(torch.randn(rows, 4096, device="cuda", generator=g))
+        ids.copy_(torch.randint(0, 288, (rows, k), device="cuda", generator=g))
+        weights.copy_(torch.rand(rows, k, device="cuda", generator=g))
+        graph.replay()
+        check()
 
 
 def test_clamped_swiglu_within_a_rounding_of_torch():

@@ -1,10 +1,13 @@
 """A hybrid decode step's bookkeeping around its experts, one launch each on CUDA: where each routed pair runs
-(`place_pairs`) and the layer's output from its shares (`sum_shares`).
+(`place_pairs`), the CPU's inputs written into its pinned buffers (`stage_host_rows`) and the layer's output
+from its shares (`sum_shares`).
 
 Around the expert kernels a MoE layer of a hybrid decode step ran about a dozen tiny torch launches on the
 device's path (routing counts, the slot lookup, the hit mask and its inverse, the clamped slots and weights;
 casts, three adds and a cast back after): each a few microseconds of launch and gap in the replayed graph, 45
-times a step. The torch versions are the reference (and the CPU path).
+times a step. The host step's inputs were two casts and three copies to pinned memory on the path to the CPU
+(the copies each a graph node of a few microseconds); one kernel now writes them there over the link. The torch
+versions are the reference (and the CPU path).
 """
 
 from __future__ import annotations
@@ -60,6 +63,53 @@ def place_pairs_triton(expert_ids: torch.Tensor, weights: torch.Tensor, slot_of:
     _place_kernel[(1,)](expert_ids.contiguous(), weights.contiguous(), slot_of, counts, slots, device_w,
                         miss.view(torch.int8), pairs, BLOCK=DECODE_MAX_PAIRS, num_warps=4)
     return slots, device_w, miss
+
+
+@register("stage_host_rows", "torch")
+def stage_host_rows_torch(x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor, x_out: torch.Tensor,
+                          ids_out: torch.Tensor, weights_out: torch.Tensor) -> None:
+    """A host step's inputs into its buffers (host memory, pinned with a GPU; queued on the current stream):
+    x [T, D] -> x_out[:T] fp32, expert_ids [T, k] -> ids_out[:T] int64, weights [T, k] -> weights_out[:T] fp32."""
+    rows = x.shape[0]
+    for dst, src in ((x_out, x), (ids_out, expert_ids), (weights_out, weights)):
+        dst[:rows].copy_(src, non_blocking=True)
+
+
+@triton.jit(do_not_specialize=["x_dst", "ids_dst", "weights_dst"])
+def _stage_kernel(x_ptr, ids_ptr, weights_ptr, x_dst, ids_dst, weights_dst, D, K, stride_x, stride_i, stride_w,
+                  BLOCK: tl.constexpr, K_BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    ok = cols < D
+    values = tl.load(x_ptr + row * stride_x + cols, mask=ok, other=0.0).to(tl.float32)
+    tl.store(x_dst.to(tl.pointer_type(tl.float32)) + row * D + cols, values, mask=ok)
+    if tl.program_id(1) == 0:  # one program a row writes its ids and weights
+        k = tl.arange(0, K_BLOCK)
+        ok_k = k < K
+        ids = tl.load(ids_ptr + row * stride_i + k, mask=ok_k, other=0).to(tl.int64)
+        tl.store(ids_dst.to(tl.pointer_type(tl.int64)) + row * K + k, ids, mask=ok_k)
+        w = tl.load(weights_ptr + row * stride_w + k, mask=ok_k, other=0.0).to(tl.float32)
+        tl.store(weights_dst.to(tl.pointer_type(tl.float32)) + row * K + k, w, mask=ok_k)
+
+
+@register("stage_host_rows", "triton")
+def stage_host_rows_triton(x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor, x_out: torch.Tensor,
+                           ids_out: torch.Tensor, weights_out: torch.Tensor) -> None:
+    """As stage_host_rows_torch, in one launch whose stores cross the link into the pinned buffers (their
+    addresses, which the device reaches through unified addressing; a stream operation after it sees them)."""
+    (rows, d), k = x.shape, expert_ids.shape[1]
+    if x_out.dtype != torch.float32 or ids_out.dtype != torch.int64 or weights_out.dtype != torch.float32 or \
+            not all(t.is_contiguous() for t in (x_out, ids_out, weights_out)) or \
+            x_out.shape[1:] != (d,) or ids_out.shape[1:] != (k,) or weights_out.shape[1:] != (k,) or \
+            min(len(x_out), len(ids_out), len(weights_out)) < rows or x.stride(-1) != 1 or \
+            expert_ids.stride(-1) != 1 or weights.stride(-1) != 1 or weights.shape != expert_ids.shape:
+        raise ValueError(f"stage_host_rows: x {tuple(x.shape)}, ids {tuple(expert_ids.shape)} into buffers "
+                         f"{tuple(x_out.shape)} {x_out.dtype}, {tuple(ids_out.shape)} {ids_out.dtype}, "
+                         f"{tuple(weights_out.shape)} {weights_out.dtype} (contiguous fp32, int64, fp32)")
+    block = 1024
+    _stage_kernel[(rows, triton.cdiv(d, block))](
+        x, expert_ids, weights, x_out.data_ptr(), ids_out.data_ptr(), weights_out.data_ptr(), d, k, x.stride(0),
+        expert_ids.stride(0), weights.stride(0), BLOCK=block, K_BLOCK=max(2, triton.next_power_of_2(k)), num_warps=4)
 
 
 @register("sum_shares", "torch")

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.kernels.experts.hybrid_pairs import place_pairs_torch, place_pairs_triton, sum_shares_torch, \
-    sum_shares_triton
+from engine.kernels.experts.hybrid_pairs import place_pairs_torch, place_pairs_triton, stage_host_rows_torch, \
+    stage_host_rows_triton, sum_shares_torch, sum_shares_triton
 from tests.engine.kernels.sm90 import assert_compiles_for_sm90
 
 
@@ -62,9 +62,41 @@ def test_sum_shares_adds_in_fp32_and_rounds_like_torch(dtype, fetched, dense):
         assert torch.equal(want, rounded + shared if dense else rounded)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_stage_host_rows_writes_the_rows_ids_and_weights_and_nothing_past_them(dtype):
+    """Rows of x (read through a wider buffer's stride, a ragged last block) as fp32, int32 ids as int64, the
+    weights as fp32, into buffers sized for more rows: the kernel equals the reference exactly (a widening to
+    fp32 and int64 is exact) and leaves the rows past the step's as they were."""
+    g = torch.Generator().manual_seed(2)
+    rows, d, k, capacity = 3, 1500, 8, 5
+    x = torch.randn(rows, d + 7, generator=g).to(dtype)[:, :d]
+    ids = torch.randint(0, 288, (rows, k), generator=g, dtype=torch.int32)
+    weights = torch.rand(rows, k, generator=g)
+    outs = []
+    for stage in (stage_host_rows_torch, stage_host_rows_triton):
+        bufs = torch.full((capacity, d), 7.0), torch.full((capacity, k), -3, dtype=torch.long), \
+            torch.full((capacity, k), 7.0)
+        stage(x, ids, weights, *bufs)
+        outs.append(bufs)
+    for want, got in zip(*outs):
+        assert torch.equal(got, want)
+    x_out, ids_out, w_out = outs[1]
+    assert torch.equal(x_out[:rows], x.float()) and torch.equal(ids_out[:rows], ids.long())
+    assert torch.equal(w_out[:rows], weights)
+    assert (x_out[rows:] == 7).all() and (ids_out[rows:] == -3).all() and (w_out[rows:] == 7).all()
+    with pytest.raises(ValueError, match="contiguous fp32, int64, fp32"):
+        stage_host_rows_triton(x, ids, weights, torch.empty(capacity, d), torch.empty(capacity, k),
+                               torch.empty(capacity, k))
+    with pytest.raises(ValueError, match="stage_host_rows"):  # more rows than the buffers hold
+        stage_host_rows_triton(x, ids, weights, torch.empty(2, d), torch.empty(2, k, dtype=torch.long),
+                               torch.empty(2, k))
+
+
 def test_the_kernels_compile_for_sm90(tmp_path):
     assert_compiles_for_sm90("""
-from engine.kernels.experts.hybrid_pairs import _place_kernel, _sum_kernel
+from engine.kernels.experts.hybrid_pairs import _place_kernel, _stage_kernel, _sum_kernel
+compile_for_sm90(_stage_kernel, dict(x_ptr="*bf16", ids_ptr="*i64", weights_ptr="*fp32", x_dst="i64", ids_dst="i64",
+                                     weights_dst="i64"), dict(BLOCK=1024, K_BLOCK=8), 4)
 compile_for_sm90(_place_kernel, dict(ids_ptr="*i64", weights_ptr="*fp32", slot_of_ptr="*i64", counts_ptr="*fp32",
                                      slots_ptr="*i64", device_w_ptr="*fp32", miss_ptr="*i8"), dict(BLOCK=128), 4)
 for fetched in (True, False):
