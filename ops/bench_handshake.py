@@ -1,8 +1,8 @@
 """What one GPU<->CPU handshake of hybrid decode costs, per MoE layer, inside a CUDA graph.
 
-Every hybrid MoE layer in a decode step forks a side stream, copies the step's rows, ids and weights to
-pinned memory, hands the CPU its share of the misses (a doorbell a listener thread answers, or a CUDA
-host function) and copies its sum back, then joins. This times that round trip alone (with the
+Every hybrid MoE layer in a decode step writes the step's rows, ids and weights into pinned memory (one
+kernel), forks a side stream, hands the CPU its share of the misses (a doorbell a listener thread answers,
+or a CUDA host function) and copies its sum back, then joins. This times that round trip alone (with the
 bookkeeping around it: routing counts, slot lookup): small NVFP4 experts, all routed pairs resident (the
 host step finds no pair to run), `--layers` layers chained in one graph, against the same chain with the
 device executor alone. Prints one JSON line: the step time of each and each handshake's microseconds per
