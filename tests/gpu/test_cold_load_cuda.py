@@ -1,6 +1,7 @@
 """The cold start's one pass on CUDA: shards read through pinned staging straight into GPU memory (experts
 into pinned host stacks under a budget), the prepared snapshot written back from GPU memory through pinned
-staging; every byte equals the CPU load's (runs only where a GPU is)."""
+staging; every byte equals the CPU load's; a fast resume's host memory is its host bank and staging (runs only
+where a GPU is)."""
 
 from __future__ import annotations
 
@@ -62,3 +63,16 @@ def test_cold_pass_to_cuda_and_prepared_written_from_it(tmp_path, monkeypatch, f
             assert _dtypes(loaded[name]) == _dtypes(weight), name
             for a, b in zip(_stored(loaded[name]), _buffers(weight), strict=True):
                 assert torch.equal(a, b.view(torch.uint8)), name
+
+
+def test_a_fast_resume_holds_the_host_bank_and_its_staging_on_the_host(tmp_path):
+    """From a prepared snapshot on CUDA, the host's memory grows by the host bank (pinned, spares included)
+    and the readers' pinned staging buffers, and nothing else of the size of a weight: the non-expert weights
+    and the slots go through staging to the GPU."""
+    from engine.checkpoint.prepared_store import PIECE_BYTES
+    from tests.engine.checkpoint.test_prepared import load_memory
+
+    figures = load_memory(tmp_path, "cuda")
+    grown, bank = figures["peak"] - figures["before"], figures["host_bank"]
+    assert bank > 200e6
+    assert 0.9 * bank <= grown <= bank + 2 * PIECE_BYTES + (128 << 20), figures  # 2 readers' staging
