@@ -21,9 +21,9 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.kernels import kernel
 from engine.kernels.experts.cpu_gemv import ExpertStacks, HostStepArgs, fp8_table, host_step_function, run_host_step, \
     simd_level
-from engine.kernels import kernel
 from engine.offload.cuda_driver import copy_async, launch_host_func, memory_operations_available
 from engine.offload.doorbell import Doorbell
 
