@@ -270,9 +270,10 @@ class HybridExperts:
         new share and their device picks at the old one (pairs run twice or not at all). Every FOLLOW_STEPS decode
         steps (from the second look on), the split moved halfway to the share that the rate the CPU's passes
         reached inside them (the highest of the last FOLLOW_WINDOWS windows') and the link's rate measured at load
-        give (when the split came from measured rates) -> the new share, or None. The load's measurement runs a few experts alone; inside the steps the passes
-        ran 25% slower on the H200's host (74 against 98 GB/s), and the CPU then held the step while the link
-        waited. The share where the two rates agree is where both sides take as long."""
+        give (when the split came from measured rates) -> the new share, or None. The load's measurement runs a
+        few experts alone; inside the steps the passes ran 25% slower on the H200's host (74 against 98 GB/s),
+        and the CPU then held the step while the link waited. The share where the two rates agree is where both
+        sides take as long."""
         if not self.pcie_percent or not self.rates_at_load[1] or not self.host_steps:
             return None
         self._calls += 1
