@@ -10,6 +10,8 @@
 #   TORCH_SPEC       pip requirement(s) for torch; empty = keep the torch a base image already has
 #                    in /opt/venv (a "pre-installed" base). Split on spaces, so extra pip flags fit.
 #   TORCH_INDEX_URL  index for TORCH_SPEC; empty = pip's default index (PyPI).
+#   TRITON_SPEC      pip requirement for Triton, from PyPI, for a torch that brings none (a CPU build);
+#                    empty = the one torch brings. Either way it is pinned for the steps after.
 # Layers go from least to most often changed: system packages, torch, the project's dependencies
 # (read from pyproject.toml alone), then the source.
 
@@ -50,6 +52,7 @@ RUN set -eux; \
 # 2. torch (the biggest layer; changes only with these arguments).
 ARG TORCH_SPEC="torch==2.11.0"
 ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cu128
+ARG TRITON_SPEC=""
 RUN set -eux; \
     if [ -n "${TORCH_SPEC}" ]; then \
         if [ -n "${TORCH_INDEX_URL}" ]; then \
@@ -58,12 +61,16 @@ RUN set -eux; \
             pip install ${TORCH_SPEC}; \
         fi; \
     fi; \
-    python -c "import torch; print(f'torch=={torch.__version__}')" > /opt/venv/torch-constraint.txt; \
+    if [ -n "${TRITON_SPEC}" ]; then pip install ${TRITON_SPEC}; fi; \
+    python -c "import importlib.metadata as m, torch; print(f'torch=={torch.__version__}'); \
+v = {d.metadata['Name']: d.version for d in m.distributions()}.get('triton'); print(f'triton=={v}' if v else '')" \
+        > /opt/venv/torch-constraint.txt; \
     cat /opt/venv/torch-constraint.txt; \
     python -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda)"
 
 # 3. The project's dependencies and build backend, from pyproject.toml alone: editing the source
-#    does not reinstall them. torch is pinned to the one from step 2 (never replaced here).
+#    does not reinstall them. torch and Triton are pinned to the ones from step 2 (never replaced here;
+#    without a pin a CPU torch's image would take the newest Triton pyproject.toml allows).
 WORKDIR /opt/glmflash
 COPY pyproject.toml ./
 RUN set -eux; \

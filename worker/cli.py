@@ -54,9 +54,14 @@ def main(argv: list[str] | None = None) -> None:
     before, after = cap_torch_threads()
     logging.getLogger("glmflash.cli").info("event=cpu_threads torch_before=%d torch=%d cpu_quota=%s", before, after,
                                            quota_cores())
-    from worker.serve import serve as run
+    from worker.serve import CannotListen, serve as run
 
-    asyncio.run(run(settings))
+    try:
+        asyncio.run(run(settings))
+    except CannotListen as error:
+        logging.getLogger("glmflash.cli").error('event=listen_failed host=%s port=%d reason="%s" hint="another '
+                                                'port: --port or GLMFLASH_PORT"', error.host, error.port, error.reason)
+        raise SystemExit(1) from None
 
 
 if __name__ == "__main__":

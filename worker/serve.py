@@ -33,6 +33,14 @@ from engine.checkpoint.prepared import engine_version
 log = logging.getLogger("glmflash.worker")
 
 
+class CannotListen(Exception):
+    """The server's address could not be bound (say, another server holds the port)."""
+
+    def __init__(self, host: str, port: int, reason: str) -> None:
+        super().__init__(f"cannot listen on {host}:{port}: {reason}")
+        self.host, self.port, self.reason = host, port, reason
+
+
 async def serve(settings: Settings, stop: asyncio.Event | None = None,
                 logits_processors: Sequence[LogitsProcessor] = ()) -> str:
     """Run the worker until stopped; returns why it stopped ("signal", "idle", or "stopped")."""
@@ -44,7 +52,11 @@ async def serve(settings: Settings, stop: asyncio.Event | None = None,
     runner = web.AppRunner(build_app(state), handler_cancellation=True, access_log=None)
     await runner.setup()
     ssl_context = state.vast.ssl_context() if state.vast else None
-    await web.TCPSite(runner, settings.host, settings.port, ssl_context=ssl_context).start()
+    try:
+        await web.TCPSite(runner, settings.host, settings.port, ssl_context=ssl_context).start()
+    except OSError as error:  # a busy port, a host this machine does not have: the user's to fix, no traceback
+        await runner.cleanup()
+        raise CannotListen(settings.host, settings.port, error.strerror or str(error)) from None
     url = f"http://{settings.host}:{settings.port}"
     log.info("event=listening url=%s vast=%s", url, state.vast is not None)
     if state.vast:

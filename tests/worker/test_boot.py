@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -226,6 +227,21 @@ def test_sigterm_drains_streaming_request_and_exits_zero(tmp_path):
     assert proc.wait(timeout=30) == 0
     output = proc.stdout.read()
     assert "PROVISION_STAGE=draining" in output and "PROVISION_STAGE=stopped" in output and "reason=signal" in output
+
+
+def test_a_busy_port_is_one_line_and_exit_1(tmp_path):
+    """Another server on the port: one log line naming the address and the way out, no traceback."""
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", 0))
+        holder.listen()
+        port = holder.getsockname()[1]
+        proc = _boot_process(tmp_path, port)
+        assert proc.wait(timeout=120) == 1
+    output = proc.stdout.read()
+    assert "Traceback" not in output
+    failed = [line for line in output.splitlines() if "event=listen_failed" in line]
+    assert len(failed) == 1 and f"port={port}" in failed[0] and "GLMFLASH_PORT" in failed[0]
+    assert "address already in use" in failed[0].lower()
 
 
 def test_boot_seeds_the_volume_with_an_images_prebuilt_kernels(tmp_path):

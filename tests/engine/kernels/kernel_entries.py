@@ -4,16 +4,18 @@ prebuilt-kernel tests (no GPU needed: a compile targets an architecture)."""
 from __future__ import annotations
 
 import functools
+import inspect
 import subprocess
 import sys
 
+import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler.compiler import make_backend
 from triton.runtime.jit import serialize_specialization_data
 
 from tests.child_env import child_env
 
-KEY = {"capability": "9.0", "triton": "3.6.0", "dtype": "bfloat16",
+KEY = {"capability": "9.0", "triton": triton.__version__, "dtype": "bfloat16",
        "shapes": "hidden=4096,experts=288,moe=2048,kda=64x128,vocab=154880"}
 
 
@@ -32,9 +34,11 @@ def rms_norm_entry(block: int) -> dict[str, str]:
     signature = {"x_ptr": "*bf16", "w_ptr": "*bf16", "out_ptr": "*bf16", "D": "i32", "stride_x": "i32",
                  "stride_out": "i32", "eps": "fp32", "BD": "constexpr"}
     attrs = {(i,): [["tt.divisibility", 16]] for i in range(6)}
-    options = make_backend(GPUTarget("cuda", 90, 32)).parse_options({"num_warps": 4})
+    target = GPUTarget("cuda", 90, 32)
+    options = make_backend(target).parse_options({"num_warps": 4})
+    since_3_7 = (target,) if "target" in inspect.signature(serialize_specialization_data).parameters else ()
     data = serialize_specialization_data("engine.kernels.norm.triton_norm._rms_norm_kernel", signature,
-                                         {(7,): block}, attrs, options, f"rms-{block}")
+                                         {(7,): block}, attrs, options, f"rms-{block}", *since_3_7)
     return {"module": "engine.kernels.norm.triton_norm", "name": "_rms_norm_kernel", "data": data,
             "source": rms_norm_source()}
 
