@@ -460,6 +460,18 @@ static int level_for(int cap) {
 /* The code path a cap gives on this CPU (for callers that need to know, e.g. which rounding of x). */
 int simd_path(int cap) { return level_for(cap); }
 
+/* The code paths project_rows ran rows on since the last take_paths_run(), one bit each (1 << path): what
+ * the kernels executed, for tests to hold against the CPU's features (simd_path says what level_for picks). */
+static _Atomic int paths_run;
+
+int take_paths_run(void) { return atomic_exchange(&paths_run, 0); }
+
+/* Reads first: once its bit is set, the threads share the line without writing it. */
+static void note_path(int path) {
+    if (!(atomic_load_explicit(&paths_run, memory_order_relaxed) & 1 << path))
+        atomic_fetch_or_explicit(&paths_run, 1 << path, memory_order_relaxed);
+}
+
 /* Whether a matrix's shape suits the SIMD paths (else its rows take the portable one). */
 static int simd_shape(const matrix *m) {
     return m->format == NVFP4 ? 1 : m->k % 16 == 0 && m->bk % 16 == 0;
@@ -472,6 +484,8 @@ static void project_rows(const matrix *m, int64_t expert, int64_t row0, int64_t 
                          int64_t x_stride, int64_t rows, float *y, int64_t y_stride, const float *fp8_table,
                          int level) {
     if (!simd_shape(m)) level = PORTABLE;
+    if (m->format == FP8_BLOCK && level > AVX512) level = AVX512; /* FP8 has no VNNI path */
+    note_path(level);
     if (m->format == NVFP4) {
         const int64_t half_k = m->k / 2;
         const uint8_t *codes = m->data + expert * m->n * half_k;

@@ -87,6 +87,8 @@ def _library() -> ctypes.CDLL | None:
     lib.pool_pin.restype = None
     lib.simd_path.argtypes = [ctypes.c_int]
     lib.simd_path.restype = ctypes.c_int
+    lib.take_paths_run.argtypes = []
+    lib.take_paths_run.restype = ctypes.c_int
     lib.doorbell_open.argtypes = [_P, _P, _P, _I]
     lib.doorbell_open.restype = _P
     lib.doorbell_arm.argtypes = [_P]
@@ -161,6 +163,13 @@ def simd_path() -> int:
     """The code path the kernels take on this CPU under GLMFLASH_CPU_KERNELS (0 portable .. 3 AVX-512 VNNI)."""
     lib = _built()
     return lib.simd_path(simd_level())
+
+
+def take_paths_run() -> set[int]:
+    """The code paths the kernels ran rows on since the last call (0 portable .. 3 AVX-512 VNNI), as cpu_gemv.c
+    records them where it dispatches: what executed, for tests to check against what the CPU has."""
+    ran = _built().take_paths_run()
+    return {path for path in range(4) if ran >> path & 1}
 
 
 @functools.lru_cache(maxsize=None)

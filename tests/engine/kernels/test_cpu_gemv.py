@@ -1,4 +1,6 @@
-"""The compiled CPU GEMVs (NVFP4, FP8 block) against float64 on the dequantized weight, SIMD and portable alike.
+"""The compiled CPU GEMVs (NVFP4, FP8 block) against float64 on the dequantized weight, SIMD and portable alike;
+each GLMFLASH_CPU_KERNELS mode checked to run the code path it names (what the CPU has, from /proc/cpuinfo),
+skipped where this CPU lacks it rather than testing a narrower path again.
 
 `pip install -e .` builds the kernel; a machine where it is not built fails here rather than
 silently testing only the torch fallback.
@@ -20,7 +22,7 @@ from engine.experts.cpu_experts import CpuExperts
 from engine.experts.torch_experts import TorchExperts
 from engine.kernels.experts import cpu_gemv
 from engine.weights import DenseWeight, Fp8BlockWeight, Nvfp4Weight
-from tests.cpu_kernels import assert_expert_close
+from tests.cpu_kernels import assert_expert_close, assert_ran, use_mode, weight_path
 
 
 def random_nvfp4(n: int, k: int, seed: int, per_row_global: bool = False) -> Nvfp4Weight:
@@ -59,13 +61,14 @@ def test_kernel_is_built():
 @pytest.mark.parametrize("rows,n,k", [(1, 130, 256), (3, 40, 200), (11, 17, 96), (2, 5, 100)])
 def test_fp8_gemv_matches_float64(monkeypatch, mode, rows, n, k):
     """Ragged blocks in both directions (n = 130, k = 200), K not a multiple of 16 (portable path)."""
-    monkeypatch.setenv("GLMFLASH_CPU_KERNELS", mode)
+    path = use_mode(monkeypatch, mode)
     weight = random_fp8(n, k, seed=rows + k)
     x = torch.randn(rows, k, generator=torch.Generator().manual_seed(n))
     want = x.double() @ weight.dequantize(torch.float64).t()
     got = cpu_gemv.gemv(x, weight, threads=2)
     assert got.dtype == torch.float32 and got.shape == (rows, n)
     assert ((got.double() - want).norm() / want.norm()).item() < 1e-6
+    assert_ran(weight_path(path, weight))
 
 
 @pytest.mark.parametrize("mode", ["auto", "avx512", "avx2", "portable"])
@@ -73,20 +76,21 @@ def test_fp8_gemv_matches_float64(monkeypatch, mode, rows, n, k):
                                               (2, 9, 48, True), (1, 5, 16, False)])  # odd group counts
 def test_gemv_matches_float64(monkeypatch, mode, rows, n, k, per_row):
     """Ragged rows (11 > the kernel's 8-row pass), ragged N, K of one and of many groups."""
-    monkeypatch.setenv("GLMFLASH_CPU_KERNELS", mode)
+    path = use_mode(monkeypatch, mode)
     weight = random_nvfp4(n, k, seed=rows + n, per_row_global=per_row)
     x = torch.randn(rows, k, generator=torch.Generator().manual_seed(k))
     want = as_the_kernel_reads(x, weight) @ weight.dequantize(torch.float64).t()
     got = cpu_gemv.gemv(x, weight, threads=2)
     assert got.dtype == torch.float32 and got.shape == (rows, n)
     assert ((got.double() - want).norm() / want.norm()).item() < 1e-6  # fp32 sums of exact products
+    assert_ran(path)
 
 
 @pytest.mark.parametrize("mode", ["auto", "avx512", "avx2"])
 def test_every_row_count_of_one_pass_matches_float64(monkeypatch, mode):
     """The SIMD kernels are compiled once per count of x rows (1..8): each count, and 9 (a pass of 8 and
     one of 1), with an odd count of NVFP4 groups (k = 112: 7) and FP8 blocks of 48 (one 16-wide tail)."""
-    monkeypatch.setenv("GLMFLASH_CPU_KERNELS", mode)
+    path = use_mode(monkeypatch, mode)
     nvfp4 = random_nvfp4(24, 112, seed=5, per_row_global=True)
     codes = random_fp8(24, 112, seed=6).data
     fp8 = Fp8BlockWeight(codes, torch.rand(2, 3, generator=torch.Generator().manual_seed(7)) + 0.1, (16, 48))
@@ -96,6 +100,7 @@ def test_every_row_count_of_one_pass_matches_float64(monkeypatch, mode):
             want = as_the_kernel_reads(x, weight) @ weight.dequantize(torch.float64).t()
             got = cpu_gemv.gemv(x, weight, threads=2)
             assert ((got.double() - want).norm() / want.norm()).item() < 1e-6, (rows, type(weight).__name__)
+    assert_ran(path, weight_path(path, fp8))
 
 
 def test_gemv_names_a_shape_mismatch():
@@ -161,7 +166,7 @@ def test_inputs_wider_than_one_preparing_unit_give_every_team_the_same_pass(monk
     """The pass prepares each input 1,024 columns a unit and a gate-up tile waits for all of its pair's units:
     2,080 columns (two whole units and a part), every team size equal to one thread exactly, and to the
     reference."""
-    monkeypatch.setenv("GLMFLASH_CPU_KERNELS", mode)
+    path = use_mode(monkeypatch, mode)
     stacks = nvfp4_stacks(2080, 96, 3, seed=7)
     g = torch.Generator().manual_seed(8)
     x, ids, w = torch.randn(3, 2080, generator=g), torch.tensor([[0, 2], [2, 1], [0, 1]]), torch.rand(3, 2, generator=g)
@@ -169,6 +174,7 @@ def test_inputs_wider_than_one_preparing_unit_give_every_team_the_same_pass(monk
     for team in (2, 3, 7):
         assert torch.equal(CpuExperts(stacks, 1.5, threads=team)(0, x, ids, w), alone)
     torch.testing.assert_close(alone, TorchExperts(stacks, 1.5)(0, x, ids, w), rtol=1e-4, atol=1e-4)
+    assert_ran(path)
 
 
 def quantized_stack(fmt: str, experts: int, n: int, k: int, g: torch.Generator) -> Fp8BlockWeight | Nvfp4Weight:
@@ -188,7 +194,7 @@ def test_cpu_experts_equal_the_reference_on_quantized_experts(monkeypatch, mode,
     """The compiled expert pass: experts without tokens, an expert with more rows than one pass of the
     kernel takes (12 > 8), widths that are not a multiple of its tiles, an odd count of NVFP4 groups
     (80 / 16), FP8 blocks ragged at 96 and 80."""
-    monkeypatch.setenv("GLMFLASH_CPU_KERNELS", mode)
+    path = use_mode(monkeypatch, mode)
     g = torch.Generator().manual_seed(d + tokens)
     stacks = {0: (quantized_stack(fmt, 6, i, d, g), quantized_stack(fmt, 6, i, d, g), quantized_stack(fmt, 6, d, i, g))}
     x = torch.randn(tokens, d, generator=g)
@@ -198,6 +204,7 @@ def test_cpu_experts_equal_the_reference_on_quantized_experts(monkeypatch, mode,
     assert 0 in executor.compiled
     want = TorchExperts(stacks, 1.5)(0, x, ids, w)
     assert_expert_close(executor(0, x, ids, w), want, fmt)
+    assert_ran(*(weight_path(path, stack) for stack in stacks[0]))
 
 
 @pytest.mark.parametrize("mode", ["auto", "avx512", "avx2", "portable"])
@@ -207,7 +214,7 @@ def test_a_group_from_its_first_row_runs_only_its_experts_rows_from_there(monkey
     and up rows, down columns). Against the reference on the same rows (dequantized weights sliced), and the
     two parts of each expert adding up to the whole pass; the same expert whole and split in one pass; a first
     row that is not a multiple of the down block is refused."""
-    monkeypatch.setenv("GLMFLASH_CPU_KERNELS", mode)
+    path = use_mode(monkeypatch, mode)
     d, i = 128, 384
     g = torch.Generator().manual_seed(11)
     gate, up, down = (quantized_stack(fmt, 4, n, k, g) for n, k in ((i, d), (i, d), (d, i)))
@@ -234,6 +241,7 @@ def test_a_group_from_its_first_row_runs_only_its_experts_rows_from_there(monkey
     assert_expert_close(got, on_rows(lambda first: slice(first, i)), fmt)
     whole = one_pass.forward(x, experts, starts, w, 1.5, threads=3)
     assert_expert_close(got + on_rows(lambda first: slice(0, first)), whole, fmt)
+    assert_ran(*(weight_path(path, stack) for stack in (gate, up, down)))
     with pytest.raises(ValueError, match="first row"):
         misaligned = torch.tensor([0, 8 if fmt == "nvfp4" else 64, 0])
         one_pass.forward(x, experts, starts, w, 1.5, threads=1, firsts=misaligned)
