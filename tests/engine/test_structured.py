@@ -55,6 +55,17 @@ def reference_mask(matcher) -> np.ndarray:
     return unpack(words)
 
 
+def assert_rows_masked(masked: torch.Tensor, original: torch.Tensor, allowed: dict[int, np.ndarray]) -> None:
+    """Each row in `allowed` keeps exactly its allowed logits and has -inf elsewhere; every other row is untouched."""
+    for row in range(original.shape[0]):
+        if row not in allowed:
+            assert torch.equal(masked[row], original[row]), f"free row {row} was masked"
+            continue
+        keep = torch.from_numpy(allowed[row])
+        assert torch.equal(masked[row][keep], original[row][keep]), f"row {row} lost allowed tokens"
+        assert torch.isneginf(masked[row][~keep]).all(), f"row {row} let disallowed tokens through"
+
+
 def test_pack_mask_round_trips_every_bit():
     allowed = torch.rand(VOCAB, generator=torch.Generator().manual_seed(0)) < 0.5
     allowed[31] = allowed[63] = True  # the sign bits of two words
@@ -124,11 +135,40 @@ def test_batch_masks_match_the_library_and_leave_free_rows_alone(compiler):
     masks.apply(logits, pending)
     expected = {0: reference_mask(seqs[0].constraint.matcher), 2: reference_mask(seqs[2].constraint.matcher),
                 3: unpack(token_mask(VOCAB, [END_THINK], allowed=True))}
-    for row, allowed in expected.items():
-        assert torch.equal(logits[row][torch.from_numpy(allowed)], original[row][torch.from_numpy(allowed)])
-        assert torch.isneginf(logits[row][torch.from_numpy(~allowed)]).all()
-    assert torch.equal(logits[1], original[1])
+    assert_rows_masked(logits, original, expected)
     assert masks.start([seqs[1]]) is None
+
+
+@pytest.mark.parametrize("layout", ["FG", "GFG", "-RG-FG"])
+def test_grammar_rows_after_fixed_rows_get_their_own_masks(compiler, layout):
+    """Fixed (reasoning) rows are copied into the batch bitmask and grammar rows computed into it by llguidance:
+    each grammar row's mask must land on its own row whatever fixed or free rows come before it (the test above
+    has its fixed row last). `layout`, one row each: F a spent reasoning budget (only </think>), R reasoning
+    before a grammar (anything but a stop), G the next of three different grammars, - a free row."""
+    grammars = iter([GrammarSpec.json_schema(PERSON), GrammarSpec("regex", "[a-c]+"),
+                     GrammarSpec.choice(["yes", "no"])])
+    seqs, expected = [], {}
+    for row, kind in enumerate(layout):
+        seq = Sequence(str(row), [1], SamplingParams())
+        if kind == "F":
+            seq.constraint = RequestConstraint(seq.request_id, VOCAB, None, Reasoning(END_THINK, 0), EOS)
+            expected[row] = np.arange(VOCAB) == END_THINK
+        elif kind == "R":
+            seq.constraint = RequestConstraint(seq.request_id, VOCAB, compiler.matcher(GrammarSpec.choice(["A"])),
+                                               Reasoning(END_THINK, 4), EOS)
+            expected[row] = ~np.isin(np.arange(VOCAB), EOS)
+        elif kind == "G":
+            seq.constraint = RequestConstraint(seq.request_id, VOCAB, compiler.matcher(next(grammars)), None, EOS)
+            expected[row] = reference_mask(seq.constraint.matcher)
+        seqs.append(seq)
+    assert len({allowed.tobytes() for allowed in expected.values()}) == len(expected)  # a swap would show
+    masks = GrammarMasks(VOCAB, 8, torch.device("cpu"))
+    logits = torch.randn(len(layout), VOCAB, generator=torch.Generator().manual_seed(2))
+    original = logits.clone()
+    pending = masks.start(seqs)
+    assert pending.rows == sorted(expected)
+    masks.apply(logits, pending)
+    assert_rows_masked(logits, original, expected)
 
 
 @pytest.fixture(scope="module")
