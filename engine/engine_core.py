@@ -16,9 +16,7 @@ from pathlib import Path
 import torch
 from tokenizers import Tokenizer
 
-from engine.cache import PagedLatents, RequestSlots
-from engine.cache.prefix_cache import PrefixCache, PrefixCacheStats, TierSize
-from engine.cache.state_rows import state_bytes
+from engine.cache.prefix_cache import PrefixCache, PrefixCacheStats
 from engine.checkpoint.loader import LoadedWeights, checkpoint_sizes, load_weights
 from engine.kernels.dispatch import fast_kernels_enabled
 from engine.kernels.kda.fla_prefill import start_kda_warm_up
@@ -31,9 +29,10 @@ from engine.experts import default_executor, executor_class
 from engine.experts.pending import PendingExperts
 from engine.experts.hybrid import HybridExperts, OffloadStats
 from engine.offload.miss_split import choose_split
-from engine.offload.placement import AUTO, auto_budget, plan_load, reserve_bytes
 from engine.model.glm5_next import Glm5NextModel
+from engine.memory_plan import MemoryPlan, build_caches, plan_memory
 from engine.model_runner import ModelRunner
+from engine.options import EngineOptions
 from engine.sampler import TokenLogprobs, sample_batch
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler, SchedulerLimits
@@ -100,68 +99,29 @@ class EngineStats:
     steps: StepTimes = StepTimes()
 
 
-@dataclass(frozen=True)
-class EngineOptions:
-    max_num_seqs: int = 8
-    max_model_len: int = 8192
-    max_num_batched_tokens: int = 2048
-    max_waiting: int = 256
-    page_size: int = 64
-    cuda_graphs: bool = True  # capture decode steps at load (CUDA with the Triton kernels only)
-    # Bytes of device memory for routed experts, the rest in host RAM; "auto": what is free once the
-    # caches are allocated; None: every expert resident.
-    moe_vram_budget: int | str | None = None
-    max_expert_swaps: int = 4  # host experts moved into device slots between two steps, at most
-    cpu_expert_threads: int | None = None  # threads of the CPU expert executor; None: torch's thread count
-    cpu_expert_pin: bool = True  # with a GPU, one core per CPU expert thread where the CPU mask allows
-    # Share (percent) of a decode step's missed experts copied over PCIe and run on the GPU, the rest on the
-    # CPU; None: from the two rates measured at load (CUDA), 0 elsewhere.
-    pcie_expert_percent: int | None = None
-    miss_split_file: Path | None = None  # where the measured CPU and PCIe rates are kept between starts
-    kernels_file: Path | None = None  # the Triton specializations compiled, preloaded by the next start
-    precompile_processes: int | None = None  # children compiling them meanwhile (0: none; None: by the cores)
-    prefix_cache: bool = True  # start requests from the saved state of their longest cached prefix
-    prefix_cache_bytes: int = 4 << 30  # device memory for cached prefixes (snapshots and extra pages)
-    prefix_cache_host_bytes: int = 0  # host RAM for prefixes evicted from the device (0: none, evictions drop)
-
-
 def graph_sizes(max_num_seqs: int) -> tuple[int, ...]:
     """Powers of two up to the slot count, and the slot count itself: a step pads to the next size."""
     sizes = {1 << i for i in range(max_num_seqs.bit_length()) if 1 << i <= max_num_seqs}
     return tuple(sorted(sizes | {max_num_seqs}))
 
 
-def _cache_pages(config: ModelConfig, options: EngineOptions, dtype: torch.dtype) -> tuple[int, TierSize]:
-    """(pages the requests reserve, what the prefix cache's device budget holds)."""
-    pages = options.max_num_seqs * -(-options.max_model_len // options.page_size)
-    tier = (TierSize.of(options.prefix_cache_bytes, config, options.page_size, dtype, pages)
-            if options.prefix_cache else TierSize(0, 0))
-    return pages, tier
-
-
-def _caches(config: ModelConfig, options: EngineOptions, device: torch.device, dtype: torch.dtype
-            ) -> tuple[RequestSlots, PagedLatents]:
-    pages, tier = _cache_pages(config, options, dtype)
-    return (RequestSlots(config, options.max_num_seqs, device, dtype),
-            PagedLatents(config, pages + tier.pages, options.page_size, device, dtype))
-
-
 class EngineCore:
     def __init__(self, config: ModelConfig, weights: LoadedWeights, options: EngineOptions = EngineOptions(),
-                 tokenizer: Tokenizer | None = None, experts: ExpertAvailability | None = None) -> None:
+                 tokenizer: Tokenizer | None = None, experts: ExpertAvailability | None = None,
+                 plan: MemoryPlan | None = None) -> None:
         """`tokenizer` (the snapshot's) is what grammars are compiled against; without it requests cannot
         ask for structured output. `experts`: the routed experts are still being filled in (early
-        readiness); steps load the ones they need first, until the fill is complete."""
+        readiness); steps load the ones they need first, until the fill is complete. `plan`: the memory plan
+        the weights were loaded under (none: the weights were built in memory, and it is made now)."""
         self.config, self.options = config, options
         embed = weights["embed_tokens.weight"]
         dev, dtype = embed.device, embed.dtype
         if dev.type == "cuda" and fast_kernels_enabled():
             self._wait_for_warm_up(options, dev, dtype)
-        # Caches first: an automatic expert budget is the device memory they leave.
-        pages, tier = _cache_pages(config, options, dtype)
-        self.slots, self.cache = _caches(config, options, dev, dtype)  # the prefix cache's device pages join
-        self.prefix = self._prefix_cache(config, options, tier, pages) if options.prefix_cache else None
-        self.offload = self._hybrid_experts(config, weights, options)
+        self.plan = plan or plan_memory(config, options, dev, dtype)
+        self.slots, self.cache = build_caches(config, options, self.plan, dev, dtype)
+        self.prefix = self._prefix_cache(config, self.plan) if options.prefix_cache else None
+        self.offload = self._hybrid_experts(config, weights, options, self.plan)
         executor = self.offload or default_executor(weights, config.moe_layers, config.swiglu_limit, dev)
         self.pending = PendingExperts(executor, experts) if experts is not None and not experts.complete else None
         self.model = Glm5NextModel(config, weights, self.pending or executor)
@@ -272,23 +232,20 @@ class EngineCore:
             self._capture_graphs()
         self._report_decode_rate()
 
-    def _prefix_cache(self, config: ModelConfig, options: EngineOptions, device: TierSize, pages: int) -> PrefixCache:
-        host = TierSize.of(options.prefix_cache_host_bytes, config, options.page_size, self.cache.latents.dtype, pages)
+    def _prefix_cache(self, config: ModelConfig, plan: MemoryPlan) -> PrefixCache:
+        device, host = plan.prefix_device, plan.prefix_host
         log.info("event=prefix_cache device_snapshots=%d device_pages=%d host_snapshots=%d host_pages=%d",
                  device.snapshots, device.pages, host.snapshots, host.pages)
         return PrefixCache(config, self.slots, self.cache, device.snapshots, host)
 
     @staticmethod
-    def _hybrid_experts(config: ModelConfig, weights: LoadedWeights, options: EngineOptions) -> HybridExperts | None:
-        """Experts split between device slots and the host bank when a budget is set (and there are experts)."""
-        if options.moe_vram_budget is None or not config.moe_layers:
+    def _hybrid_experts(config: ModelConfig, weights: LoadedWeights, options: EngineOptions,
+                        plan: MemoryPlan) -> HybridExperts | None:
+        """Experts split between device slots and the host bank when the plan gives them a budget."""
+        if plan.expert_budget is None:
             return None
         device = weights["norm.weight"].device
-        budget = options.moe_vram_budget
-        if budget == AUTO:
-            free = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else 0
-            budget = auto_budget(free, EngineCore.expert_reserve(options))
-        hybrid = HybridExperts.from_weights(weights, config.moe_layers, config.swiglu_limit, device, budget,
+        hybrid = HybridExperts.from_weights(weights, config.moe_layers, config.swiglu_limit, device, plan.expert_budget,
                                             executor_class(device), options.cpu_expert_threads,
                                             options.cpu_expert_pin)
         hybrid.split_misses(*choose_split(hybrid, config.num_experts_per_tok, options.pcie_expert_percent,
@@ -307,13 +264,11 @@ class EngineCore:
         config = ModelConfig.from_dir(model)
         device = torch.device(device)
         cls.start_warm_up(config, device, DTYPES[dtype], options.kernels_file, options.precompile_processes)
-        budget, slots = plan_load(options.moe_vram_budget, device, checkpoint_sizes(Path(model), config),
-                                  len(config.moe_layers), config.n_routed_experts,
-                                  cls.cache_bytes(config, options, DTYPES[dtype]), cls.expert_reserve(options))
-        weights = load_weights(model, config, device, DTYPES[dtype], slots)
+        plan = plan_memory(config, options, device, DTYPES[dtype], checkpoint_sizes(Path(model), config))
+        weights = load_weights(model, config, device, DTYPES[dtype], plan.expert_slots)
         tokenizer_file = Path(model) / "tokenizer.json"
         tokenizer = Tokenizer.from_file(str(tokenizer_file)) if tokenizer_file.exists() else None
-        return cls(config, weights, dataclasses.replace(options, moe_vram_budget=budget), tokenizer)
+        return cls(config, weights, options, tokenizer, plan=plan)
 
     def constraint(self, request_id: str, params: SamplingParams) -> RequestConstraint | None:
         """The token constraint `params` ask for, compiled (GrammarError if the grammar does not compile;
@@ -325,20 +280,6 @@ class EngineCore:
         matcher = self.grammars.matcher(params.grammar) if params.grammar is not None else None
         stops = set(params.stop_token_ids) | (set() if params.ignore_eos else set(self.config.eos_token_ids))
         return RequestConstraint(request_id, self.config.vocab_size, matcher, params.reasoning, stops)
-
-    @staticmethod
-    def expert_reserve(options: EngineOptions) -> int:
-        """Device bytes an automatic expert budget leaves for the largest step these options allow."""
-        return reserve_bytes(options.max_num_batched_tokens, options.max_model_len)
-
-    @staticmethod
-    def cache_bytes(config: ModelConfig, options: EngineOptions, dtype: torch.dtype) -> int:
-        """Device bytes the request slots, the latent cache and the prefix cache's state snapshots will take
-        (the first two measured on the meta device)."""
-        caches = _caches(config, options, torch.device("meta"), dtype)
-        snapshots = _cache_pages(config, options, dtype)[1].snapshots * state_bytes(config, options.page_size, dtype)
-        return snapshots + sum(t.numel() * t.element_size() for cache in caches for t in vars(cache).values()
-                               if isinstance(t, torch.Tensor))
 
     def add(self, seq: Sequence) -> None:
         if seq.request_id in self._by_id:

@@ -34,7 +34,8 @@ from engine.config import ModelConfig
 from engine.model.moe import MoE
 from engine.tiny.factory import synthetic_weights, tiny_config
 from engine.checkpoint.layout import EXPERT_KEY, EXPERT_PROJS, text_specs
-from engine.offload.placement import reserve_bytes, slots_per_layer
+from engine.memory_plan import AUTO, WeightBytes, plan_memory
+from engine.options import EngineOptions
 from ops.bench_cpu_moe import read_bandwidth
 from ops.bench_engine import (copy_bandwidth, device_kernels, nbytes, reference_model, slice_text_config, sync,
                               time_reference)
@@ -185,7 +186,9 @@ def main() -> None:
     max_batched = max(prefills + [2048])
     slots = None
     if hybrid:
-        slots = (auto_slots(cfg, args.format, device, max_batched, max_len) if args.expert_slots == "auto"
+        memory = EngineOptions(max_num_seqs=max(batches + [1]), max_model_len=max_len,
+                               max_num_batched_tokens=max_batched, prefix_cache=False)  # as the LLM below
+        slots = (auto_slots(cfg, args.format, device, memory) if args.expert_slots == "auto"
                  else int(args.expert_slots))
         report({"expert_slots_per_layer": slots, "host_read_GBps": read_bandwidth(torch.ones((4 << 30) // 4))})
     weights = synthetic_weights(cfg, args.format, device, dtype, expert_slots=slots, expert_variety=args.expert_variety)
@@ -352,17 +355,19 @@ def ideal_hit_rate(counts: torch.Tensor, slots: int) -> float:
     return float((top / counts.float().sum(1).clamp(min=1e-9)).mean())
 
 
-def auto_slots(cfg: ModelConfig, fmt: str, device: torch.device, max_batched_tokens: int, max_model_len: int) -> int:
-    """Experts per MoE layer that fit the device's free memory beside the other weights (bf16 upper bound),
-    the caches and the engine's reserve for its largest step: what an automatic budget gives the whole model."""
+def auto_slots(cfg: ModelConfig, fmt: str, device: torch.device, options: EngineOptions) -> int:
+    """Experts per MoE layer an automatic budget gives the whole model: the engine's memory plan over the weights'
+    bytes (bf16 an upper bound for the others), with 2 GiB of the free memory kept for the largest tensor the
+    synthetic build allocates beside the weights."""
     dense = sum(math.prod(spec.shape) * 2 for spec in text_specs(cfg) if not EXPERT_KEY.match(spec.name))
     inter, hidden = cfg.moe_intermediate_size, cfg.hidden_size
     per_matrix = {"nvfp4-ct": inter * hidden * 9 // 16, "nvfp4-modelopt": inter * hidden * 9 // 16,
                   "fp8": inter * hidden, "bf16": 2 * inter * hidden}[fmt]
-    free = torch.cuda.mem_get_info(device)[0]
-    # 1 GiB: the caches at these sizes; 2 GiB: the largest tensor the synthetic build allocates beside the weights
-    budget = free - dense - reserve_bytes(max_batched_tokens, max_model_len) - (3 << 30)
-    return slots_per_layer(max(budget, 0), 3 * per_matrix, len(cfg.moe_layers), cfg.n_routed_experts)
+    experts = 3 * per_matrix * len(cfg.moe_layers) * cfg.n_routed_experts
+    free = torch.cuda.mem_get_info(device)[0] - (2 << 30)
+    plan = plan_memory(cfg, dataclasses.replace(options, moe_vram_budget=AUTO), device, torch.bfloat16,
+                       WeightBytes(dense + experts, experts), free)
+    return plan.expert_slots
 
 
 def profile_step(llm: LLM, device: torch.device, steps: int = 8) -> None:

@@ -1,18 +1,19 @@
-"""The engine's options as the settings give them (one place, for placement before loading and for the engine)."""
+"""The engine's options as the settings give them (one place, for the memory plan made before loading and for the
+engine)."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from engine.engine_core import EngineOptions
+from engine.options import EngineOptions
 from provision.settings import Settings
 
 
-def engine_options(settings: Settings, moe_vram_budget: int | str | None = None,
-                   miss_split_file: Path | None = None, kernels_file: Path | None = None) -> EngineOptions:
+def engine_options(settings: Settings, miss_split_file: Path | None = None,
+                   kernels_file: Path | None = None) -> EngineOptions:
     return EngineOptions(max_num_seqs=settings.max_num_seqs, max_model_len=settings.max_model_len,
                          max_num_batched_tokens=settings.max_num_batched_tokens, max_waiting=settings.max_queue,
-                         moe_vram_budget=moe_vram_budget, cpu_expert_threads=settings.cpu_expert_threads,
+                         moe_vram_budget=settings.moe_vram_budget_bytes, cpu_expert_threads=settings.cpu_expert_threads,
                          cpu_expert_pin=settings.cpu_expert_pin,
                          pcie_expert_percent=settings.pcie_expert_percent, miss_split_file=miss_split_file,
                          kernels_file=kernels_file, precompile_processes=settings.kernel_precompile_processes,

@@ -36,8 +36,8 @@ from engine.checkpoint.prepared_store import (PreparedPlan, PreparedSnapshotErro
                                               invalidate_prepared, read_plan)
 from engine.config import ModelConfig
 from engine.engine_core import DTYPES, EngineCore
+from engine.memory_plan import MemoryPlan, WeightBytes, plan_memory
 from engine.offload.cpu_cores import usable_cores
-from engine.offload.placement import WeightBytes, plan_load
 from engine.tiny.factory import write_tiny_model
 from provision.cache import PREPARED_DIRNAME, check_snapshot, model_home
 from provision.download import DownloadProgress, download_snapshot
@@ -91,7 +91,7 @@ class LoadedModel:
     weights: LoadedWeights
     files: Path  # config, tokenizer and chat template live here
     name: str
-    moe_vram_budget: int | str | None = None  # as resolved for this device and model (engine_core.EngineOptions)
+    plan: MemoryPlan | None = None  # the memory plan the weights were loaded under (engine/memory_plan.py)
     prepare: PreparedWrite | None = None  # a cold start's prepared snapshot, written after ready
     # ready_at=partial: the routed experts still to fill in (worker.serve starts the fill)
     experts: ExpertAvailability | None = None
@@ -178,7 +178,8 @@ def provision_and_load(settings: Settings, clock: StageClock) -> LoadedModel:
             config = ModelConfig.from_dir(files)
             EngineCore.start_warm_up(config, device, DTYPES[dtype], kernels_file,  # while the reads run
                                      settings.kernel_precompile_processes)
-            budget, slots = _placement(settings, config, device, prepared_sizes(read_plan(prepared).meta))
+            plan = _memory_plan(settings, config, device, prepared_sizes(read_plan(prepared).meta))
+            slots = plan.expert_slots
             experts = None
             if settings.ready_at == "partial":
                 weights, stats, experts = open_prepared(prepared, device, settings.download_workers, expert_slots=slots,
@@ -187,7 +188,7 @@ def provision_and_load(settings: Settings, clock: StageClock) -> LoadedModel:
             else:
                 weights, stats = load_prepared(prepared, device, settings.download_workers, expert_slots=slots)
             clock.progress(read_gb_s=round(stats.gb_per_s, 3), bytes=stats.bytes, **_host_memory(rss_before))
-            return LoadedModel(config, weights, files, name, budget, experts=experts,
+            return LoadedModel(config, weights, files, name, plan, experts=experts,
                                miss_split_file=home / MISS_SPLIT_FILE, kernels_file=kernels_file)
         except PreparedSnapshotError as exc:
             clock.stage("repair", reason=_quote(str(exc)))
@@ -198,7 +199,8 @@ def provision_and_load(settings: Settings, clock: StageClock) -> LoadedModel:
     clock.stage("prepare", path=str(prepared), written="after_ready")
     config = ModelConfig.from_dir(files)
     EngineCore.start_warm_up(config, device, DTYPES[dtype], kernels_file, settings.kernel_precompile_processes)
-    budget, slots = _placement(settings, config, device, checkpoint_sizes(files, config))
+    plan = _memory_plan(settings, config, device, checkpoint_sizes(files, config))
+    slots = plan.expert_slots
     start, read = time.perf_counter(), [0]
 
     def report(done: int, total: int) -> None:
@@ -214,7 +216,7 @@ def provision_and_load(settings: Settings, clock: StageClock) -> LoadedModel:
     clock.stage("load", path="in-memory (converted)", bytes=read[0], read_gb_s=round(read[0] / seconds / 1e9, 3),
                 **_host_memory(rss_before), **({"experts": "deferred"} if experts is not None else {}))
     job = PreparedWrite(prepared, {"source": {**wanted, "files": identity.to_dict()}}, weights)
-    return LoadedModel(config, weights, files, name, budget, job, experts, home / MISS_SPLIT_FILE, kernels_file)
+    return LoadedModel(config, weights, files, name, plan, job, experts, home / MISS_SPLIT_FILE, kernels_file)
 
 
 def _rss_gib() -> float:
@@ -258,14 +260,9 @@ def _fetch(source: Source, files: Path, settings: Settings, clock: StageClock) -
     return status.manifest.source
 
 
-def _placement(settings: Settings, config: ModelConfig, device: torch.device, sizes: WeightBytes
-               ) -> tuple[int | str | None, int | None]:
-    """(expert budget to serve with, routed experts per MoE layer to load onto the device) for these weights."""
-    dtype = DTYPES[settings.resolved_dtype()]
-    options = engine_options(settings)
-    caches = EngineCore.cache_bytes(config, options, dtype)
-    return plan_load(settings.moe_vram_budget_bytes, device, sizes, len(config.moe_layers),
-                     config.n_routed_experts, caches, EngineCore.expert_reserve(options))
+def _memory_plan(settings: Settings, config: ModelConfig, device: torch.device, sizes: WeightBytes) -> MemoryPlan:
+    """The memory plan these settings give for these weights on this device, made before they are read."""
+    return plan_memory(config, engine_options(settings), device, DTYPES[settings.resolved_dtype()], sizes)
 
 
 def _resume_problems(source: Source, files: Path, prepared: Path, wanted: dict) -> list[str]:

@@ -44,8 +44,8 @@ def build_served_model(loaded: LoadedModel, settings: Settings) -> ServedModel:
     """An engine over loaded weights, with the tokenizer and chat template from the snapshot's files."""
     files = loaded.files
     tokenizer = Tokenizer.from_file(str(files / "tokenizer.json"))
-    options = engine_options(settings, loaded.moe_vram_budget, loaded.miss_split_file, loaded.kernels_file)
-    core = EngineCore(loaded.config, loaded.weights, options, tokenizer, loaded.experts)
+    options = engine_options(settings, loaded.miss_split_file, loaded.kernels_file)
+    core = EngineCore(loaded.config, loaded.weights, options, tokenizer, loaded.experts, loaded.plan)
     if loaded.prepare is not None and core.offload is not None:
         core.offload.swaps_held = True  # the prepared snapshot is written from the slots and the host bank
     if settings.expert_calibration is not None and core.offload is not None:

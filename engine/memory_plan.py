@@ -1,0 +1,121 @@
+"""Where the device's memory goes, decided once before the load: the request slots and latent pages, the
+prefix cache's tiers, the reserve for the largest step, and the routed experts' share (bytes and slots
+per MoE layer). The server and the offline `LLM` call `plan_memory`; the loaders take its slots, the engine
+its sizes, and nothing measures the device's free memory again.
+
+Experts get what the rest leaves: every MoE layer runs once per token, so the budget is split evenly over
+the layers (`engine/offload/placement.py` decides which experts fill a layer's slots).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from engine.cache import PagedLatents, RequestSlots
+from engine.cache.prefix_cache import TierSize
+from engine.cache.state_rows import state_bytes
+from engine.config import ModelConfig
+from engine.options import EngineOptions
+from engine.offload.placement import slots_per_layer
+
+log = logging.getLogger("glmflash.engine")
+
+AUTO = "auto"  # an expert budget of whatever device memory the other weights and the caches leave
+# Device memory kept beside the weights and caches, sized from the largest step the engine takes (a prefill
+# chunk of max_num_batched_tokens): its transient tensors (mHC streams, projections, the routed pairs' gate, up
+# and down outputs, the indexer's scores over the context), workspaces, the decode graphs' pool and allocator
+# slack. A fixed share of the device (8% before) kept ~11 GiB back on an H200, 8 GiB of it never used: ~11
+# expert slots a layer (ops/BENCHMARKS.md).
+ACTIVATION_BYTES_PER_TOKEN = 1 << 20  # per token of a step, an upper bound at the release's shapes
+SCORE_BYTES_PER_CONTEXT = 4  # per (token of a step, token of its context): the indexer's scores and top-k
+BASE_RESERVE = 2 << 30  # workspaces, the decode graphs' pool, allocator slack
+
+
+@dataclass(frozen=True)
+class WeightBytes:
+    """What a model's weights take in all, and the routed experts' share: enough to place experts before
+    any is read."""
+
+    total: int
+    experts: int
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    request_pages: int  # latent pages the request slots reserve: every slot at max_model_len
+    prefix_device: TierSize  # the prefix cache's snapshots and extra pages on the device
+    prefix_host: TierSize  # and in host RAM (evicted from the device)
+    cache_bytes: int  # device bytes of the slots, all latent pages and the device snapshots
+    reserve_bytes: int  # device bytes kept for the largest step's transient tensors
+    expert_budget: int | None  # device bytes for routed experts; None: every expert resident
+    expert_slots: int | None  # routed experts per MoE layer the loaders put on the device; None: all, or the
+    # weights are in memory already (the engine places them under expert_budget)
+
+    @property
+    def latent_pages(self) -> int:
+        return self.request_pages + self.prefix_device.pages
+
+
+def reserve_bytes(max_batched_tokens: int, max_model_len: int) -> int:
+    """Device bytes kept back from expert slots for the largest step's transient tensors."""
+    return BASE_RESERVE + max_batched_tokens * (ACTIVATION_BYTES_PER_TOKEN + SCORE_BYTES_PER_CONTEXT * max_model_len)
+
+
+def build_caches(config: ModelConfig, options: EngineOptions, plan: MemoryPlan, device: torch.device,
+                 dtype: torch.dtype) -> tuple[RequestSlots, PagedLatents]:
+    """The request slots and the latent pages (the requests' and the prefix cache's device pages) the plan sized."""
+    return (RequestSlots(config, options.max_num_seqs, device, dtype),
+            PagedLatents(config, plan.latent_pages, options.page_size, device, dtype))
+
+
+def plan_memory(config: ModelConfig, options: EngineOptions, device: torch.device, dtype: torch.dtype,
+                weights: WeightBytes | None = None, free_bytes: int | None = None) -> MemoryPlan:
+    """The plan for these options. `weights`: what a load will bring (None: the weights are in memory already,
+    and `free_bytes` what they left). `free_bytes`: the device's free memory now (measured on CUDA when not
+    given; none on the CPU)."""
+    request_pages = options.max_num_seqs * -(-options.max_model_len // options.page_size)
+
+    def tier(budget: int) -> TierSize:
+        return TierSize.of(budget, config, options.page_size, dtype, request_pages) if options.prefix_cache \
+            else TierSize(0, 0)
+
+    prefix_device, prefix_host = tier(options.prefix_cache_bytes), tier(options.prefix_cache_host_bytes)
+    reserve = reserve_bytes(options.max_num_batched_tokens, options.max_model_len)
+    plan = MemoryPlan(request_pages, prefix_device, prefix_host, 0, reserve, None, None)
+    meta = build_caches(config, options, plan, torch.device("meta"), dtype)
+    caches = prefix_device.snapshots * state_bytes(config, options.page_size, dtype) + sum(
+        t.numel() * t.element_size() for cache in meta for t in vars(cache).values() if isinstance(t, torch.Tensor))
+    if free_bytes is None:
+        free_bytes = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else 0
+    budget = _expert_budget(options.moe_vram_budget, device, weights, caches, reserve, free_bytes) \
+        if config.moe_layers else None
+    slots = None
+    if budget is not None and weights is not None:
+        per_expert = max(1, weights.experts // (len(config.moe_layers) * config.n_routed_experts))
+        slots = slots_per_layer(budget, per_expert, len(config.moe_layers), config.n_routed_experts)
+    plan = MemoryPlan(request_pages, prefix_device, prefix_host, caches, reserve, budget, slots)
+    log.info("event=memory_plan free_gib=%.2f cache_gib=%.2f reserve_gib=%.2f expert_budget_gib=%s "
+             "expert_slots_per_layer=%s prefix_snapshots=%d prefix_pages=%d", free_bytes / 2 ** 30,
+             caches / 2 ** 30, reserve / 2 ** 30, "none" if budget is None else f"{budget / 2 ** 30:.2f}",
+             "all" if slots is None else slots, prefix_device.snapshots, prefix_device.pages)
+    return plan
+
+
+def _expert_budget(requested: int | str | None, device: torch.device, weights: WeightBytes | None, caches: int,
+                   reserve: int, free: int) -> int | None:
+    """Device bytes for routed experts: the ones asked for; with AUTO, or on a GPU the weights do not fit (their
+    bytes and the caches' against free memory less the reserve), what the other weights and the caches leave
+    of the free memory, less the reserve; else None (every expert resident)."""
+    if requested is None:
+        if device.type != "cuda" or weights is None or weights.total + caches <= free - reserve:
+            return None
+        requested = AUTO
+    if requested != AUTO:
+        if requested < 0:
+            raise ValueError(f"expert VRAM budget must be >= 0 bytes, got {requested}")
+        return requested
+    others = 0 if weights is None else weights.total - weights.experts
+    return max(0, free - reserve - others - caches)

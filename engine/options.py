@@ -1,0 +1,32 @@
+"""The engine's options: the sizes its memory plan follows (engine/memory_plan.py), hybrid offload's knobs, the
+prefix cache's budgets. Every field has its default here; the worker's settings and `LLM` fill them."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+
+@dataclass(frozen=True)
+class EngineOptions:
+    max_num_seqs: int = 8
+    max_model_len: int = 8192
+    max_num_batched_tokens: int = 2048
+    max_waiting: int = 256
+    page_size: int = 64
+    cuda_graphs: bool = True  # capture decode steps at load (CUDA with the Triton kernels only)
+    # Bytes of device memory for routed experts, the rest in host RAM; "auto": what the other weights and the
+    # caches leave; None: every expert resident where the weights fit (engine/memory_plan.py decides).
+    moe_vram_budget: int | str | None = None
+    max_expert_swaps: int = 4  # host experts moved into device slots between two steps, at most
+    cpu_expert_threads: int | None = None  # threads of the CPU expert executor; None: torch's thread count
+    cpu_expert_pin: bool = True  # with a GPU, one core per CPU expert thread where the CPU mask allows
+    # Share (percent) of a decode step's missed experts copied over PCIe and run on the GPU, the rest on the
+    # CPU; None: from the two rates measured at load (CUDA), 0 elsewhere.
+    pcie_expert_percent: int | None = None
+    miss_split_file: Path | None = None  # where the measured CPU and PCIe rates are kept between starts
+    kernels_file: Path | None = None  # the Triton specializations compiled, preloaded by the next start
+    precompile_processes: int | None = None  # children compiling them meanwhile (0: none; None: by the cores)
+    prefix_cache: bool = True  # start requests from the saved state of their longest cached prefix
+    prefix_cache_bytes: int = 4 << 30  # device memory for cached prefixes (snapshots and extra pages)
+    prefix_cache_host_bytes: int = 0  # host RAM for prefixes evicted from the device (0: none, evictions drop)

@@ -1,0 +1,100 @@
+"""The memory plan: made once before the load, from the free memory, the options and the model; the caches it
+sizes are the ones the engine allocates, and the offline `LLM` and the server get the same plan."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from engine import LLM
+from engine.cache.state_rows import state_bytes
+from engine.checkpoint.loader import checkpoint_sizes
+from engine.config import ModelConfig
+from engine.memory_plan import AUTO, WeightBytes, build_caches, plan_memory, reserve_bytes
+from engine.options import EngineOptions
+from provision.settings import Settings
+from worker.engine_options import engine_options
+
+CPU = torch.device("cpu")
+SIZES = EngineOptions(max_num_seqs=2, max_model_len=256, max_num_batched_tokens=128, prefix_cache_bytes=1 << 20)
+
+
+@pytest.fixture(scope="module")
+def config(tiny_dir) -> ModelConfig:
+    return ModelConfig.from_dir(tiny_dir("nvfp4-ct"))
+
+
+def plan(config: ModelConfig, budget: int | str | None, device: torch.device = CPU, free: int | None = None,
+         weights: WeightBytes | None = None):
+    """The plan for SIZES with an expert budget, over weights of 1000 bytes plus 50 a routed expert."""
+    experts = 50 * len(config.moe_layers) * config.n_routed_experts
+    weights = weights or WeightBytes(1000 + experts, experts)
+    return plan_memory(config, dataclasses.replace(SIZES, moe_vram_budget=budget), device, torch.float32, weights,
+                       free)
+
+
+def test_the_plan_places_experts_before_loading(config):
+    layers, experts = len(config.moe_layers), config.n_routed_experts
+    assert (plan(config, None).expert_budget, plan(config, None).expert_slots) == (None, None)
+    assert (plan(config, 3 * layers * 50).expert_budget, plan(config, 3 * layers * 50).expert_slots) == (
+        3 * layers * 50, 3)
+    assert plan(config, 10 ** 9).expert_slots == experts  # never more than all
+    assert (plan(config, AUTO).expert_budget, plan(config, AUTO).expert_slots) == (0, 0)  # no GPU memory to fill
+    with pytest.raises(ValueError, match=">= 0 bytes"):
+        plan(config, -1)
+
+
+def test_auto_is_what_the_other_weights_the_caches_and_the_reserve_leave(config):
+    free = 50 * 2 ** 30
+    auto = plan(config, AUTO, free=free)
+    others = 1000
+    assert auto.expert_budget == free - auto.reserve_bytes - others - auto.cache_bytes
+    assert plan(config, AUTO, free=auto.reserve_bytes).expert_budget == 0  # never below nothing
+    in_memory = plan_memory(config, dataclasses.replace(SIZES, moe_vram_budget=AUTO), CPU, torch.float32, None, free)
+    assert in_memory.expert_budget == free - in_memory.reserve_bytes - in_memory.cache_bytes
+    assert in_memory.expert_slots is None  # the engine places the stacks already in memory under the budget
+
+
+def test_unset_budget_is_auto_only_on_a_gpu_the_weights_do_not_fit(config):
+    cuda = torch.device("cuda")  # the plan only reads the device's type when its free memory is given
+    fits = plan(config, None, cuda, free=10 ** 12)
+    assert fits.expert_budget is None and fits.expert_slots is None
+    tight = plan(config, None, cuda, free=fits.reserve_bytes + fits.cache_bytes + 1000 + 50 * 4)
+    assert tight.expert_budget == 50 * 4 and tight.expert_slots == 4 // len(config.moe_layers)
+    assert plan(config, None, CPU, free=0).expert_budget is None  # the CPU serves from its own memory
+    assert plan(config, 123).expert_budget == 123  # what was asked for stands
+
+
+def test_the_reserve_grows_with_the_largest_step():
+    """2 GiB, 1 MiB a token of the largest step, 4 bytes a (token, context token) pair: 4.06 GiB at the defaults
+    (2,048 tokens, 8,192 of context) where a fixed 8% of an H200 kept 10.5 GiB back."""
+    gib, mib = 2 ** 30, 2 ** 20
+    assert reserve_bytes(0, 8192) == 2 * gib
+    assert reserve_bytes(2048, 8192) == 2 * gib + 2048 * mib + 2048 * 8192 * 4
+    assert reserve_bytes(2048, 131072) - reserve_bytes(2048, 8192) == 2048 * (131072 - 8192) * 4
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_caches_it_counts_are_the_ones_the_engine_allocates(config, dtype):
+    made = plan_memory(config, SIZES, CPU, dtype)
+    assert made.prefix_device.snapshots > 0 and made.prefix_device.pages > 0
+    slots, latents = build_caches(config, SIZES, made, CPU, dtype)
+    allocated = sum(t.numel() * t.element_size() for cache in (slots, latents) for t in vars(cache).values()
+                    if isinstance(t, torch.Tensor))
+    assert latents.num_pages == made.request_pages + made.prefix_device.pages
+    assert made.cache_bytes == allocated + made.prefix_device.snapshots * state_bytes(config, SIZES.page_size, dtype)
+
+
+def test_the_offline_llm_and_the_server_make_the_same_plan(tiny_dir):
+    snapshot = tiny_dir("nvfp4-ct")
+    llm = LLM(snapshot, "cpu", "float32", max_num_seqs=2, max_model_len=256, max_num_batched_tokens=128,
+              moe_vram_budget=0)
+    settings = Settings(max_num_seqs=2, max_model_len=256, max_num_batched_tokens=128, moe_vram_budget_gib=0.0,
+                        prefix_cache_gib=4.0)
+    config = ModelConfig.from_dir(snapshot)
+    served = plan_memory(config, engine_options(settings), CPU, torch.float32, checkpoint_sizes(snapshot, config))
+    assert llm.core.plan == served
+    assert llm.core.offload is not None and len(llm.core.offload.resident[config.moe_layers[0]]) == 0
+    assert llm.core.cache.num_pages == served.latent_pages
