@@ -19,10 +19,9 @@ from tokenizers import Tokenizer
 
 from engine.detokenizer import IncrementalDetokenizer
 from engine.engine_core import EngineCore, EngineStats, RequestPhases, StepOutput
-from engine.sampler import TokenLogprobs
 from engine.sampling_params import SamplingParams
 from engine.scheduler import QueueFull
-from engine.sequence import Sequence
+from engine.sequence import Sequence, TokenLogprobs
 
 log = logging.getLogger("glmflash.engine")
 
@@ -95,7 +94,7 @@ class AsyncEngine:
 
     def check(self, prompt_len: int, max_tokens: int) -> None:
         """ValueError if the request can never fit this engine (context length)."""
-        self.core.scheduler.check(prompt_len, max_tokens)
+        self.core.check(prompt_len, max_tokens)
 
     async def generate(self, prompt_token_ids: list[int], params: SamplingParams,
                        request_id: str | None = None) -> AsyncIterator[GenerationDelta]:
@@ -108,8 +107,8 @@ class AsyncEngine:
                       else self.core.constraint(request_id, params))
         queue: asyncio.Queue = asyncio.Queue()
         with self._cv:
-            waiting = len(self.core.scheduler.waiting) + len(self._incoming)
-            if waiting >= self.core.scheduler.limits.max_waiting:
+            waiting = self.core.num_waiting + len(self._incoming)
+            if waiting >= self.core.max_waiting:
                 raise QueueFull(f"{waiting} requests already waiting")
             self._streams[request_id] = queue
             self._incoming.append(Sequence(request_id, list(prompt_token_ids), params, constraint=constraint))
@@ -196,14 +195,14 @@ class AsyncEngine:
         incoming[:] = [s for s in incoming if s.request_id != request_id]
 
     def _step(self) -> None:
-        running = [seq.request_id for seq in self.core.scheduler.running]
+        running = self.core.running_ids()
         try:
             outputs = self.core.step()
         except Exception as exc:  # keep serving: fail this step's requests, not the process
             log.exception("event=engine_step_failed")
             # Also those the step admitted: their prompt may have run without a token sampled, leaving
             # nothing to run next step (a zero-token forward that fails every request batched with it).
-            running += [seq.request_id for seq in self.core.scheduler.running if seq.request_id not in running]
+            running += [rid for rid in self.core.running_ids() if rid not in running]
             failed = {rid: EngineError(f"engine step failed: {exc}") for rid in running}
             for rid in running:
                 self.core.abort(rid)

@@ -9,7 +9,9 @@ import torch
 
 from engine.checkpoint.loader import LoadedWeights
 from engine.config import ModelConfig
-from engine.engine_core import EngineCore, EngineOptions
+from engine.engine_core import EngineCore
+from engine.loading import load_engine
+from engine.options import EngineOptions
 from engine.sampling_params import SamplingParams
 from engine.sequence import RequestOutput, Sequence
 
@@ -23,7 +25,7 @@ class LLM:
         engine = EngineOptions(max_num_seqs, max_model_len, max_num_batched_tokens, page_size=page_size,
                                cuda_graphs=cuda_graphs, moe_vram_budget=moe_vram_budget, prefix_cache=prefix_cache,
                                pcie_expert_percent=pcie_expert_percent, **options)
-        self._init(EngineCore.from_snapshot(model, device, dtype, engine))
+        self._init(load_engine(model, device, dtype, engine))
 
     @classmethod
     def from_weights(cls, config: ModelConfig, weights: LoadedWeights, **options) -> "LLM":
@@ -60,16 +62,7 @@ class LLM:
         return outputs
 
     def _prefill_once(self, token_ids: list[int], layer_outputs: list[torch.Tensor] | None = None) -> torch.Tensor:
-        if self.core.has_work:
-            raise RuntimeError("prompt_logits needs an idle engine")
-        seq = self._sequence(token_ids, SamplingParams(max_tokens=1))
-        self.scheduler.check(len(token_ids), 1)
-        if not self.scheduler.try_admit(seq):
-            raise RuntimeError("no free slot or cache pages for the prompt")
-        try:
-            return self.runner.run([(seq, len(token_ids))], all_rows=True, layer_outputs=layer_outputs)
-        finally:
-            self.scheduler.finish(seq)
+        return self.core.score_prompt(self._sequence(token_ids, SamplingParams(max_tokens=1)), layer_outputs)
 
     def _sequence(self, token_ids: list[int], params: SamplingParams) -> Sequence:
         return Sequence(str(next(self._ids)), list(token_ids), params)

@@ -1,7 +1,7 @@
 """Where the device's memory goes, decided once before the load: the request slots and latent pages, the
 prefix cache's tiers, the reserve for the largest step, and the routed experts' share (bytes and slots
-per MoE layer). The server and the offline `LLM` call `plan_memory`; the loaders take its slots, the engine
-its sizes, and nothing measures the device's free memory again.
+per MoE layer, and the host banks' spare entries). The server and the offline `LLM` call `plan_memory`;
+the loaders take its slots, the engine its sizes, and nothing measures the device's free memory again.
 
 Experts get what the rest leaves: every MoE layer runs once per token, so the budget is split evenly over
 the layers (`engine/offload/placement.py` decides which experts fill a layer's slots).
@@ -57,6 +57,16 @@ class MemoryPlan:
     @property
     def latent_pages(self) -> int:
         return self.request_pages + self.prefix_device.pages
+
+
+# Empty host bank entries per MoE layer beside its hosted experts: a swap copies the outgoing device expert into
+# one while the incoming expert is still served from its own entry, so no step waits for a swap's copies.
+HOST_SPARES = 1
+
+
+def spare_entries(hosted: int) -> int:
+    """Spare entries of a host bank holding `hosted` experts (none where nothing can move in or out)."""
+    return HOST_SPARES if hosted else 0
 
 
 def reserve_bytes(max_batched_tokens: int, max_model_len: int) -> int:

@@ -1,9 +1,9 @@
-"""Tensors in, logits out: turns a scheduled step into a ForwardBatch and runs the model.
+"""Tensors in, logits out: turns a step plan into a ForwardBatch and runs the model; it changes no request.
 
 A step where every request adds one token takes the static decode path (DecodeMeta), replayed
 from a CUDA graph when one was captured for a batch that large; any other step runs eagerly with
 per-request spans. A request that asks for its prompt's logprobs gets them from the rows of its
-prefill chunks, as they run.
+prefill chunks, as they run (in the step's result).
 """
 
 from __future__ import annotations
@@ -14,13 +14,12 @@ from typing import Callable
 import torch
 
 from engine.cache import PagedLatents, RequestSlots
-from engine.cache.state_rows import StepSaves
 from engine.decode_graphs import DecodeGraphs
 from engine.model.batch import DecodeMeta, ForwardBatch, SeqSpan
 from engine.model.glm5_next import Glm5NextModel
 from engine.sampler import token_logprobs
-from engine.scheduler import Scheduled
-from engine.sequence import Sequence
+from engine.sequence import Sequence, TokenLogprobs
+from engine.step_plan import StepPlan, StepResult
 
 
 class ModelRunner:
@@ -34,24 +33,17 @@ class ModelRunner:
         self.graphs = DecodeGraphs(self.model, self.slots, self.cache, self.max_pages, sizes, before_replay)
         return self.graphs.capture_s
 
-    def run(self, scheduled: Scheduled, all_rows: bool = False, layer_outputs: list[torch.Tensor] | None = None,
-            saves: StepSaves | None = None) -> torch.Tensor:
-        """Logits for the last token of each span that reaches its request's end (one row per such span,
-        in order), or for every token with `all_rows`. A prefill chunk that stops short needs no logits.
-        `saves`: requests whose chunk runs through their prompt's last token as a one-token row, their state
-        saved before it."""
-        if not all_rows and layer_outputs is None and all(new == 1 == seq.pending for seq, new in scheduled):
-            logits = self._decode(scheduled)
-        else:
-            logits = self._spans(scheduled, all_rows, layer_outputs, saves)
-        for seq, new in scheduled:
-            seq.cached += new
-        return logits
+    def run(self, plan: StepPlan, layer_outputs: list[torch.Tensor] | None = None) -> StepResult:
+        """Logits for the plan's `to_sample` requests (one row each, in order), or for every token with
+        `all_rows`: a prefill chunk that stops short needs none. Requests in `snapshot_saves` run their prompt's
+        last token as a one-token row, their state saved before it."""
+        if plan.is_decode and layer_outputs is None:
+            return StepResult(self._decode([span.seq for span in plan.spans]))
+        return self._spans(plan, layer_outputs)
 
-    def _decode(self, scheduled: Scheduled) -> torch.Tensor:
-        seqs = [seq for seq, _ in scheduled]
-        tokens = torch.tensor([seq.token_ids[seq.cached] for seq in seqs])
-        return self._decode_step(tokens, *self._decode_rows([(seq, seq.cached) for seq in seqs]))
+    def _decode(self, seqs: list[Sequence]) -> torch.Tensor:
+        tokens = torch.tensor([seq.token_ids[seq.num_computed] for seq in seqs])
+        return self._decode_step(tokens, *self._decode_rows([(seq, seq.num_computed) for seq in seqs]))
 
     def _decode_rows(self, rows: list[tuple[Sequence, int]]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Host tensors (slots, positions, page table padded with the scratch page) of requests adding one
@@ -92,47 +84,47 @@ class ModelRunner:
             times.append(time.perf_counter() - start)
         return sorted(times[1:])[steps // 2]
 
-    def _spans(self, scheduled: Scheduled, all_rows: bool, layer_outputs: list[torch.Tensor] | None,
-               saves: StepSaves | None) -> torch.Tensor:
-        device = self.model.device
+    def _spans(self, plan: StepPlan, layer_outputs: list[torch.Tensor] | None) -> StepResult:
+        device, saves = self.model.device, plan.snapshot_saves
         tokens: list[int] = []
         spans: list[SeqSpan] = []
-        single: list[tuple[Sequence, int]] = []  # one-token spans: (request, position)
+        one_token_rows: list[tuple[Sequence, int]] = []  # one-token spans: (request, position)
         rows: list[int] = []
         sampled: list[int] = []  # which of `rows` the step samples from
         prompt_rows: list[tuple[Sequence, int, int]] = []  # (seq, its first row in `rows`, rows)
-        for seq, new in scheduled:
+        for span in plan.spans:
+            seq, new, computed = span.seq, span.num_new, span.seq.num_computed
             parts = [new - 1, 1] if saves is not None and seq in saves.requests else [new]
             for offset, part in zip((0, new - 1), parts):
-                spans.append(SeqSpan(len(tokens) + offset, part, seq.cached + offset, seq.slot, seq.pages))
+                spans.append(SeqSpan(len(tokens) + offset, part, computed + offset, seq.slot, seq.pages))
                 if part == 1:
-                    single.append((seq, seq.cached + offset))
+                    one_token_rows.append((seq, computed + offset))
             start = len(tokens)
-            tokens.extend(seq.token_ids[seq.cached:seq.cached + new])
-            if all_rows:
+            tokens.extend(seq.token_ids[computed:computed + new])
+            if plan.all_rows:
                 rows.extend(range(start, start + new))
                 continue
             if seq.params.prompt_logprobs is not None:  # positions whose next token is a prompt token
-                count = min(seq.cached + new, len(seq.prompt_token_ids) - 1) - seq.cached
+                count = min(computed + new, len(seq.prompt_token_ids) - 1) - computed
                 if count > 0:
                     prompt_rows.append((seq, len(rows), count))
                     rows.extend(range(start, start + count))
-            if seq.cached + new == seq.num_tokens:
+            if span.samples:
                 sampled.append(len(rows))
                 rows.append(start + new - 1)
-        batch = ForwardBatch(torch.tensor(tokens, dtype=torch.long, device=device), spans,
-                             single=self._decode_meta(*self._decode_rows(single)) if single else None, saves=saves)
+        one_token = self._decode_meta(*self._decode_rows(one_token_rows)) if one_token_rows else None
+        batch = ForwardBatch(torch.tensor(tokens, dtype=torch.long, device=device), spans, one_token=one_token,
+                             snapshot_saves=saves)
         logits = self.model.forward(batch, self.slots, self.cache, torch.tensor(rows, dtype=torch.long, device=device),
                                     layer_outputs)
         if not prompt_rows:
-            return logits
-        for seq, first, count in prompt_rows:
-            _record_prompt_logprobs(seq, logits[first:first + count])
-        return logits[torch.tensor(sampled, dtype=torch.long, device=device)]
+            return StepResult(logits)
+        scored = {seq: _prompt_logprobs(seq, logits[first:first + count]) for seq, first, count in prompt_rows}
+        return StepResult(logits[torch.tensor(sampled, dtype=torch.long, device=device)], scored)
 
 
-def _record_prompt_logprobs(seq: Sequence, logits: torch.Tensor) -> None:
-    """Logits of the rows at positions seq.cached.. -> the logprobs of the prompt tokens after them (the
+def _prompt_logprobs(seq: Sequence, logits: torch.Tensor) -> list[TokenLogprobs]:
+    """Logits of the rows at positions seq.num_computed.. -> the logprobs of the prompt tokens after them (the
     scheduler keeps such a request's chunks to PROMPT_LOGPROB_CHUNK rows)."""
-    targets = seq.prompt_token_ids[seq.cached + 1:seq.cached + 1 + logits.shape[0]]
-    seq.prompt_logprobs.extend(token_logprobs(logits, targets, seq.params.prompt_logprobs))
+    targets = seq.prompt_token_ids[seq.num_computed + 1:seq.num_computed + 1 + logits.shape[0]]
+    return token_logprobs(logits, targets, seq.params.prompt_logprobs)

@@ -7,22 +7,15 @@ temperature), as OpenAI reports them; a structured-output mask is already applie
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Callable
 
 import torch
 
-from engine.sequence import Sequence
+from engine.sequence import Sequence, TokenLogprobs
 
 
 # (tokens so far: prompt + output, logits [V]) -> logits; applied before penalties and sampling.
 LogitsProcessor = Callable[[list[int], torch.Tensor], torch.Tensor]
-
-
-@dataclass
-class TokenLogprobs:
-    logprob: float  # of the chosen token
-    top: list[tuple[int, float]]  # (token id, logprob), best first
 
 
 def sample_batch(logits: torch.Tensor, seqs: list[Sequence]) -> list[tuple[int, TokenLogprobs | None]]:

@@ -11,6 +11,10 @@ A request is admitted when a state slot and the cache pages for prompt + max_tok
 reserves them, so it never waits for memory later.
 The waiting queue is bounded: past it `add` raises QueueFull and the caller answers "retry later".
 
+A step is plain data (engine/step_plan.py): `schedule` plans it, the runner computes it, and `update` is
+the one place a request advances: its computed tokens, the prefix cache's records, its sampled token,
+its finish (a finished request's slot and pages are freed there).
+
 With a prefix cache, admission starts a request from its longest cached prefix (cached pages it
 reuses are not reserved again, cached pages nobody uses are evicted to make room), prefill chunks
 end where the cache wants a snapshot, and a request whose prompt another request is still
@@ -19,14 +23,17 @@ prefilling waits for that prefix instead of computing it a second time.
 
 from __future__ import annotations
 
+import time
 from collections import deque
+from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import Iterator
 
 from engine.cache import PagedLatents, RequestSlots
 from engine.cache.prefix_cache import PrefixCache, PrefixHit
-from engine.sequence import Sequence
+from engine.sequence import Sequence, TokenLogprobs
+from engine.step_plan import StepPlan, StepResult
 
-Scheduled = list[tuple[Sequence, int]]  # (request, tokens to run this step)
 PROMPT_LOGPROB_CHUNK = 512  # prompt tokens per step of a request that asks for their logprobs
 
 
@@ -68,12 +75,26 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def schedule(self) -> Scheduled:
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    def running_ids(self) -> list[str]:
+        return [seq.request_id for seq in self.running]
+
+    def schedule(self) -> StepPlan:
+        """The next step: every decoding request's token, then prefill chunks within the token budget."""
+        started = time.perf_counter()
+        plan = self._plan()
+        saves = self.prefix.step_saves(self.cache.latents.device) if self.prefix else None
+        return StepPlan.of(plan, saves, started=started)
+
+    def _plan(self) -> list[tuple[Sequence, int]]:
         budget = self.limits.max_num_batched_tokens
         plan: dict[Sequence, int] = {}
-        decoding = [s for s in self.running if s.pending == 1 and s.cached >= len(s.prompt_token_ids)]
+        decoding = [s for s in self.running if s.num_to_compute == 1 and s.num_computed >= len(s.prompt_token_ids)]
         prefilling = [s for s in self.running if s not in decoding]
-        finishing = [s for s in prefilling if s.pending == 1]
+        finishing = [s for s in prefilling if s.num_to_compute == 1]
         if finishing:  # prompts' last tokens (the prefix cache held them back for a snapshot)
             return [(seq, 1) for seq in decoding + finishing]
         for seq in decoding:
@@ -108,8 +129,8 @@ class Scheduler:
         there); a request scoring its prompt (prompt logprobs) at most PROMPT_LOGPROB_CHUNK, as each of its
         tokens brings a row of logits (0.6 GB per 1,000 tokens at the release's vocabulary)."""
         limit = self.prefix.chunk_limit(seq) if self.prefix else None
-        scored = PROMPT_LOGPROB_CHUNK if seq.params.prompt_logprobs is not None else seq.pending
-        tokens = min(seq.pending, budget, limit or seq.pending, scored)
+        scored = PROMPT_LOGPROB_CHUNK if seq.params.prompt_logprobs is not None else seq.num_to_compute
+        tokens = min(seq.num_to_compute, budget, limit or seq.num_to_compute, scored)
         return self.prefix.through_last(seq, tokens, budget) if self.prefix else tokens
 
     def try_admit(self, seq: Sequence, hit: PrefixHit | None = None) -> bool:
@@ -132,11 +153,47 @@ class Scheduler:
         self.running.append(seq)
         return True
 
-    def commit(self, scheduled: Scheduled) -> None:
-        """After the step ran: the prefix cache records what the scheduled requests computed."""
-        if self.prefix is not None:
-            for seq, _ in scheduled:
-                self.prefix.commit(seq)
+    def admit_now(self, seq: Sequence) -> None:
+        """Admit `seq` outside the queue, for a prompt scored whole (prompt logits); RuntimeError when no slot or
+        pages are free."""
+        self.check(len(seq.prompt_token_ids), seq.params.max_tokens)
+        if not self.try_admit(seq):
+            raise RuntimeError("no free slot or cache pages for the prompt")
+
+    @contextmanager
+    def prefix_cache_off(self) -> Iterator[None]:
+        """Requests scheduled meanwhile neither use nor fill the prefix cache (warm-up's random prompts)."""
+        prefix, self.prefix = self.prefix, None
+        try:
+            yield
+        finally:
+            self.prefix = prefix
+
+    def advance(self, plan: StepPlan, result: StepResult) -> None:
+        """The step ran: its requests' computed tokens, prompt logprobs and first step's time, and the prefix
+        cache's records of them."""
+        for span in plan.spans:
+            span.seq.started = plan.started if span.seq.started is None else span.seq.started
+            span.seq.num_computed += span.num_new
+            span.seq.prompt_logprobs.extend(result.prompt_logprobs.get(span.seq, ()))
+            if self.prefix is not None:
+                self.prefix.commit(span.seq)
+
+    def update(self, plan: StepPlan, result: StepResult, sampled: list[tuple[int, TokenLogprobs | None]],
+               eos_token_ids: tuple[int, ...]) -> list[Sequence]:
+        """The one place requests advance after a step: `advance`, then each sampled token appended (and taken
+        by the request's constraint), finishes decided and the finished requests' slots and pages freed.
+        -> the finished requests."""
+        self.advance(plan, result)
+        finished = []
+        for seq, (token, _) in zip(plan.to_sample, sampled):
+            seq.append(token, eos_token_ids)
+            if seq.constraint is not None:
+                seq.constraint.accept(token)
+            if seq.finished:
+                self.finish(seq)
+                finished.append(seq)
+        return finished
 
     def finish(self, seq: Sequence) -> None:
         """Release a finished or aborted request's slot and pages (it may still be waiting)."""

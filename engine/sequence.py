@@ -10,8 +10,13 @@ import torch
 from engine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
-    from engine.sampler import TokenLogprobs
     from engine.structured.constraint import RequestConstraint
+
+
+@dataclass
+class TokenLogprobs:
+    logprob: float  # of the chosen token
+    top: list[tuple[int, float]]  # (token id, logprob), best first
 
 
 @dataclass(eq=False)  # identity: a request is itself, whatever its tokens
@@ -22,7 +27,7 @@ class Sequence:
     output_token_ids: list[int] = field(default_factory=list)
     slot: int | None = None
     pages: list[int] = field(default_factory=list)
-    cached: int = 0  # tokens whose state is already in the slot and pages
+    num_computed: int = 0  # tokens whose state is already in the slot and pages
     cached_prompt_tokens: int = 0  # prompt tokens restored from the prefix cache instead of computed
     finish_reason: str | None = None
     generator: torch.Generator | None = None
@@ -46,9 +51,9 @@ class Sequence:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
 
     @property
-    def pending(self) -> int:
+    def num_to_compute(self) -> int:
         """Known tokens not yet run through the model (the prompt remainder, or the last sampled token)."""
-        return self.num_tokens - self.cached
+        return self.num_tokens - self.num_computed
 
     @property
     def finished(self) -> bool:

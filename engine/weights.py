@@ -13,7 +13,7 @@ from typing import Union
 
 import torch
 
-from engine.checkpoint.quant import FP8_BLOCK, dequantize_fp8_block, dequantize_nvfp4
+from engine.quant import FP8_BLOCK, dequantize_fp8_block, dequantize_nvfp4
 
 
 @dataclass

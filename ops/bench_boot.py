@@ -47,8 +47,8 @@ from pathlib import Path
 from engine.checkpoint.loader import shard_files
 from engine.checkpoint.prepared_store import read_plan
 from ops.page_cache import evict, faster, raw_read
-from provision.settings import Settings
 from worker.provisioning import model_spec
+from worker.settings import Settings
 
 TARGETS = {"cold": (1.25, 15.0), "fast_resume": (1.1, 10.0)}  # ready within factor x raw read + seconds
 PARTIAL_FIRST_TOKEN_S = 30.0

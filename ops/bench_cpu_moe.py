@@ -32,7 +32,7 @@ import torch
 
 from engine.experts.hybrid import expert_nbytes
 from engine.kernels.experts.cpu_gemv import ExpertStacks, pin_workers, simd_path
-from engine.offload.cpu_cores import worker_cpus
+from engine.cpu_cores import worker_cpus
 from engine.offload.host_memory import host_copy
 from engine.offload.host_steps import SPIN_NS, HostSteps
 from engine.weights import Fp8BlockWeight, Nvfp4Weight, map_tensors

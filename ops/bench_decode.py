@@ -87,10 +87,10 @@ def distinct_experts(llm: LLM, batch: int, context: int) -> float:
         def __init__(self, inner) -> None:
             self.inner = inner
 
-        def __call__(self, layer, x, expert_ids, weights, beside=None):
+        def __call__(self, layer, x, expert_ids, weights, shared_expert=None):
             if x.shape[0] == batch:  # a step of the decode batch (prefill chunks have other sizes)
                 seen.append(int(expert_ids.unique().numel()))
-            return self.inner(layer, x, expert_ids, weights, beside)
+            return self.inner(layer, x, expert_ids, weights, shared_expert)
 
     moes = [layer.mlp for layer in llm.model.layers if isinstance(layer.mlp, MoE)]
     graphs, llm.runner.graphs = llm.runner.graphs, None

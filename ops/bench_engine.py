@@ -100,14 +100,14 @@ def time_engine(llm: LLM, prompt: list[int], decode_steps: int, device: torch.de
     step = llm.scheduler.schedule()
     sync(device)
     start = time.perf_counter()
-    logits = llm.runner.run(step)
+    logits = llm.core.teacher_forced_step(step)
     sync(device)
     prefill_s = time.perf_counter() - start
     times = []
     for _ in range(decode_steps):
         seq.output_token_ids.append(int(logits[-1].argmax()))
         start = time.perf_counter()
-        logits = llm.runner.run([(seq, 1)])
+        logits = llm.core.teacher_forced_step([(seq, 1)])
         sync(device)
         times.append(time.perf_counter() - start)
     if profile:
@@ -116,7 +116,7 @@ def time_engine(llm: LLM, prompt: list[int], decode_steps: int, device: torch.de
         activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
         with torch_profile(activities=activities) as prof:
             seq.output_token_ids.append(int(logits[-1].argmax()))
-            llm.runner.run([(seq, 1)])
+            llm.core.teacher_forced_step([(seq, 1)])
             sync(device)
         sort = "cuda_time_total" if device.type == "cuda" else "cpu_time_total"
         print(prof.key_averages().table(sort_by=sort, row_limit=25), flush=True)

@@ -17,7 +17,7 @@ import argparse
 import json
 from pathlib import Path
 
-from engine.kernels.kernel_manifest import packaged_manifest, read_manifest
+from engine.kernels.manifest_store import packaged_manifest, read_manifest
 
 
 def resettle(manifest: Path) -> int:
@@ -25,7 +25,7 @@ def resettle(manifest: Path) -> int:
     -> entries changed. For a manifest recorded before keys were settled; run it where the manifest's
     kernels run (a kernel reading the hardware at import may hash otherwise elsewhere)."""
     from engine.kernels.cache_keys import settle_kernel_keys
-    from engine.kernels.kernel_manifest import resolve
+    from engine.kernels.manifest_store import resolve
 
     settle_kernel_keys()
     shipped = json.loads(manifest.read_text())

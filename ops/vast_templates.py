@@ -117,10 +117,10 @@ def extra_filters_for(query: str) -> dict[str, dict[str, Any]]:
 
 
 def settings_env_names() -> set[str]:
-    """Every environment name that provision.settings.Settings reads."""
+    """Every environment name that worker.settings.Settings reads."""
     from pydantic import AliasChoices
 
-    from provision.settings import Settings
+    from worker.settings import Settings
 
     names = set()
     for f in Settings.model_fields.values():
@@ -215,7 +215,7 @@ def validate_template(t: dict[str, Any], source: str = "template") -> list[str]:
         elif key in PLATFORM_INJECTED:
             err(f"env sets {key}: the platform injects it (setting it fakes or breaks Vast mode)")
         elif key not in known:
-            err(f"env sets {key}, which provision.settings.Settings does not read")
+            err(f"env sets {key}, which worker.settings.Settings does not read")
     model = variables.get("GLMFLASH_MODEL", variables.get("MODEL_NAME"))
     revision = variables.get("GLMFLASH_MODEL_REVISION", variables.get("MODEL_REVISION"))
     cache_dir = variables.get("GLMFLASH_CACHE_DIR")
@@ -232,7 +232,7 @@ def validate_template(t: dict[str, Any], source: str = "template") -> list[str]:
     if not errors:
         from pydantic import ValidationError
 
-        from provision.settings import Settings
+        from worker.settings import Settings
 
         try:  # the values themselves must pass Settings (types, bounds)
             Settings(**{k: v for k, v in variables.items() if k not in PLATFORM_ENV})

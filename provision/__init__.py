@@ -1,1 +1,1 @@
-"""Provisioning: settings, snapshot sources and the prepared on-disk format (knows files, not tensors or HTTP)."""
+"""Provisioning: snapshot sources and the prepared on-disk format (knows files, not tensors or HTTP)."""

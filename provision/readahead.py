@@ -2,10 +2,10 @@
 
 From process start to the first read, an H200 host spent 5-7 s importing torch, CUDA and the engine with the
 disk idle (boot logs: `event=compile_cache` to the load stage). posix_fadvise(WILLNEED) has the kernel read
-the files meanwhile, in the order the load reads them: a prepared snapshot's (fast_resume), else a local
-source snapshot's safetensors (a cold start from the volume); the load's buffered reads then find those
-pages in memory. At most READAHEAD_BYTES and a quarter of the free memory. A snapshot still to be downloaded
-has nothing to read ahead.
+the files meanwhile, in the order the load reads them: a prepared snapshot's (fast_resume; the caller lists
+them, the format is the engine's), else a local source snapshot's safetensors (a cold start from the volume);
+the load's buffered reads then find those pages in memory. At most READAHEAD_BYTES and a quarter of the free
+memory. A snapshot still to be downloaded has nothing to read ahead.
 """
 
 from __future__ import annotations
@@ -14,21 +14,8 @@ import os
 import threading
 from pathlib import Path
 
-from engine.checkpoint.prepared_store import PreparedSnapshotError, read_plan
-
 READAHEAD_BYTES = 16 << 30
 STEP_BYTES = 256 << 20  # one WILLNEED call: the thread can be abandoned between two
-
-
-def prepared_files(prepared: Path) -> list[tuple[Path, int]]:
-    """A whole prepared snapshot's files and sizes in load order; [] without one."""
-    try:
-        plan = read_plan(prepared)
-    except PreparedSnapshotError:
-        return []
-    if plan is None or not plan.complete:
-        return []
-    return [(prepared / name, size) for name, size in plan.files.items()]
 
 
 def snapshot_files(directory: Path) -> list[tuple[Path, int]]:

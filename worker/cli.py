@@ -8,10 +8,11 @@ import logging
 import os
 from pathlib import Path
 
+from engine.loading import prepared_files
 from provision.cache import PREPARED_DIRNAME, model_home
-from provision.compile_cache import seed_prebuilt_kernels, use_compile_cache
-from provision.readahead import prepared_files, snapshot_files, start_readahead
-from provision.settings import Settings
+from provision.readahead import snapshot_files, start_readahead
+from worker.compile_cache import seed_prebuilt_kernels, use_compile_cache
+from worker.settings import Settings
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -49,7 +50,7 @@ def main(argv: list[str] | None = None) -> None:
                  or snapshot_files(Path(spec)))
         logging.getLogger("glmflash.cli").info("event=readahead files=%d bytes=%d", len(files),
                                                start_readahead(files))
-    from engine.offload.cpu_cores import cap_torch_threads, quota_cores
+    from engine.cpu_cores import cap_torch_threads, quota_cores
 
     before, after = cap_torch_threads()
     logging.getLogger("glmflash.cli").info("event=cpu_threads torch_before=%d torch=%d cpu_quota=%s", before, after,

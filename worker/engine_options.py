@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from engine.options import EngineOptions
-from provision.settings import Settings
+from worker.settings import Settings
 
 
 def engine_options(settings: Settings, miss_split_file: Path | None = None,

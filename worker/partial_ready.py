@@ -14,7 +14,7 @@ import asyncio
 import logging
 import threading
 
-from engine.checkpoint.availability import ExpertAvailability
+from engine.loading import ExpertAvailability
 
 log = logging.getLogger("glmflash.worker")
 MIN_SHARE = 0.1

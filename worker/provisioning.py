@@ -21,64 +21,29 @@ import os
 import resource
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
 import torch
 
-from engine.checkpoint.layout import is_expert_stack
-from engine.checkpoint.availability import ExpertAvailability
-from engine.checkpoint.loader import LoadedWeights, checkpoint_sizes, load_weights, open_weights
-from engine.checkpoint.prepared import (FORMAT_VERSION, engine_version, load_prepared, open_prepared, prepared_sizes,
-                                        save_prepared)
-from engine.checkpoint.prepared_store import (PreparedPlan, PreparedSnapshotError, check_prepared, discard_prepared,
-                                              invalidate_prepared, read_plan)
 from engine.config import ModelConfig
-from engine.engine_core import DTYPES, EngineCore
-from engine.memory_plan import MemoryPlan, WeightBytes, plan_memory
-from engine.offload.cpu_cores import usable_cores
+from engine.cpu_cores import usable_cores
+from engine.loading import (ExpertAvailability, LoadedModelWeights, PreparedSnapshotError, PreparedWrite,
+                            discard_prepared, invalidate_prepared, load_checkpoint, load_prepared_snapshot,
+                            prepared_problems, prepared_source)
+from engine.memory_plan import MemoryPlan
 from engine.tiny.factory import write_tiny_model
 from provision.cache import PREPARED_DIRNAME, check_snapshot, model_home
 from provision.download import DownloadProgress, download_snapshot
 from provision.errors import ProvisionError
-from provision.settings import Settings
 from provision.sources import LocalSource, Source, SourceInfo, source_for
 from provision.stages import StageClock
 from worker.engine_options import engine_options
+from worker.settings import Settings
 
 log = logging.getLogger("glmflash.provision")
 TINY_NAME = "glmflash-tiny"
-
-
-@dataclass
-class PreparedWrite:
-    """A cold start's prepared snapshot, to be written from the weights in memory once the worker serves.
-
-    The engine may rebind entries of the weights dict to views of its fused buffers (the same bytes)
-    and moves the routed expert stacks out of it into its host bank; those are held here by reference
-    (no copy) until written.
-    """
-
-    directory: Path
-    meta: dict
-    weights: LoadedWeights
-    names: list[str] = field(init=False)
-    expert_stacks: dict = field(init=False)
-
-    def __post_init__(self) -> None:
-        self.names = list(self.weights)
-        self.expert_stacks = {n: w for n, w in self.weights.items() if is_expert_stack(n)}
-
-    def write(self, workers: int, stop: threading.Event | None = None) -> PreparedPlan:
-        final = {n: self.weights[n] if n in self.weights else self.expert_stacks.get(n) for n in self.names}
-        gone = [n for n, w in final.items() if w is None]
-        if gone:
-            raise PreparedSnapshotError(f"weights {gone[:3]} left the engine before the prepared snapshot was written")
-        try:
-            return save_prepared(final, self.directory, self.meta, workers, stop)
-        finally:
-            self.expert_stacks = {}
 
 
 MISS_SPLIT_FILE = "miss_split.json"
@@ -88,7 +53,7 @@ KERNELS_FILE = "kernels.json"  # the Triton specializations the model compiled, 
 @dataclass
 class LoadedModel:
     config: ModelConfig
-    weights: LoadedWeights
+    weights: dict  # engine/loading.py's weights by name, placed by `plan`
     files: Path  # config, tokenizer and chat template live here
     name: str
     plan: MemoryPlan | None = None  # the memory plan the weights were loaded under (engine/memory_plan.py)
@@ -166,30 +131,24 @@ def provision_and_load(settings: Settings, clock: StageClock) -> LoadedModel:
     device, dtype = torch.device(settings.resolved_device()), settings.resolved_dtype()
     home = model_home(settings.cache_dir, spec, settings.model_revision)
     prepared, kernels_file = home / PREPARED_DIRNAME, home / KERNELS_FILE
-    source = source_for(spec, settings)
+    source = source_for(spec, revision=settings.model_revision, token=settings.hf_token,
+                        endpoint_url=settings.s3_endpoint_url, workers=settings.download_workers)
     files = source.root if isinstance(source, LocalSource) else home / "snapshot"
     wanted = {"spec": spec, "revision": settings.model_revision, "dtype": dtype}
     problems = _resume_problems(source, files, prepared, wanted)
     rss_before = _rss_gib()
+    options = engine_options(settings, kernels_file=kernels_file)
+    partial = settings.ready_at == "partial"
     if not problems:
         clock.stage("fast_resume")
         clock.stage("load", path=str(prepared))
         try:
-            config = ModelConfig.from_dir(files)
-            EngineCore.start_warm_up(config, device, DTYPES[dtype], kernels_file,  # while the reads run
-                                     settings.kernel_precompile_processes)
-            plan = _memory_plan(settings, config, device, prepared_sizes(read_plan(prepared).meta))
-            slots = plan.expert_slots
-            experts = None
-            if settings.ready_at == "partial":
-                weights, stats, experts = open_prepared(prepared, device, settings.download_workers, expert_slots=slots,
-                                                        on_damaged=functools.partial(_invalidate_prepared, prepared))
+            loaded = load_prepared_snapshot(prepared, files, device, dtype, options, settings.download_workers, partial,
+                                            on_damaged=functools.partial(_invalidate_prepared, prepared))
+            if partial:
                 clock.progress(experts="deferred")
-            else:
-                weights, stats = load_prepared(prepared, device, settings.download_workers, expert_slots=slots)
-            clock.progress(read_gb_s=round(stats.gb_per_s, 3), bytes=stats.bytes, **_host_memory(rss_before))
-            return LoadedModel(config, weights, files, name, plan, experts=experts,
-                               miss_split_file=home / MISS_SPLIT_FILE, kernels_file=kernels_file)
+            clock.progress(read_gb_s=round(loaded.gb_per_s, 3), bytes=loaded.bytes_read, **_host_memory(rss_before))
+            return _loaded_model(loaded, files, name, home, kernels_file)
         except PreparedSnapshotError as exc:
             clock.stage("repair", reason=_quote(str(exc)))
             problems = [str(exc)]
@@ -197,26 +156,21 @@ def provision_and_load(settings: Settings, clock: StageClock) -> LoadedModel:
     discard_prepared(prepared)
     identity = _fetch(source, files, settings, clock)
     clock.stage("prepare", path=str(prepared), written="after_ready")
-    config = ModelConfig.from_dir(files)
-    EngineCore.start_warm_up(config, device, DTYPES[dtype], kernels_file, settings.kernel_precompile_processes)
-    plan = _memory_plan(settings, config, device, checkpoint_sizes(files, config))
-    slots = plan.expert_slots
-    start, read = time.perf_counter(), [0]
-
-    def report(done: int, total: int) -> None:
-        read[0] = done
-        clock.progress(done_bytes=done, total_bytes=total)
-
-    experts = None
-    if settings.ready_at == "partial":
-        weights, experts = open_weights(files, config, device, DTYPES[dtype], slots, settings.download_workers, report)
-    else:
-        weights = load_weights(files, config, device, DTYPES[dtype], slots, settings.download_workers, report)
+    start = time.perf_counter()
+    loaded = load_checkpoint(files, device, dtype, options, settings.download_workers, partial,
+                             lambda done, total: clock.progress(done_bytes=done, total_bytes=total))
     seconds = time.perf_counter() - start
-    clock.stage("load", path="in-memory (converted)", bytes=read[0], read_gb_s=round(read[0] / seconds / 1e9, 3),
-                **_host_memory(rss_before), **({"experts": "deferred"} if experts is not None else {}))
-    job = PreparedWrite(prepared, {"source": {**wanted, "files": identity.to_dict()}}, weights)
-    return LoadedModel(config, weights, files, name, plan, job, experts, home / MISS_SPLIT_FILE, kernels_file)
+    clock.stage("load", path="in-memory (converted)", bytes=loaded.bytes_read,
+                read_gb_s=round(loaded.bytes_read / seconds / 1e9, 3), **_host_memory(rss_before),
+                **({"experts": "deferred"} if partial else {}))
+    job = PreparedWrite(prepared, {"source": {**wanted, "files": identity.to_dict()}}, loaded.weights)
+    return _loaded_model(loaded, files, name, home, kernels_file, job)
+
+
+def _loaded_model(loaded: LoadedModelWeights, files: Path, name: str, home: Path, kernels_file: Path,
+                  job: PreparedWrite | None = None) -> LoadedModel:
+    return LoadedModel(loaded.config, loaded.weights, files, name, loaded.plan, job, loaded.experts,
+                       home / MISS_SPLIT_FILE, kernels_file)
 
 
 def _rss_gib() -> float:
@@ -260,11 +214,6 @@ def _fetch(source: Source, files: Path, settings: Settings, clock: StageClock) -
     return status.manifest.source
 
 
-def _memory_plan(settings: Settings, config: ModelConfig, device: torch.device, sizes: WeightBytes) -> MemoryPlan:
-    """The memory plan these settings give for these weights on this device, made before they are read."""
-    return plan_memory(config, engine_options(settings), device, DTYPES[settings.resolved_dtype()], sizes)
-
-
 def _resume_problems(source: Source, files: Path, prepared: Path, wanted: dict) -> list[str]:
     """Why fast_resume cannot be taken (empty: it can). Cheap: listings, sizes and versions, no data read."""
     if isinstance(source, LocalSource):
@@ -274,10 +223,10 @@ def _resume_problems(source: Source, files: Path, prepared: Path, wanted: dict) 
         if not status.ok or status.manifest is None:
             return [f"snapshot {status.state}: {'; '.join(status.problems[:2]) or files}"]
         identity = status.manifest.source
-    problems = check_prepared(prepared, FORMAT_VERSION, engine_version())
+    problems = prepared_problems(prepared)
     if problems:
         return problems
-    recorded, want = read_plan(prepared).meta.get("source"), {**wanted, "files": identity.to_dict()}
+    recorded, want = prepared_source(prepared), {**wanted, "files": identity.to_dict()}
     return [] if recorded == want else [f"prepared for {recorded}, wanted {want}"]
 
 

@@ -19,16 +19,16 @@ from typing import Sequence
 from aiohttp import web
 
 from engine.sampler import LogitsProcessor
-from provision.settings import Settings
 from provision.stages import StageClock
 from worker.lifecycle import Lifecycle
 from worker.provisioning import BackgroundPrepare, cpu_workers, provision_and_load
 from worker.served_model import ServedModel, build_served_model, warm_up
 from worker.server import ServerState, build_app
+from worker.settings import Settings
 from worker.partial_ready import ExpertFill, reduced_max_perf
 from worker.vast import (VastWorker, benchmark_key, cached_max_perf, engine_generate_fn, measure_max_perf_within,
                          read_cached_max_perf)
-from engine.checkpoint.prepared import engine_version
+from engine.loading import engine_version
 
 log = logging.getLogger("glmflash.worker")
 

@@ -10,14 +10,15 @@ from pathlib import Path
 from tokenizers import Tokenizer
 
 from engine.async_engine import AsyncEngine
-from engine.checkpoint.availability import ExpertAvailability
+from engine.loading import ExpertAvailability
 from engine.engine_core import EngineCore
 from engine.sampler import LogitsProcessor
 from engine.sampling_params import SamplingParams
-from provision.settings import Settings
+from engine.warm_up import calibrate_routing
 from worker.chat_template import ChatTemplate
 from worker.engine_options import engine_options
 from worker.provisioning import LoadedModel
+from worker.settings import Settings
 
 log = logging.getLogger("glmflash.worker")
 
@@ -60,7 +61,7 @@ def _calibrate_routing(core: EngineCore, tokenizer: Tokenizer, path: Path) -> No
     start = time.perf_counter()
     prompts = [tokenizer.encode(line, add_special_tokens=False).ids
                for line in path.read_text().splitlines() if line.strip()]
-    swaps = core.count_routing(prompts)
+    swaps = calibrate_routing(core, prompts)
     log.info("event=expert_calibration file=%s prompts=%d tokens=%d swaps=%d seconds=%.2f", path, len(prompts),
              sum(map(len, prompts)), swaps, time.perf_counter() - start)
 

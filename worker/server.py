@@ -9,7 +9,6 @@ from dataclasses import dataclass, field
 from aiohttp import web
 
 from engine.scheduler import QueueFull
-from provision.settings import Settings
 from provision.stages import StageClock
 from worker.lifecycle import Lifecycle
 from worker.metrics import Metrics
@@ -19,6 +18,7 @@ from worker.serving import STATE, ClientGone
 from worker.serving_chat import chat_completions
 from worker.serving_completion import completions
 from worker.serving_tokenize import detokenize, tokenize
+from worker.settings import Settings
 from worker.vast import VAST_APP_KEY, VastWorker, vast_middleware, vast_verified
 
 log = logging.getLogger("glmflash.worker")

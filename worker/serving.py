@@ -13,7 +13,7 @@ from typing import Any, AsyncIterator
 from aiohttp import web
 
 from engine.async_engine import GenerationDelta
-from engine.sampler import TokenLogprobs
+from engine.sequence import TokenLogprobs
 from engine.sampling_params import SamplingParams
 from engine.scheduler import QueueFull
 from engine.structured import GrammarError, GrammarSpec, Reasoning

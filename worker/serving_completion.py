@@ -8,7 +8,7 @@ from aiohttp import web
 
 from engine.async_engine import GenerationDelta
 from engine.detokenizer import IncrementalDetokenizer
-from engine.sampler import TokenLogprobs
+from engine.sequence import TokenLogprobs
 from worker.protocol import (
     CompletionChoice, CompletionChunk, CompletionLogprobs, CompletionRequest, CompletionResponse, Usage,
     random_id,

@@ -194,7 +194,7 @@ class PrefixCache:
             (self._host_states if snap.on_host else self._states).touch(snap)
         # Matched blocks past the snapshot may have been evicted just now (never the claimed ones, kept above).
         self._touch_chain(next((b for b in reversed(hit.blocks) if b.alive), self.root))
-        seq.cached = seq.cached_prompt_tokens = hit.position
+        seq.num_computed = seq.cached_prompt_tokens = hit.position
         self._progress[seq] = _Progress(chain[-1] if chain else self.root, self._stops(seq, hit))
         prompt_len = len(seq.prompt_token_ids)
         self._stats.requests += 1
@@ -217,10 +217,10 @@ class PrefixCache:
         prompt = seq.prompt_token_ids
         for other in running:
             progress = self._progress.get(other)
-            if progress is None or other.cached >= len(other.prompt_token_ids):
+            if progress is None or other.num_computed >= len(other.prompt_token_ids):
                 continue
             shared = min(_common_prefix(prompt, other.prompt_token_ids, self.page_size), len(prompt) - 1)
-            if shared >= hit.position + self.page_size and shared > other.cached:
+            if shared >= hit.position + self.page_size and shared > other.num_computed:
                 progress.stops.add(shared)
                 return other
         return None
@@ -228,8 +228,8 @@ class PrefixCache:
     def chunk_limit(self, seq: Sequence) -> int | None:
         """Tokens this request may run before its next snapshot stop (None: no stop ahead)."""
         progress = self._progress.get(seq)
-        ahead = [s for s in progress.stops if s > seq.cached] if progress else []
-        return min(ahead) - seq.cached if ahead else None
+        ahead = [s for s in progress.stops if s > seq.num_computed] if progress else []
+        return min(ahead) - seq.num_computed if ahead else None
 
     def through_last(self, seq: Sequence, tokens: int, budget: int) -> int:
         """Tokens to run of a chunk of `tokens` planned within `budget`: one more when the chunk stops one token
@@ -238,7 +238,7 @@ class PrefixCache:
         (`step_saves`). A request planned again in the same step is planned afresh."""
         self._free_row(self._saving.pop(seq, None))
         last = len(seq.prompt_token_ids) - 1
-        if (tokens < 2 or tokens >= budget or seq.cached + tokens != last or seq.num_tokens != last + 1
+        if (tokens < 2 or tokens >= budget or seq.num_computed + tokens != last or seq.num_tokens != last + 1
                 or seq.params.prompt_logprobs is not None):
             return tokens
         row = self._state_row()
@@ -265,18 +265,18 @@ class PrefixCache:
             return
         saved = self._saving.pop(seq, None)
         if saved is not None:
-            self._record(seq, progress, seq.cached - 1, saved_row=saved)
-        at_stop = seq.cached in progress.stops
-        progress.stops = {s for s in progress.stops if s > seq.cached}
-        self._record(seq, progress, seq.cached, at_stop)
+            self._record(seq, progress, seq.num_computed - 1, saved_row=saved)
+        at_stop = seq.num_computed in progress.stops
+        progress.stops = {s for s in progress.stops if s > seq.num_computed}
+        self._record(seq, progress, seq.num_computed, at_stop)
 
     def finish(self, seq: Sequence, keep_state: bool) -> None:
         """The request leaves: with `keep_state` (it finished normally, so its slot holds the state at
-        `cached`) its pages are registered and that state kept for a next turn."""
+        `num_computed`) its pages are registered and that state kept for a next turn."""
         self._free_row(self._saving.pop(seq, None))  # planned for a step that never ran
         progress = self._progress.pop(seq, None)
         if progress is not None and keep_state:
-            self._record(seq, progress, seq.cached, True)
+            self._record(seq, progress, seq.num_computed, True)
 
     def _record(self, seq: Sequence, progress: _Progress, position: int, snapshot: bool = False,
                 saved_row: int | None = None) -> None:

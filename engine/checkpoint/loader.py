@@ -31,8 +31,7 @@ from engine.checkpoint.shards import (CheckpointError, Chunk, ReadTiming, Stored
                                       read_chunks, read_header, staging_buffer)
 from engine.config import ModelConfig
 from engine.offload.host_memory import host_empty
-from engine.memory_plan import WeightBytes
-from engine.offload.placement import spare_entries
+from engine.memory_plan import WeightBytes, spare_entries
 from engine.weights import DenseWeight, Fp8BlockWeight, Nvfp4Weight, SplitStack, Weight, map_tensors, tensor_fields
 
 log = logging.getLogger("glmflash.engine")

@@ -21,8 +21,7 @@ import torch
 from engine.checkpoint.layout import is_expert_stack
 from engine.checkpoint.loader import LoadedWeights
 from engine.offload.host_memory import host_empty
-from engine.memory_plan import WeightBytes
-from engine.offload.placement import spare_entries
+from engine.memory_plan import WeightBytes, spare_entries
 from engine.weights import DenseWeight, Fp8BlockWeight, Nvfp4Weight, SplitStack
 from engine.checkpoint.availability import ExpertAvailability, ExpertUnit
 from engine.checkpoint.prepared_store import (PIECE_BYTES, PreparedPlan, PreparedSnapshotError, ReadStats, Region,

@@ -236,6 +236,17 @@ def read_plan(directory: Path) -> PreparedPlan | None:
         raise PreparedSnapshotError(f"{path}: unreadable prepared plan ({exc})") from exc
 
 
+
+def prepared_files(directory: Path) -> list[tuple[Path, int]]:
+    """A whole prepared snapshot's files and sizes in load order (what a start can read ahead); [] without one."""
+    try:
+        plan = read_plan(directory)
+    except PreparedSnapshotError:
+        return []
+    if plan is None or not plan.complete:
+        return []
+    return [(directory / name, size) for name, size in plan.files.items()]
+
 def check_prepared(directory: Path, format_version: int, engine_version: str) -> list[str]:
     """Cheap validity checks (no data read): problems found, empty when the snapshot can be loaded."""
     try:

@@ -17,8 +17,8 @@ from engine.experts.triton_experts import TritonExperts
 
 class ExpertExecutor(Protocol):
     def __call__(self, layer: int, x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor,
-                 beside: Callable[[], torch.Tensor] | None = None) -> torch.Tensor:
-        """x [T, D]; expert_ids [T, k]; weights [T, k] fp32 -> [T, D] in x's dtype, plus `beside()` ([T, D]:
+                 shared_expert: Callable[[], torch.Tensor] | None = None) -> torch.Tensor:
+        """x [T, D]; expert_ids [T, k]; weights [T, k] fp32 -> [T, D] in x's dtype, plus `shared_expert()` ([T, D]:
         the layer's dense work, the shared expert) when given, run where it overlaps the routed experts best."""
         ...
 

@@ -9,17 +9,16 @@ host bank (offload/host_steps.py: queued in the device stream); all three at onc
 synchronization, so the step can be captured in a CUDA graph. A batch with many misses (prefill)
 fetches its missed experts to the device in rounds instead (offload/fetch.py).
 Routing counts decide, between steps, which host experts move into which slots (a bounded number
-per step). A move's copies run on copy streams beside the steps, which read both experts where they
-were until a later call commits it (one device-to-device copy): no step waits on a swap.
+per step; offload/swap_policy.py). A move's copies run on copy streams beside the steps, which read both
+experts where they were until a later call commits it (one device-to-device copy): no step waits on a swap.
+The PCIe share follows the CPU's rate inside the steps (offload/split_follower.py).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
-import math
 import time
-from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -33,34 +32,18 @@ from engine.kernels.experts import DECODE_MAX_PAIRS
 from engine.kernels.experts.cpu_gemv import available as cpu_kernels_built, pin_workers
 from engine.kernels.experts.hybrid_pairs import place_pairs_torch
 from engine.kernels.experts.pcie_pick import split_units
-from engine.offload import miss_split
-from engine.offload.cpu_cores import usable_cores, worker_cpus
+from engine.cpu_cores import usable_cores, worker_cpus
 from engine.offload.cuda_driver import copy_async
 from engine.offload.fetch import ExpertFetcher, Stacks
 from engine.offload.host_memory import host_copy
 from engine.offload.host_steps import HostSteps, HostStepTotals, PendingSum
-from engine.offload.placement import slots_per_layer, spare_entries
+from engine.memory_plan import spare_entries
+from engine.offload.placement import slots_per_layer
+from engine.offload.split_follower import HostTotals, SplitFollower
+from engine.offload.swap_policy import COUNT_DECAY, SWAP_MARGIN, SWAP_Z, Move, SwapPolicy
 from engine.weights import SplitStack, map_tensors, tensor_fields
 
 log = logging.getLogger("glmflash.engine")
-# An outside expert takes a resident's slot only when its decayed count beats the resident's by this factor:
-# near the cut of the hottest, counts trade places all the time, and each swap moves two experts (over PCIe
-# and through host memory, beside the CPU experts' reads) for a gain of noise.
-SWAP_MARGIN = 1.25
-# ... and by this many standard deviations of the difference two equally routed experts' counts would show
-# (counts of routing events: variance ~ count). Under uniform routing the hottest outside expert always beat the
-# coldest resident by the margin on noise alone: 4 swaps a step of churn, each moving two experts over the link
-# and costing the host its commit between steps. The extremes of ~90 outside and ~200 resident counts sit ~5
-# standard deviations apart by chance, so it takes 3 here, and counts that decay slowly (COUNT_DECAY) so that real
-# differences, which grow with the counts faster than the noise, pass it (simulated: ops/sim_swaps.py).
-SWAP_Z = 3.0
-COUNT_DECAY = 0.998  # per step: routing counts remember ~500 steps
-FOLLOW_STEPS = 8  # decode steps between two looks at the CPU's rate inside them (the miss split follows it)
-# The split follows the highest of the last FOLLOW_WINDOWS windows' CPU rates (the load's measurement first): a
-# window whose steps were not back to back (the CPU threads asleep between them, a capture, a compile) reads a
-# rate far below the pass's own (6 GB/s once after a start, where the passes ran 60-74), and sent the split
-# from 58 to 73% before it came back down.
-FOLLOW_WINDOWS = 4
 
 
 @dataclass
@@ -153,7 +136,7 @@ class HybridExperts:
         `split_misses`). pin_host_threads: with
         a GPU, the CPU threads go to one core each where the process's CPU mask allows (`worker_cpus`);
         without one they share the cores with torch and float."""
-        self.device, self.decay = device, count_decay
+        self.device = device
         self.layers = sorted(layers)
         first = layers[self.layers[0]]
         self.num_experts = len(first.resident) + sum(e is not None for e in first.hosted)
@@ -175,11 +158,10 @@ class HybridExperts:
         self._slot_of_host = self.slot_of.cpu()  # what commits change, then copied to the device whole
         self.pcie_percent = 0
         self._percent_on_device = torch.zeros((), dtype=torch.long, device=device)  # what the device's pick reads
-        self._followed: tuple[int, float, int] | None = None  # host totals (steps, seconds, bytes) last followed
-        self._calls = 0  # follow_cpu_rate calls since it last read the totals
-        self._cpu_rates: deque[float] = deque(maxlen=FOLLOW_WINDOWS)  # the last windows' (B/s), the load's first
+        self._follower = SplitFollower()
         self._live_rows = torch.zeros((), dtype=torch.long, device=device)  # a replayed graph's rows in use
-        self.counts = torch.zeros(len(self.layers), self.num_experts, device=device)
+        # The module's SWAP_MARGIN and SWAP_Z, read at construction: ops/sim_swaps.py sets SWAP_Z here.
+        self.swap_policy = SwapPolicy(len(self.layers), self.num_experts, device, count_decay, SWAP_MARGIN, SWAP_Z)
         self.device_run = device_executor(self.device_stacks, swiglu_limit)
         self.host_run = CpuExperts(self.host, swiglu_limit, host_threads or default_host_threads(device))
         self._pin_host_threads(pin_host_threads and device.type == "cuda")
@@ -267,45 +249,19 @@ class HybridExperts:
 
     def follow_cpu_rate(self) -> int | None:
         """Called once a step, before it is queued: a step in flight would run its later layers' host steps at a
-        new share and their device picks at the old one (pairs run twice or not at all). Every FOLLOW_STEPS decode
-        steps (from the second look on), the split moved halfway to the share that the rate the CPU's passes
-        reached inside them (the highest of the last FOLLOW_WINDOWS windows') and the link's rate measured at load
-        give (when the split came from measured rates) -> the new share, or None. The load's measurement runs a
-        few experts alone; inside the steps the passes ran 25% slower on the H200's host (74 against 98 GB/s),
-        and the CPU then held the step while the link waited. The share where the two rates agree is where both
-        sides take as long."""
+        new share and their device picks at the old one (pairs run twice or not at all). When the split came
+        from measured rates, every FOLLOW_STEPS decode steps it moves towards the share the CPU's rate inside
+        them asks for (offload/split_follower.py) -> the new share, or None."""
         if not self.pcie_percent or not self.rates_at_load[1] or not self.host_steps:
             return None
-        self._calls += 1
-        if self._followed is not None and self._calls < FOLLOW_STEPS:  # the totals read every host step's counters
+        if not self._follower.due():
             return None
-        self._calls = 0
-        steps, seconds, nbytes = self._host_totals()
-        if self._followed is None:  # the steps so far were the start's warm-up (graph captures, dummy rows)
-            self._followed = (steps, seconds, nbytes)
-            return None
-        last_steps, last_seconds, last_bytes = self._followed
-        if steps - last_steps < FOLLOW_STEPS:
-            return None
-        self._followed = (steps, seconds, nbytes)
-        if seconds <= last_seconds or nbytes <= last_bytes:
-            return None
-        window = (nbytes - last_bytes) / (seconds - last_seconds)
-        if not self._cpu_rates:
-            self._cpu_rates.append(self.rates_at_load[0])
-        self._cpu_rates.append(window)
-        cpu = max(self._cpu_rates)
-        # Halfway to the share those rates give: a pass's rate falls as its share shrinks (fixed costs), and a
-        # whole jump swung 41 -> 65 -> 78 -> 52% before settling at 44 on one machine.
-        target = miss_split.pcie_percent(cpu, self.rates_at_load[1])
-        percent = min(100, max(1, round((self.pcie_percent + target) / 2)))
-        if percent != self.pcie_percent:
-            log.info("event=miss_split_followed window_cpu_GBps=%.1f cpu_GBps=%.1f pcie_GBps=%.1f pcie_percent=%d",
-                     window / 1e9, cpu / 1e9, self.rates_at_load[1] / 1e9, percent)
+        percent = self._follower.follow(self.pcie_percent, self._host_totals(), self.rates_at_load)
+        if percent is not None and percent != self.pcie_percent:
             self.split_misses(percent, self.rates_at_load)
         return percent
 
-    def _host_totals(self) -> tuple[int, float, int]:
+    def _host_totals(self) -> HostTotals:
         """(decode steps the host steps ran, seconds the CPU passes took, expert bytes they read) since start."""
         totals = [steps.totals() for steps in self.host_steps.values()]
         nbytes = sum(t.experts_run * self.expert_bytes - self._split_bytes(t) for t in totals)
@@ -344,9 +300,9 @@ class HybridExperts:
             steps.use_rows(rows)
 
     def __call__(self, layer: int, x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor,
-                 beside: Callable[[], torch.Tensor] | None = None) -> torch.Tensor:
-        """The routed sum plus `beside()`, which the device runs while the CPU works on the misses (the shared
-        expert is then off the path a layer waits on)."""
+                 shared_expert: Callable[[], torch.Tensor] | None = None) -> torch.Tensor:
+        """The routed sum plus `shared_expert()`, which the device runs while the CPU works on the misses
+        (the shared expert is then off the path a layer waits on)."""
         index = self._index[layer]
         # Too few pairs to ever fetch (and few enough for the decode kernels): the CPU takes the misses.
         decode = expert_ids.numel() < self.fetch_min_pairs and expert_ids.numel() <= DECODE_MAX_PAIRS and \
@@ -354,12 +310,12 @@ class HybridExperts:
         place = kernel("place_pairs", x.device.type) if decode else place_pairs_torch
         slots, device_weights, miss = place(expert_ids, weights, self.slot_of[index], self.counts[index])
         if decode:
-            pending = self._host_steps(expert_ids.shape[1]).run(layer, x, expert_ids, weights)
+            host_share = self._host_steps(expert_ids.shape[1]).run(layer, x, expert_ids, weights)
             fetched = self._over_pcie(layer, x, expert_ids, weights, miss) if self.pcie_percent else None
-            dense = beside() if beside is not None else None
+            dense = shared_expert() if shared_expert is not None else None
             resident = self._on_device(layer, x, slots, device_weights)
             return kernel("sum_shares", x.device.type)(resident, fetched.wait() if fetched is not None else None,
-                                                       pending.wait(), dense)
+                                                       host_share.wait(), dense)
         # Find the misses and bring their rows to the host before the device work is queued, so the
         # CPU computes while the device runs its experts.
         missed = miss.flatten().nonzero().squeeze(1)
@@ -370,7 +326,8 @@ class HybridExperts:
             entries = self.entry_of[index][expert_ids.flatten()[missed].cpu()]
             host_in = x[rows].cpu(), entries, weights.flatten()[missed].cpu()
         out = self._on_device(layer, x, slots, device_weights)
-        dense = beside() if beside is not None else None  # queued before the CPU's pass, which blocks this thread
+        # Queued before the CPU's pass, which blocks this thread.
+        dense = shared_expert() if shared_expert is not None else None
         self._stats.device_pairs += expert_ids.numel() - missed.numel()
         if fetch:
             ids = self.entry_of[index].to(x.device)[expert_ids.flatten()[missed]]
@@ -430,66 +387,69 @@ class HybridExperts:
         """Experts of `layer` in its host bank (spare entries aside)."""
         return sum(e is not None for e in self.hosted[layer])
 
+    @property
+    def counts(self) -> torch.Tensor:
+        """[MoE layers, experts] decayed routing counts: the steps' pick of slots adds to them in place."""
+        return self.swap_policy.counts
+
+    @property
+    def decay(self) -> float:
+        """The routing counts' decay per step."""
+        return self.swap_policy.decay
+
+    @decay.setter
+    def decay(self, decay: float) -> None:
+        self.swap_policy.decay = decay
+
     def rebalance(self, max_swaps: int) -> int:
-        """Start moving up to `max_swaps` experts routed more often than a resident one into its slot, and put
-        those whose copies are done in place; -> moves started. A move's copies run on copy streams beside the
-        steps, which read both experts where they were until a later call commits it: no step waits on a
-        swap. Each layer has as many moves under way as spare host entries (`spare_entries`)."""
+        """Start moving up to `max_swaps` experts routed more often than a resident one into its slot (as
+        offload/swap_policy.py decides), and put those whose copies are done in place; -> moves started. A
+        move's copies run on copy streams beside the steps, which read both experts where they were until a
+        later call commits it: no step waits on a swap. Each layer has as many moves under way as spare host
+        entries (`spare_entries`)."""
         if self.swaps_held:
             return 0
         if self.settle_all:  # a calibration ran while swaps were held: its whole placement, once, exactly
             self.settle_all = False
             return self._settle()
         if max_swaps <= 0:  # swaps off: the counts still age, nothing is read back from the device
-            self.counts *= self.decay
+            self.swap_policy.age()
             return 0
-        counts = self.counts.cpu()  # also waits for the steps queued so far: none reads what a commit changes
-        self.counts *= self.decay
+        counts = self.swap_policy.read()  # also waits for the steps queued so far: none reads what a commit changes
         self._commit([m for m in self._moves if m.copied_all()])
-        return self._start_moves(counts, max_swaps, SWAP_MARGIN, SWAP_Z)
+        return self._start_moves(self.swap_policy.moves(counts, *self._move_state(), max_swaps))
 
     def _settle(self) -> int:
         """Every move the counts ask for, committed before returning (no step runs meanwhile); -> moves."""
-        counts, made = self.counts.cpu(), 0
-        self.counts *= self.decay
+        counts, made = self.swap_policy.read(), 0
         while True:
             for event in (e for m in self._moves for e in m.copied):
                 event.synchronize()
             self._commit(list(self._moves))
-            started = self._start_moves(counts, self.num_experts * len(self.layers), 1.0, 0.0)
+            started = self._start_moves(self.swap_policy.every_move(counts, *self._move_state()))
             if not started:
                 return made
             made += started
 
-    def _start_moves(self, counts: torch.Tensor, limit: int, margin: float, z: float) -> int:
-        """Queue the copies of up to `limit` moves, in the layers where one gains most: a layer's hottest outside
-        expert for its coldest resident, when routed more by `margin` and by `z` standard deviations, while
-        the layer has a spare entry; -> moves started."""
-        pairs = self._move_candidates(counts, margin, z)[:limit]
-        if pairs and self._pin:
+    def _move_state(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """What the policy weighs moves by, on the CPU (no device read): [L, E] experts in the host bank, [L, E]
+        experts in a move under way, [L] layers with a spare host entry."""
+        hosted = self.entry_of >= 0
+        busy = torch.zeros_like(hosted)
+        for m in self._moves:
+            busy[self._index[m.layer], [m.incoming, m.outgoing]] = True
+        open_layers = torch.tensor([bool(self._spare[layer]) for layer in self.layers])
+        return hosted, busy, open_layers
+
+    def _start_moves(self, moves: list[Move]) -> int:
+        """Queue the copies of `moves` (rows of `layers`); -> moves started."""
+        if moves and self._pin:
             for stream in self._copy_streams:  # after the steps (and commits) queued so far
                 stream.wait_stream(torch.cuda.current_stream(self.device))
-        for layer, incoming, outgoing in pairs:
+        for row, incoming, outgoing in moves:
+            layer = self.layers[row]
             self._start(layer, self.resident[layer].index(outgoing), incoming)
-        return len(pairs)
-
-    def _move_candidates(self, counts: torch.Tensor, margin: float, z: float) -> list[tuple[int, int, int]]:
-        """(layer, incoming, outgoing), largest count gain first, one per layer with a spare entry: tensor ops
-        over every layer at once (a sort per call took ~0.6 ms at 45 layers, between two steps)."""
-        hosted = self.entry_of >= 0  # a map kept on the CPU: no device read
-        moving = torch.zeros_like(hosted)
-        for m in self._moves:
-            moving[self._index[m.layer], [m.incoming, m.outgoing]] = True
-        on_host = counts.masked_fill(~hosted | moving, -math.inf)
-        on_device = counts.masked_fill(hosted | moving, math.inf)
-        incoming, outgoing = on_host.argmax(1), on_device.argmin(1)  # (max(dim) took ~8 ms on 2 threads)
-        c_in, c_out = on_host.gather(1, incoming[:, None])[:, 0], on_device.gather(1, outgoing[:, None])[:, 0]
-        gain = c_in - c_out
-        spare = torch.tensor([bool(self._spare[layer]) for layer in self.layers])
-        worth = spare & (c_in > c_out * margin) & (gain * gain > z * z * (c_in + c_out))
-        chosen = worth.nonzero().flatten()
-        chosen = chosen[torch.argsort(gain[chosen], descending=True, stable=True)].tolist()
-        return [(self.layers[i], int(incoming[i]), int(outgoing[i])) for i in chosen]
+        return len(moves)
 
     def _start(self, layer: int, slot: int, expert: int) -> None:
         """Copy the slot's expert into a spare host entry and the incoming expert into a device staging expert.

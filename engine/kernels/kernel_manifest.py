@@ -31,12 +31,11 @@ import torch
 from engine.config import ModelConfig
 from engine.kernels.background import OncePerKey
 from engine.kernels.cache_keys import settle_kernel_keys
-from engine.kernels.precompile import localized, precompile
-from engine.kernels.prebuilt import merged_entries, seeded_manifest
+from engine.kernels.manifest_store import merged_entries, packaged_manifest, read_manifest, resolve
+from engine.kernels.prebuilt import seeded_manifest
+from engine.kernels.precompile import localized, precompile, precompile_processes
 
 log = logging.getLogger("glmflash.engine")
-
-MANIFESTS = Path(__file__).with_name("manifests")
 
 
 def manifest_key(device: torch.device, dtype: torch.dtype, shapes: str) -> dict[str, str]:
@@ -149,31 +148,6 @@ def _chained(previous: Callable[..., Any] | None, ours: Callable[..., None]) -> 
     return hook
 
 
-def read_manifest(file: Path, key: dict[str, str]) -> list[dict[str, str]]:
-    """The manifest's entries when it was written under `key`; [] when absent, unreadable or for another
-    GPU architecture, Triton or dtype."""
-    try:
-        manifest = json.loads(file.read_text())
-    except (OSError, ValueError):
-        return []
-    if not isinstance(manifest, dict) or manifest.get("key") != key or not isinstance(manifest.get("kernels"), list):
-        return []
-    return [e for e in manifest["kernels"] if isinstance(e, dict) and {"module", "name", "data", "source"} <= e.keys()]
-
-
-def resolve(module: str, name: str) -> Any:
-    """The JIT function a manifest entry names: the module's attribute by qualified name, unwrapped from
-    autotuners and heuristics (their `.fn`) down to what has `preload` and a source hash (`cache_key`)."""
-    target: Any = importlib.import_module(module)
-    for part in name.split("."):
-        target = getattr(target, part)
-    while not hasattr(target, "preload") and hasattr(target, "fn"):
-        target = target.fn
-    if not (hasattr(target, "preload") and hasattr(target, "cache_key")):
-        raise TypeError(f"{module}.{name} is not a Triton JIT function")
-    return target
-
-
 def preload(entries: list[dict[str, str]], workers: int = 1,
             initializer: Callable[[], None] | None = None) -> tuple[int, float]:
     """Compile (or read from Triton's cache) every entry's specialization on `workers` threads (Triton's
@@ -205,17 +179,6 @@ def preload(entries: list[dict[str, str]], workers: int = 1,
 def preload_workers() -> int:
     """Half the cores (the reads convert and copy on the rest), at most 8."""
     return max(1, min(8, (os.cpu_count() or 2) // 2))
-
-
-def precompile_processes() -> int:
-    """A quarter of the cores, at most 4: each child first imports torch and the kernels' modules."""
-    return max(1, min(4, (os.cpu_count() or 2) // 4))
-
-
-def packaged_manifest(key: dict[str, str]) -> Path:
-    """The manifest shipped for a GPU architecture and dtype (written by a start at the release's shapes:
-    a first start on a fresh volume preloads it); valid only for the Triton it names."""
-    return MANIFESTS / f"sm{key['capability'].replace('.', '')}-{key['dtype']}.json"
 
 
 def manifest_entries(file: Path, key: dict[str, str]) -> tuple[list[dict[str, str]], list[dict[str, str]]]:

@@ -20,6 +20,9 @@ import os
 import shutil
 from pathlib import Path
 
+from engine.kernels.manifest_store import MANIFESTS, merged_entries, resolve
+from engine.kernels.precompile import precompile, precompile_processes
+
 log = logging.getLogger("glmflash.engine")
 
 MANIFEST = "glmflash-prebuilt.json"  # in a prebuilt directory and in a Triton cache seeded from one
@@ -32,7 +35,6 @@ def build(directory: Path, manifests: list[Path], processes: int) -> tuple[int, 
     import triton
 
     from engine.kernels.cache_keys import settle_kernel_keys
-    from engine.kernels.precompile import precompile
 
     os.environ["TRITON_CACHE_DIR"] = str(directory / TRITON)  # the children's cache
     settle_kernel_keys()
@@ -60,8 +62,6 @@ def build(directory: Path, manifests: list[Path], processes: int) -> tuple[int, 
 
 
 def _hashes_here(entry: dict[str, str]) -> bool:
-    from engine.kernels.kernel_manifest import resolve
-
     try:
         return resolve(entry["module"], entry["name"]).cache_key == entry["source"]
     except Exception:  # noqa: BLE001 - a kernel renamed since: not prebuilt
@@ -102,12 +102,6 @@ def seed(prebuilt: Path, triton_dir: Path) -> int:
     return copied
 
 
-def merged_entries(first: list[dict[str, str]], then: list[dict[str, str]]) -> list[dict[str, str]]:
-    """`first`, then the entries of `then` for specializations `first` lacks."""
-    known = {entry["data"] for entry in first}
-    return first + [entry for entry in then if entry["data"] not in known]
-
-
 def seeded_manifests(triton_dir: Path) -> list[dict]:
     """The manifests a Triton cache was seeded with ([] when none or unreadable)."""
     try:
@@ -123,8 +117,6 @@ def seeded_manifest(triton_dir: Path, key: dict[str, str]) -> list[dict[str, str
 
 
 def main() -> None:
-    from engine.kernels.kernel_manifest import MANIFESTS, precompile_processes
-
     parser = argparse.ArgumentParser(description="Compile the package's kernel manifests into DIRECTORY (an "
                                                  "image's build step; no GPU needed), for GLMFLASH_PREBUILT_KERNELS.")
     parser.add_argument("directory", type=Path)

@@ -20,6 +20,8 @@ import time
 from concurrent.futures import ThreadPoolExecutor, as_completed
 from typing import Any, Iterator
 
+from engine.kernels.manifest_store import resolve
+
 log = logging.getLogger("glmflash.engine")
 
 CHILD = "from engine.kernels.precompile import main; main()"  # not `-m`: the package imports this module first
@@ -59,6 +61,11 @@ def compile_offline(kernel: Any, spec: dict[str, Any], capability: int) -> None:
     options = make_backend(target).parse_options(
         {key: tuple(value) if isinstance(value, list) else value for key, value in spec["options"].items()})
     triton.compile(ASTSource(kernel, signature, constexprs, attrs), target=target, options=options.__dict__)
+
+
+def precompile_processes() -> int:
+    """A quarter of the cores, at most 4: each child first imports torch and the kernels' modules."""
+    return max(1, min(4, (os.cpu_count() or 2) // 4))
 
 
 def split_by_package(entries: list[dict[str, str]], processes: int) -> list[list[dict[str, str]]]:
@@ -121,7 +128,6 @@ def precompile(entries: list[dict[str, str]], capability: int,
 
 def main() -> None:
     from engine.kernels.cache_keys import settle_loaded
-    from engine.kernels.kernel_manifest import resolve
 
     entries, capability = json.loads(sys.stdin.read()), int(sys.argv[1])
     if any(entry["module"].startswith("fla.") for entry in entries):

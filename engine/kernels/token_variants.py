@@ -3,7 +3,7 @@
 A Triton launcher whose compile-time parameters depend on the step's token count (a tile height, a K
 split) registers a function of that count naming the build it picks, over the shapes it has been called
 with so far. After one long prefill has run every launcher once, `covering_lengths` gives one token
-count per distinct combination of builds: prefilling each of them once (EngineCore.warm_up_prefills)
+count per distinct combination of builds: prefilling each of them once (engine/warm_up.py)
 leaves no compile to requests, whatever their lengths and however a step batches them.
 """
 

@@ -15,13 +15,13 @@ T = TypeVar("T")
 
 @dataclass
 class SeqSpan:
-    """One request's part of the step: `new` tokens at flat offset `offset`, after `cached` tokens."""
+    """One request's part of the step: `new` tokens at flat offset `offset`, after `num_computed` tokens."""
 
     offset: int
     new: int
-    cached: int
+    num_computed: int  # the request's tokens before this span (the span's first position)
     slot: int
-    pages: list[int]  # page ids covering at least cached + new tokens
+    pages: list[int]  # page ids covering at least num_computed + new tokens
 
     @property
     def rows(self) -> slice:
@@ -29,7 +29,7 @@ class SeqSpan:
 
     @property
     def total(self) -> int:
-        return self.cached + self.new
+        return self.num_computed + self.new
 
 
 @dataclass
@@ -53,31 +53,31 @@ class ForwardBatch:
     decode: DecodeMeta | None = None  # set when every span adds one token: the static decode path
     # A mixed step's one-token spans (decoding requests, a prompt's last token), in span order: they run
     # together through the layers' decode paths, so each adds no launches of its own to the step.
-    single: DecodeMeta | None = None
+    one_token: DecodeMeta | None = None
     # Requests whose state is saved between the step's multi-token spans and its one-token rows (the prefix
     # cache's snapshot one token before a prompt's end, whose last token is a one-token span of this step).
-    saves: StepSaves | None = None
+    snapshot_saves: StepSaves | None = None
     _layouts: dict[Hashable, object] = field(default_factory=dict, init=False, repr=False)
 
     @property
-    def single_token(self) -> list[int]:
-        """Spans that add one token: run through the batched decode paths (`single`)."""
+    def one_token_spans(self) -> list[int]:
+        """Spans that add one token: run through the batched decode paths (`one_token`)."""
         return [i for i, s in enumerate(self.spans) if s.new == 1]
 
     @property
-    def multi_token(self) -> list[int]:
+    def multi_token_spans(self) -> list[int]:
         return [i for i, s in enumerate(self.spans) if s.new > 1]
 
     @cached_property
-    def single_rows(self) -> torch.Tensor:
-        """Rows [n] of the one-token spans (the rows of `single`), built once per step for every layer."""
-        return torch.tensor([self.spans[i].offset for i in self.single_token], device=self.token_ids.device)
+    def one_token_rows(self) -> torch.Tensor:
+        """Rows [n] of the one-token spans (the rows of `one_token`), built once per step for every layer."""
+        return torch.tensor([self.spans[i].offset for i in self.one_token_spans], device=self.token_ids.device)
 
     @cached_property
     def prefill_layout(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(rows [N], slots [B], cu_seqlens [B+1]) of the multi-token spans, built once per step: every
         KDA layer reuses the same tensors (fla memoises its chunk list by the cu_seqlens tensor)."""
-        spans = [self.spans[i] for i in self.multi_token]
+        spans = [self.spans[i] for i in self.multi_token_spans]
         dev = self.token_ids.device
         rows = torch.cat([torch.arange(s.offset, s.offset + s.new) for s in spans]).to(dev)
         slots = torch.tensor([s.slot for s in spans], device=dev)

@@ -39,7 +39,7 @@ class SpanRows:
         new_keys = len(spans) * kpool  # source row of the first new key
         width = max(len(span.pages) for span in spans)
         for index, span in enumerate(spans):
-            pages, cached = torch.tensor(span.pages).unsqueeze(0), span.cached
+            pages, cached = torch.tensor(span.pages).unsqueeze(0), span.num_computed
             new = torch.arange(cached, span.total)
             completed = torch.arange(cached // kpool, span.total // kpool)
             still_open = torch.arange(max(cached, span.total // kpool * kpool), span.total)
@@ -178,9 +178,9 @@ class DsaMixer:
                       cache: PagedLatents) -> torch.Tensor:
         cfg, layer = self.cfg, self.cache_index
         out = torch.empty_like(q_abs)
-        if batch.multi_token:  # first: a prompt's last token may be a one-token row of this step
+        if batch.multi_token_spans:  # first: a prompt's last token may be a one-token row of this step
             prefill, slot_ids = batch.prefill_layout[:2]
-            multi = [batch.spans[i] for i in batch.multi_token]
+            multi = [batch.spans[i] for i in batch.multi_token_spans]
             rows = batch.layout(SpanRows, lambda: SpanRows.of(multi, cache, cfg.index_kpool, q_abs.device))
             cache.latents[layer, rows.latents] = latent[prefill]
             self.indexer.add_tokens(ikg[prefill], rows, slot_ids, open_pool, cache, layer)
@@ -188,11 +188,11 @@ class DsaMixer:
                                            rows.n_pools, cache, layer)
             out[prefill] = self._attend(q_abs[prefill], pool_ids, rows.positions, rows.page_table, rows.seqs,
                                         cache)
-        if batch.saves is not None:
-            batch.saves.save_dsa(open_pool, layer)
-        if batch.single_token:  # decoding requests in a mixed step: one pass of the decode path for them all
-            one = batch.single_rows
-            out[one] = self._attend_decode(q_abs[one], latent[one], iq[one], iw[one], ikg[one], batch.single,
+        if batch.snapshot_saves is not None:
+            batch.snapshot_saves.save_dsa(open_pool, layer)
+        if batch.one_token_spans:  # decoding requests in a mixed step: one pass of the decode path for them all
+            one = batch.one_token_rows
+            out[one] = self._attend_decode(q_abs[one], latent[one], iq[one], iw[one], ikg[one], batch.one_token,
                                            open_pool, cache)
         return out
 

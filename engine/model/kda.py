@@ -34,14 +34,14 @@ class KdaMixer:
             o = self._decode(qkv, forget, beta_logits, gate_out, rec, conv, batch.decode.slots)
             return linear(o, self.o)
         o = torch.empty(x.shape[0], self.cfg.linear_dim, dtype=x.dtype, device=x.device)
-        if batch.multi_token:  # first: a prompt's last token may be a one-token row of this step
+        if batch.multi_token_spans:  # first: a prompt's last token may be a one-token row of this step
             o[batch.prefill_layout[0]] = self._prefill(qkv, forget, beta_logits, gate_out, rec, conv, batch)
-        if batch.saves is not None:
-            batch.saves.save_kda(rec, conv, self.state_index)
-        if batch.single_token:  # decoding requests in a mixed step: the fused step of a pure decode batch
-            rows = batch.single_rows
+        if batch.snapshot_saves is not None:
+            batch.snapshot_saves.save_kda(rec, conv, self.state_index)
+        if batch.one_token_spans:  # decoding requests in a mixed step: the fused step of a pure decode batch
+            rows = batch.one_token_rows
             o[rows] = self._decode(qkv[rows], forget[rows], beta_logits[rows], gate_out[rows], rec, conv,
-                                   batch.single.slots)
+                                   batch.one_token.slots)
         return linear(o, self.o)
 
     def _decode(self, qkv: torch.Tensor, forget: torch.Tensor, beta_logits: torch.Tensor, gate_out: torch.Tensor,
@@ -58,7 +58,7 @@ class KdaMixer:
         cfg = self.cfg
         rows, slot_ids, cu_seqlens = batch.prefill_layout
         history = self.conv.shape[-1] - 1
-        lengths = [batch.spans[i].new for i in batch.multi_token]
+        lengths = [batch.spans[i].new for i in batch.multi_token_spans]
         layout = batch.layout((ConvRows, history), lambda: ConvRows.of(lengths, history, qkv.device))
         return kernel("kda_spans", qkv.device.type)(
             qkv[rows], forget[rows], beta_logits[rows], gate_out[rows], conv, self.conv, rec, slot_ids, cu_seqlens,

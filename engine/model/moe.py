@@ -31,4 +31,4 @@ class MoE:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         ids, weights = self.router(x)
-        return self.experts(self.layer, x, ids, weights, beside=lambda: self.shared(x))
+        return self.experts(self.layer, x, ids, weights, shared_expert=lambda: self.shared(x))

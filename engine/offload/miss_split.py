@@ -5,8 +5,8 @@ a kernel copies it over PCIe (reading the pinned host bank directly). Both proce
 split that ends them together gives the link the share pcie / (cpu + pcie) of the misses. Measured on
 the engine's own buffers and threads, a few experts of the first MoE layer each way (tens of
 milliseconds), before the decode graphs are captured. That is where the split starts: the steps read it at
-run time, and it then follows the rate the CPU's passes reach inside them (experts/hybrid.py,
-`follow_cpu_rate`; 74 GB/s on the H200's host where 8 experts alone ran 98). The rates are kept
+run time, and it then follows the rate the CPU's passes reach inside them (offload/split_follower.py;
+74 GB/s on the H200's host where 8 experts alone ran 98). The rates are kept
 in a file (beside the prepared snapshot, when the caller names one) under a key of what they depend on:
 the same machine and weights start with the same split instead of a new sample of a noisy measurement.
 """
@@ -24,7 +24,7 @@ from typing import Callable
 import torch
 
 from engine.kernels.experts.cpu_gemv import simd_path
-from engine.offload.cpu_cores import allowed_cpus, quota_cores
+from engine.cpu_cores import allowed_cpus, quota_cores
 from engine.offload.host_steps import SPIN_NS
 
 

@@ -9,16 +9,6 @@ from __future__ import annotations
 
 import torch
 
-# Empty host bank entries per MoE layer beside its hosted experts: a swap copies the outgoing device expert into
-# one while the incoming expert is still served from its own entry, so no step waits for a swap's copies.
-HOST_SPARES = 1
-
-
-def spare_entries(hosted: int) -> int:
-    """Spare entries of a host bank holding `hosted` experts (none where nothing can move in or out)."""
-    return HOST_SPARES if hosted else 0
-
-
 def slots_per_layer(budget_bytes: int, expert_nbytes: int, num_layers: int, num_experts: int) -> int:
     """How many experts of each MoE layer fit in `budget_bytes` of device memory."""
     if budget_bytes < 0:

@@ -23,7 +23,7 @@ from engine.structured.constraint import mask_words
 
 
 @dataclass
-class PendingMasks:
+class MaskFill:
     rows: list[int]  # logits rows, in bitmask order
     filled: Future
 
@@ -37,12 +37,12 @@ class GrammarMasks:
         self._executor: llguidance.LLExecutor | None = None  # llguidance's thread pool, made on first use
         self._thread = ThreadPoolExecutor(1, thread_name_prefix="glmflash-masks")
 
-    def start(self, seqs: list[Sequence]) -> PendingMasks | None:
+    def start(self, seqs: list[Sequence]) -> MaskFill | None:
         """Begin filling the masks of the rows (one per seq, in logits order) whose next token is constrained."""
         rows = [i for i, seq in enumerate(seqs) if seq.constraint is not None and seq.constraint.active]
         if not rows:
             return None
-        return PendingMasks(rows, self._thread.submit(self._fill, [seqs[i] for i in rows]))
+        return MaskFill(rows, self._thread.submit(self._fill, [seqs[i] for i in rows]))
 
     def _fill(self, seqs: list[Sequence]) -> None:
         matchers = []
@@ -59,12 +59,12 @@ class GrammarMasks:
             self._executor.unsafe_compute_mask_ptr(matchers, rows.data_ptr(), rows.shape[1] * 4, rows.shape[0])
 
     @torch.inference_mode()  # the logits are an inference tensor, updated in place
-    def apply(self, logits: torch.Tensor, pending: PendingMasks) -> None:
+    def apply(self, logits: torch.Tensor, fill: MaskFill) -> None:
         """Mask `logits` [B, V] in place once the fill is done."""
-        pending.filled.result()
-        count = len(pending.rows)
+        fill.filled.result()
+        count = len(fill.rows)
         words = self.bitmask[:count].to(logits.device, non_blocking=True)
-        self.row_index[:count] = torch.tensor(pending.rows)
+        self.row_index[:count] = torch.tensor(fill.rows)
         rows = self.row_index[:count].to(logits.device, non_blocking=True)
         allowed = ((words.unsqueeze(-1) >> self._shifts) & 1).view(count, -1)[:, :logits.shape[-1]].bool()
         logits[rows] = logits[rows].masked_fill(~allowed, float("-inf"))

@@ -22,8 +22,8 @@ from safetensors.torch import save_file
 from engine.checkpoint.loader import LoadedWeights, assemble
 from engine.checkpoint.layout import (EXPERT_KEY, TEXT_PREFIX, TensorSpec, quantized_in_release,
                                       stacked_expert_name, text_specs)
-from engine.checkpoint.quant import quantize_fp8_block, quantize_nvfp4
 from engine.config import ModelConfig
+from engine.quant import quantize_fp8_block, quantize_nvfp4
 from engine.tiny.tokenizer import write_tokenizer
 
 FORMATS = {"bf16": None, "fp8": "fp8", "nvfp4-ct": "compressed-tensors", "nvfp4-modelopt": "modelopt"}

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from ..errors import ProvisionError
 from .base import (MANIFEST_NAME, PARTIAL_DIRNAME, ProgressFn, RemoteFile, Source, SourceInfo,
@@ -12,9 +11,6 @@ from .huggingface import HuggingFaceSource, parse_hf_spec
 from .local import LocalSource
 from .s3 import DEFAULT_PART_SIZE, S3Source, parse_s3_uri
 
-if TYPE_CHECKING:
-    from ..settings import Settings
-
 __all__ = ["DEFAULT_PART_SIZE", "HuggingFaceSource", "LocalSource", "MANIFEST_NAME", "PARTIAL_DIRNAME",
            "ProgressFn", "RemoteFile", "S3Source", "Source", "SourceInfo", "is_snapshot_file",
            "parse_hf_spec", "parse_s3_uri", "source_for"]
@@ -22,23 +18,20 @@ __all__ = ["DEFAULT_PART_SIZE", "HuggingFaceSource", "LocalSource", "MANIFEST_NA
 _PATH_STARTS = ("/", "./", "../", "~", ".\\", "..\\")
 
 
-def source_for(spec: str, settings: Settings | None = None) -> Source:
+def source_for(spec: str, *, revision: str | None = None, token: str | None = None,
+               endpoint_url: str | None = None, workers: int = 8) -> Source:
     """The source a spec names.
 
-    - `s3://bucket/prefix` -> S3Source (endpoint `settings.s3_endpoint_url`, `download_workers` GETs)
+    - `s3://bucket/prefix` -> S3Source (at `endpoint_url`, `workers` parallel GETs)
     - an existing directory, or anything spelled as a path (`/x`, `./x`, `../x`, `~/x`) -> LocalSource
-    - `org/name[@revision]` (or `hf://org/name[@revision]`) -> HuggingFaceSource; the revision is the
-      one after '@', else `settings.model_revision`, else "main"; both given and different is an error.
+    - `org/name[@revision]` (or `hf://org/name[@revision]`) -> HuggingFaceSource (with `token`); the revision
+      is the one after '@', else the pinned `revision`, else "main"; both given and different is an error.
     """
-    if settings is None:
-        from ..settings import Settings
-
-        settings = Settings()
     text = (spec or "").strip()
     if not text:
         raise ProvisionError("no model source given (set GLMFLASH_MODEL or GLMFLASH_S3_URI)")
     if text.startswith("s3://"):
-        return S3Source(text, endpoint_url=settings.s3_endpoint_url, workers=settings.download_workers)
+        return S3Source(text, endpoint_url=endpoint_url, workers=workers)
     if not text.startswith("hf://"):
         path = Path(text).expanduser()
         if path.is_dir():
@@ -48,12 +41,11 @@ def source_for(spec: str, settings: Settings | None = None) -> Source:
         if text.startswith(_PATH_STARTS) or text.count("/") > 1:
             raise ProvisionError(f"local snapshot directory {text} does not exist", source=text)
     try:
-        repo_id, revision = parse_hf_spec(text)
+        repo_id, asked = parse_hf_spec(text)
     except ProvisionError as e:
         raise ProvisionError(f"model source {spec!r} is neither an existing directory, an s3:// URI nor a "
                              f"Hugging Face id org/name[@revision] ({e})", source=spec) from e
-    pinned = settings.model_revision
-    if revision and pinned and revision != pinned:
-        raise ProvisionError(f"{spec!r} asks for revision {revision!r} but GLMFLASH_MODEL_REVISION is "
-                             f"{pinned!r}; set only one", source=spec)
-    return HuggingFaceSource(repo_id, revision or pinned, token=settings.hf_token)
+    if asked and revision and asked != revision:
+        raise ProvisionError(f"{spec!r} asks for revision {asked!r} but GLMFLASH_MODEL_REVISION is "
+                             f"{revision!r}; set only one", source=spec)
+    return HuggingFaceSource(repo_id, asked or revision, token=token)

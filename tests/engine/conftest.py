@@ -14,8 +14,8 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from engine.checkpoint.quant import dequantize_fp8_block, dequantize_nvfp4
 from engine.kernels.dispatch import kernel, register
+from engine.quant import dequantize_fp8_block, dequantize_nvfp4
 from engine.tiny.factory import write_tiny_model
 
 if TYPE_CHECKING:  # imported where used: transformers takes seconds to import, most tests never need it

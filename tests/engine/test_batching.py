@@ -16,10 +16,10 @@ def test_prefill_then_decode_equals_full_recompute(tiny_dir, prompt):
     # Prefill 41 tokens, then feed the remaining 29 one at a time through the decode path.
     seq = Sequence(0, ids[:41], SamplingParams(max_tokens=40))
     assert llm.scheduler.try_admit(seq)
-    logits = [llm.runner.run([(seq, 41)], all_rows=True)]
+    logits = [llm.core.teacher_forced_step([(seq, 41)], all_rows=True)]
     for token in ids[41:]:
         seq.output_token_ids.append(token)
-        logits.append(llm.runner.run([(seq, 1)]))
+        logits.append(llm.core.teacher_forced_step([(seq, 1)]))
     llm.scheduler.finish(seq)
     stepped = torch.cat(logits)
     rel = (stepped - full).abs().max() / full.abs().max()
@@ -36,7 +36,7 @@ def test_chunked_prefill_equals_one_prefill(tiny_dir, prompt):
     llm.scheduler.schedule()  # admit: slot + pages
     parts, done = [], 0
     for size in (30, 1, 33, 33):
-        parts.append(llm.runner.run([(seq, size)], all_rows=True))
+        parts.append(llm.core.teacher_forced_step([(seq, size)], all_rows=True))
         done += size
     llm.scheduler.finish(seq)
     assert done == len(ids)
@@ -56,9 +56,10 @@ def test_spans_of_one_step_equal_each_prefill_alone(tiny_dir, prompt):
     for seq in seqs:
         assert llm.scheduler.try_admit(seq)
     for seq, n in zip(seqs, first):
-        llm.runner.run([(seq, n)], all_rows=True)
+        llm.core.teacher_forced_step([(seq, n)], all_rows=True)
     with count_kernel_calls(("short_conv_varlen", "index_pool", "index_select", "sparse_mla")) as calls:
-        rows = llm.runner.run([(seq, len(seq.prompt_token_ids) - n) for seq, n in zip(seqs, first)], all_rows=True)
+        rest = [(seq, len(seq.prompt_token_ids) - n) for seq, n in zip(seqs, first)]
+        rows = llm.core.teacher_forced_step(rest, all_rows=True)
     cfg = llm.core.config
     kda, dsa = len(cfg.kda_layers), len(cfg.dsa_layers)  # index_pool: the spans' pools, the lone token's pool
     assert calls == {"short_conv_varlen": kda, "index_pool": 2 * dsa, "index_select": 2 * dsa, "sparse_mla": 2 * dsa}

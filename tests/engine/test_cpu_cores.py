@@ -14,7 +14,7 @@ import torch
 
 from engine.experts.cpu_experts import CpuExperts
 from engine.kernels.experts import cpu_gemv
-from engine.offload.cpu_cores import physical_cores, quota_cores, usable_cores, worker_cpus
+from engine.cpu_cores import physical_cores, quota_cores, usable_cores, worker_cpus
 from tests.engine.kernels.test_cpu_gemv import nvfp4_stacks
 
 
@@ -112,7 +112,7 @@ def test_pinned_workers_run_on_their_cores_and_unpin(tmp_path):
 
 def test_torch_threads_are_capped_at_the_usable_cores():
     """In a child process: the thread count is process-wide."""
-    code = ("import torch; from engine.offload.cpu_cores import cap_torch_threads; torch.set_num_threads(3); "
+    code = ("import torch; from engine.cpu_cores import cap_torch_threads; torch.set_num_threads(3); "
             "print(cap_torch_threads(2), cap_torch_threads(5), torch.get_num_threads())")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                          cwd=Path(__file__).parents[2]).stdout

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from engine import LLM, SamplingParams
-from engine.engine_core import graph_sizes
+from engine.warm_up import graph_sizes
 from engine.kernels.indexer.torch_ref import index_select
 from engine.model.batch import DecodeMeta, ForwardBatch
 from engine.sampler import sample, sample_batch
@@ -28,7 +28,7 @@ def test_decode_steps_equal_teacher_forced_prefill(llm, prompt):
     rows = []
     try:
         for _ in range(26):
-            logits = llm.runner.run(llm.scheduler.schedule())
+            logits = llm.core.teacher_forced_step(llm.scheduler.schedule())
             rows.append(logits[-1])
             seq.output_token_ids.append(int(logits[-1].argmax()))
     finally:
@@ -44,7 +44,7 @@ def test_padding_rows_on_scratch_state_change_nothing(llm, prompt):
     for seq in seqs:
         llm.scheduler.add(seq)
     try:
-        llm.runner.run(llm.scheduler.schedule())  # prefill both
+        llm.core.teacher_forced_step(llm.scheduler.schedule())  # prefill both
         for seq in seqs:
             seq.output_token_ids.append(7)
         core, dev = llm.core, llm.model.device
@@ -52,7 +52,7 @@ def test_padding_rows_on_scratch_state_change_nothing(llm, prompt):
 
         def step(pad: int) -> torch.Tensor:
             slots = [s.slot for s in seqs] + [core.slots.scratch_slot] * pad
-            positions = [s.cached for s in seqs] + [0] * pad
+            positions = [s.num_computed for s in seqs] + [0] * pad
             table = torch.full((len(slots), max_pages), core.cache.scratch_page, dtype=torch.long)
             for row, s in enumerate(seqs):
                 table[row, :len(s.pages)] = torch.tensor(s.pages)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.checkpoint.quant import FP8_BLOCK, quantize_fp8_block, quantize_nvfp4
+from engine.quant import FP8_BLOCK, quantize_fp8_block, quantize_nvfp4
 from engine.model.layers import FusedLinear, linear
 from engine.weights import DenseWeight, Fp8BlockWeight, Nvfp4Weight, Weight
 

@@ -14,7 +14,7 @@ from engine.checkpoint.loader import checkpoint_sizes
 from engine.config import ModelConfig
 from engine.memory_plan import AUTO, WeightBytes, build_caches, plan_memory, reserve_bytes
 from engine.options import EngineOptions
-from provision.settings import Settings
+from worker.settings import Settings
 from worker.engine_options import engine_options
 
 CPU = torch.device("cpu")

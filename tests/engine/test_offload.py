@@ -9,7 +9,7 @@ import time
 import pytest
 import torch
 
-from engine.checkpoint.quant import FP8_BLOCK, quantize_fp8_block, quantize_nvfp4
+from engine.quant import FP8_BLOCK, quantize_fp8_block, quantize_nvfp4
 from engine.experts.hybrid import HybridExperts, expert_nbytes
 from engine.experts.torch_experts import TorchExperts
 from engine.offload.placement import hottest, plan_placement, slots_per_layer
@@ -508,8 +508,8 @@ def test_the_split_follows_the_cpus_rate_inside_the_steps():
     """From measured rates, every FOLLOW_STEPS decode steps the share becomes what the CPU's passes reached in
     them against the link's rate: the host steps and the device's pick read it from the next step on, the
     outputs still equal the reference; a requested share stays."""
-    from engine.experts.hybrid import FOLLOW_STEPS
     from engine.offload.miss_split import pcie_percent
+    from engine.offload.split_follower import FOLLOW_STEPS
 
     stacks = {1: layer_stacks("nvfp4", 91, inter=256), 4: layer_stacks("nvfp4", 93, inter=256)}
     reference = TorchExperts(stacks, LIMIT)
@@ -542,8 +542,8 @@ def test_the_split_follows_the_highest_recent_window(monkeypatch):
     """A window whose steps were not back to back reads a rate far below the pass's own: the split follows the
     highest of the last FOLLOW_WINDOWS windows' rates, the load's measurement first, so one slow window moves
     nothing and a lasting change still comes through once the faster windows have aged out."""
-    from engine.experts.hybrid import FOLLOW_STEPS, FOLLOW_WINDOWS
     from engine.offload.miss_split import pcie_percent
+    from engine.offload.split_follower import FOLLOW_STEPS, FOLLOW_WINDOWS
 
     stacks = {1: layer_stacks("nvfp4", 91, inter=256)}
     hybrid = HybridExperts.place(stacks, {1: [0, 2]}, torch.device("cpu"), LIMIT)

@@ -15,7 +15,7 @@ from engine.checkpoint.prepared import load_prepared, open_prepared, save_prepar
 from engine.checkpoint.prepared_store import PreparedSnapshotError, read_plan
 from engine.config import ModelConfig
 from engine.engine_core import EngineCore, EngineOptions
-from engine.experts.pending import PendingExperts
+from engine.experts.filling import FillingExperts
 from engine.sampling_params import SamplingParams
 from engine.sequence import Sequence
 from tests.engine.conftest import run_together
@@ -44,7 +44,7 @@ def test_partial_engine_serves_before_the_fill_with_the_same_tokens(tiny_dir, fm
     full = EngineCore(cfg, load_weights(snapshot, cfg, "cpu", torch.float32, slots), options(budget))
     weights, experts = open_weights(snapshot, cfg, "cpu", torch.float32, slots)
     partial = EngineCore(cfg, weights, options(budget), experts=experts)
-    assert isinstance(partial.pending, PendingExperts) and experts.share == 0.0
+    assert isinstance(partial.expert_fill, FillingExperts) and experts.share == 0.0
 
     assert greedy(partial) == greedy(full)
     assert 0.0 < experts.share < 1.0 and not experts.complete  # only what the steps needed was read
@@ -53,7 +53,7 @@ def test_partial_engine_serves_before_the_fill_with_the_same_tokens(tiny_dir, fm
     experts.fill(workers=2)
     assert experts.complete and experts.share == 1.0
     assert greedy(partial) == greedy(full)
-    assert partial.pending is None  # dropped between steps once complete
+    assert partial.expert_fill is None  # dropped between steps once complete
     assert all(layer.mlp.experts is (partial.offload or layer.mlp.experts) for layer in partial.model.layers
                if hasattr(layer.mlp, "experts"))
 
@@ -71,7 +71,7 @@ def test_partial_engine_from_a_prepared_snapshot(tiny_dir, tmp_path, slots):
     partial = EngineCore(cfg, weights, options(budget), experts=experts)
     assert greedy(partial) == greedy(full) and experts.on_demand_units > 0
     experts.fill(workers=2)
-    assert experts.complete and greedy(partial) == greedy(full) and partial.pending is None
+    assert experts.complete and greedy(partial) == greedy(full) and partial.expert_fill is None
 
 
 def test_a_damaged_expert_piece_is_handed_to_on_damaged_by_whoever_reads_it(tiny_dir, tmp_path):

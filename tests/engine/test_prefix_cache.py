@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import itertools
+from typing import NamedTuple
 
 import pytest
 import torch
@@ -11,6 +12,7 @@ import torch
 from engine.cache import PagedLatents
 from engine.cache.state_rows import state_bytes
 from engine.engine_core import EngineCore, EngineOptions
+from engine.loading import load_engine
 from engine.sampling_params import SamplingParams
 from engine.sequence import Sequence
 from tests.engine.conftest import run_together
@@ -24,8 +26,8 @@ def greedy(max_tokens: int = 8) -> SamplingParams:
     return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
 
 
-def core(snapshot, **options) -> EngineCore:
-    return EngineCore.from_snapshot(snapshot, dtype="float32", options=EngineOptions(page_size=PAGE, **options))
+def core(snapshot, dtype: str = "float32", **options) -> EngineCore:
+    return load_engine(snapshot, dtype=dtype, options=EngineOptions(page_size=PAGE, **options))
 
 
 def submit(engine: EngineCore, prompts: list[list[int]], params: SamplingParams | None = None) -> list[Sequence]:
@@ -41,6 +43,41 @@ def run(engine: EngineCore, prompts: list[list[int]], params: SamplingParams | N
 def run_each(engine: EngineCore, prompts: list[list[int]], params: SamplingParams | None = None) -> list[list[int]]:
     """One prompt at a time, each after the previous one finished (a conversation's turns)."""
     return [run(engine, [p], params)[0] for p in prompts]
+
+
+class Greedy(NamedTuple):
+    seq: Sequence
+    logprobs: torch.Tensor  # [output tokens, vocab]: each output token's log-probabilities over the whole vocabulary
+
+
+def distributions(engine: EngineCore, prompt_ids: list[int], max_tokens: int = 4) -> Greedy:
+    """Greedy run of one prompt alone, with every output token's full distribution (greedy tokens alone hide much:
+    the tiny model's argmax follows the last few tokens)."""
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True,
+                            logprobs=engine.config.vocab_size)
+    seq = Sequence(str(next(_ids)), list(prompt_ids), params)
+    engine.add(seq)
+    rows = []
+    while engine.has_work:
+        rows += [sorted(out.logprobs.top) for out in engine.step() if out.request_id == seq.request_id]
+    return Greedy(seq, torch.tensor([[logprob for _, logprob in row] for row in rows]))
+
+
+# Log-probabilities, cache on against off. float32: equal to rounding (measured on CPU: bit-identical). bf16: where
+# a prefill chunk starts changes bf16's rounding: measured on the well-conditioned model over 9 prompts x 3 kinds of
+# hit, <= 0.18 nats (<= 0.08 on test_restored_state_gives_the_uncached_distributions' prompts); a restore without the
+# conv rows, from another snapshot's row or one token off moves a token by >= 1.6 nats, one without its boundary page
+# by 0.34 on those prompts.
+LOGPROB_TOLERANCE = {"float32": 1e-4, "bfloat16": 0.2}
+
+
+def assert_distributions_close(got: Greedy, want: Greedy, tolerance: float) -> None:
+    """Each output token's log-probabilities within `tolerance` nats of the reference's, through the first token
+    the two runs chose differently (bf16 may flip a near-tie; after it the histories differ)."""
+    pairs = list(zip(got.seq.output_token_ids, want.seq.output_token_ids))
+    rows = next((i for i, (a, b) in enumerate(pairs) if a != b), len(pairs) - 1) + 1
+    worst = (got.logprobs[:rows] - want.logprobs[:rows]).abs().amax(dim=-1)  # per token, over the vocabulary
+    assert bool((worst <= tolerance).all()), f"log-probabilities off by {worst.tolist()} nats (tolerance {tolerance})"
 
 
 def no_leaks(engine: EngineCore) -> None:
@@ -78,6 +115,46 @@ def test_chain_matches_whole_pages_after_equal_parents(tiny_dir, prompt):
     assert prefix.lookup(a + out + [7]).position == 53
     assert prefix.lookup(a[:49] + [7, 7]).position == 49
     assert prefix.lookup(a[:48] + [7, 7]).position == 0  # truncated to the last snapshot: none below 49
+    no_leaks(engine)
+
+
+def cache_two_chains(engine: EngineCore, prompt) -> tuple[list[int], list[int], list[int]]:
+    """Cache a chain of one page a0 (a snapshot right after it) and one of two pages b0 -> b1 (snapshots 7 and 8
+    tokens into b's third page); return (a0, b, a0 + b1 + b's tail + one token): a prompt whose second page equals b1
+    at the same depth, under another parent."""
+    a, b = prompt(PAGE + 1, seed=72), prompt(2 * PAGE + 8, seed=71)
+    assert a[PAGE] != b[PAGE]  # a's snapshot at its end (a0 + 1 token) is no prefix of the mixed prompt either
+    run_each(engine, [a, b], greedy(1))
+    return a[:PAGE], b, a[:PAGE] + b[PAGE:] + [5]
+
+
+def test_chain_match_stops_at_a_page_whose_parent_differs(tiny_dir, prompt):
+    """A page is the same prefix only after the same parent: a0 + b1 matches a0 alone and restores a0's snapshot,
+    nothing of b's chain (test_chain_matches_whole_pages_after_equal_parents changes the first page, so the parent
+    of a deeper one is never checked)."""
+    engine = core(tiny_dir("bf16"))
+    a0, b, mixed = cache_two_chains(engine, prompt)
+    a_chain, b_chain = engine.prefix.lookup(a0 + [0, 0]).blocks, engine.prefix.lookup(b).blocks
+    assert (len(a_chain), len(b_chain)) == (1, 2)
+    hit = engine.prefix.lookup(mixed)
+    assert hit.matched == 1 and hit.blocks == a_chain and set(hit.blocks).isdisjoint(b_chain)
+    assert hit.position == PAGE and hit.snapshot is not None and hit.snapshot.block is a_chain[0]
+
+
+def test_a_page_under_another_parent_is_computed_not_restored(tiny_dir, prompt):
+    """The engine restores only a0 for a0 + b1 + ...: b1's page and b's snapshot hold b0's context, and restoring
+    them would answer as if the prompt began with b0."""
+    snapshot = tiny_dir("bf16")
+    engine, plain = core(snapshot), core(snapshot, prefix_cache=False)
+    _, _, mixed = cache_two_chains(engine, prompt)
+    want = distributions(plain, mixed)
+    got = distributions(engine, mixed)
+    assert got.seq.cached_prompt_tokens == PAGE
+    assert_distributions_close(got, want, LOGPROB_TOLERANCE["float32"])
+    # Its own pages now follow a0 in the chain (not b's b1): the same prompt again restores them.
+    again = distributions(engine, mixed)
+    assert again.seq.cached_prompt_tokens == len(mixed) - 1
+    assert_distributions_close(again, want, LOGPROB_TOLERANCE["float32"])
     no_leaks(engine)
 
 
@@ -190,6 +267,31 @@ def test_cached_outputs_equal_uncached(tiny_dir, prompt, fmt):
     no_leaks(engine)
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_restored_state_gives_the_uncached_distributions(tiny_dir, prompt, dtype):
+    """A repeated prompt (the snapshot before its last token) and a conversation's next turn (the snapshot where
+    the first turn stopped), both mid-page: every output token's distribution is the one without a cache, in bf16
+    too (on the well-conditioned model: the default one turns bf16 rounding into different tokens)."""
+    snapshot = tiny_dir("bf16", well_conditioned=True)
+    engine, plain = core(snapshot, dtype), core(snapshot, dtype, prefix_cache=False)
+    tolerance = LOGPROB_TOLERANCE[dtype]
+    first = prompt(43, seed=96)
+    want = distributions(plain, first)
+    done = distributions(engine, first)  # no hit; the snapshot before its last token is saved mid-step
+    assert_distributions_close(done, want, tolerance)
+    # Another prompt in between: the page and slot the first one freed now hold other tokens' state, which a
+    # restore that skipped a part would keep.
+    run(engine, [prompt(43, seed=146)], greedy(4))
+    again = distributions(engine, first)
+    assert again.seq.cached_prompt_tokens == 42
+    assert_distributions_close(again, want, tolerance)
+    turn = first + done.seq.output_token_ids + prompt(5, seed=97)
+    after = distributions(engine, turn)
+    assert after.seq.cached_prompt_tokens == 43 + 3  # where the first turn stopped: its last output token never ran
+    assert_distributions_close(after, distributions(plain, turn), tolerance)
+    no_leaks(engine)
+
+
 def test_identical_prompts_at_once_prefill_once(tiny_dir, prompt):
     engine = core(tiny_dir("bf16"))
     p = prompt(70, seed=50)
@@ -240,7 +342,7 @@ def test_a_prompts_last_token_runs_in_its_chunks_step_with_the_snapshot_before_i
     first = Sequence("first", text, greedy(4))
     engine.add(first)
     outputs = {o.request_id for o in engine.step()}
-    assert outputs == {"decoder", "first"} and first.cached == 40  # the whole prompt in one step
+    assert outputs == {"decoder", "first"} and first.num_computed == 40  # the whole prompt in one step
     again = Sequence("again", text, greedy(4))
     engine.add(again)
     while engine.has_work:
@@ -263,11 +365,12 @@ def test_a_held_back_token_runs_in_a_decode_step_when_its_chunk_fills_the_step(t
     held = Sequence("held", prompt(40, seed=2), greedy(4))
     engine.add(held)
     engine.step()
-    assert held.cached == 39 and not held.output_token_ids  # stopped at its snapshot
+    assert held.num_computed == 39 and not held.output_token_ids  # stopped at its snapshot
     engine.add(Sequence("new", prompt(30, seed=3), greedy(4)))
-    plan = {seq.request_id: n for seq, n in engine.scheduler.schedule()}
+    plan = {span.seq.request_id: span.num_new for span in engine.scheduler.schedule().spans}
     assert plan == {"decoder": 1, "held": 1}
     outputs = {o.request_id for o in engine.step()}
     assert outputs == {"decoder", "held"}
     # Now the new prompt's chunk (through its last token, its snapshot saved before it) runs beside the decodes.
-    assert {seq.request_id: n for seq, n in engine.scheduler.schedule()} == {"decoder": 1, "held": 1, "new": 30}
+    plan = {span.seq.request_id: span.num_new for span in engine.scheduler.schedule().spans}
+    assert plan == {"decoder": 1, "held": 1, "new": 30}

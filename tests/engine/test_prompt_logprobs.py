@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from engine.engine_core import EngineCore, EngineOptions
+from engine.loading import load_engine
 from engine.sampling_params import SamplingParams
 from engine.sequence import Sequence
 from tests.engine.conftest import reference_outputs, run_together
@@ -18,7 +19,7 @@ def params(prompt_logprobs: int | None, max_tokens: int = 4) -> SamplingParams:
 
 
 def core(snapshot, **options) -> EngineCore:
-    return EngineCore.from_snapshot(snapshot, dtype="float32", options=EngineOptions(page_size=16, **options))
+    return load_engine(snapshot, dtype="float32", options=EngineOptions(page_size=16, **options))
 
 
 def expected(reference_model, ids: list[int]) -> torch.Tensor:
@@ -79,9 +80,9 @@ def test_a_scored_prompt_runs_in_bounded_chunks(tiny_dir, prompt, monkeypatch):
     seq = Sequence("chunked", ids, params(1))
     engine.add(seq)
     while engine.has_work:
-        before = seq.cached
+        before = seq.num_computed
         engine.step()
-        chunks.append(seq.cached - before)
+        chunks.append(seq.num_computed - before)
     assert chunks[0] == max(chunks) == 16 and sum(chunks) == len(ids) + 3  # 4 tokens out: 3 of them run again
     assert [lp.logprob for lp in seq.prompt_logprobs] == pytest.approx([lp.logprob for lp in whole.prompt_logprobs],
                                                                        abs=1e-4)

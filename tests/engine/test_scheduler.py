@@ -6,6 +6,7 @@ import pytest
 
 from engine import LLM, SamplingParams
 from engine.engine_core import EngineCore, EngineOptions
+from engine.loading import load_engine
 from engine.scheduler import QueueFull
 from engine.sequence import Sequence
 
@@ -13,7 +14,7 @@ GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
 
 
 def core(snapshot, **options) -> EngineCore:
-    return EngineCore.from_snapshot(snapshot, dtype="float32", options=EngineOptions(**options))
+    return load_engine(snapshot, dtype="float32", options=EngineOptions(**options))
 
 
 def test_long_prompt_does_not_stall_decodes(tiny_dir, prompt):
@@ -21,7 +22,7 @@ def test_long_prompt_does_not_stall_decodes(tiny_dir, prompt):
     engine.add(Sequence("short", prompt(5, seed=1), GREEDY))
     engine.step()  # prefill of the short prompt, first token
     engine.add(Sequence("long", prompt(60, seed=2), GREEDY))
-    plan = {seq.request_id: n for seq, n in engine.scheduler.schedule()}
+    plan = {span.seq.request_id: span.num_new for span in engine.scheduler.schedule().spans}
     # The decoding request gets its token; the long prompt takes the rest of the 16-token budget.
     assert plan == {"short": 1, "long": 15}
 

@@ -11,8 +11,8 @@ from tokenizers import Tokenizer
 
 from engine.engine_core import EngineCore
 from engine.sampling_params import SamplingParams
-from engine.scheduler import Scheduled
 from engine.sequence import Sequence
+from engine.step_plan import StepPlan
 from engine.structured import GrammarSpec
 from tests.engine.test_prefix_cache import PAGE, core, greedy, run
 
@@ -24,12 +24,12 @@ def constrained(grammar: GrammarSpec) -> SamplingParams:
     return SamplingParams(max_tokens=8, temperature=0.0, grammar=grammar)
 
 
-def record_schedules(engine: EngineCore, monkeypatch: pytest.MonkeyPatch) -> list[Scheduled]:
+def record_schedules(engine: EngineCore, monkeypatch: pytest.MonkeyPatch) -> list[StepPlan]:
     """Every plan the engine's scheduler hands its steps from now on, in order."""
-    plans: list[Scheduled] = []
+    plans: list[StepPlan] = []
     schedule = engine.scheduler.schedule
 
-    def recorded() -> Scheduled:
+    def recorded() -> StepPlan:
         plans.append(schedule())
         return plans[-1]
 
@@ -56,7 +56,7 @@ def test_constrained_rows_after_a_chunk_that_samples_nothing_are_masked_as_alone
         engine.add(seq)
     plans = record_schedules(engine, monkeypatch)
     sampled = [out.request_id for out in engine.step()]
-    assert [(seq.request_id, tokens) for seq, tokens in plans[0]] == [
+    assert [(span.seq.request_id, span.num_new) for span in plans[0].spans] == [
         ("decoder", 1), ("branching", 2 * PAGE), ("chosen", 7), ("free", 8)]
     assert sampled == ["decoder", "chosen", "free"]  # no logits row for the chunk that stopped at the branch point
     while engine.has_work:

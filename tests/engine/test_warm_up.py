@@ -8,6 +8,8 @@ import torch
 
 from engine.config import ModelConfig
 from engine.engine_core import EngineCore
+from engine.warm_up import start_warm_up, warm_up_prefills
+from engine.loading import load_engine
 from engine.kernels.background import OncePerKey
 from engine.kernels.kda import fla_prefill
 from engine.tiny.factory import tiny_config
@@ -33,7 +35,7 @@ def test_the_kda_warm_up_runs_on_its_own_thread_once_per_shapes(monkeypatch):
 
 
 def test_nothing_to_warm_on_the_cpu():
-    done = EngineCore.start_warm_up(ModelConfig.from_dict(tiny_config()), torch.device("cpu"), torch.float32)
+    done = start_warm_up(ModelConfig.from_dict(tiny_config()), torch.device("cpu"), torch.float32)
     assert done.done() and done.result() is None
 
 
@@ -62,12 +64,11 @@ def test_the_prefill_warm_up_leaves_an_idle_engine_that_answers_as_a_fresh_one(t
     from tests.engine.conftest import run_together
 
     def engine() -> EngineCore:
-        return EngineCore.from_snapshot(tiny_dir("nvfp4-ct"), dtype="float32",
-                                        options=EngineOptions(max_num_batched_tokens=128))
+        return load_engine(tiny_dir("nvfp4-ct"), dtype="float32", options=EngineOptions(max_num_batched_tokens=128))
 
     warmed, ids = engine(), prompt(30, seed=7)
     with caplog.at_level("INFO", logger="glmflash.engine"):
-        warmed.warm_up_prefills()
+        warm_up_prefills(warmed)
     assert "event=prefill_warm_up lengths=128" in caplog.text  # the longest first
     assert not warmed.has_work and warmed.stats().slots_used == 0
     params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)

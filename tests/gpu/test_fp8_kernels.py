@@ -13,10 +13,10 @@ import pytest
 import torch
 import triton
 
-from engine.checkpoint.quant import dequantize_fp8_block, quantize_fp8_block
 from engine.experts.torch_experts import TorchExperts
 from engine.kernels.experts.fp8_block import DECODE_MAX_TOKENS, fp8_block_moe
 from engine.kernels.linear.triton_linear import linear
+from engine.quant import dequantize_fp8_block, quantize_fp8_block
 from engine.weights import DenseWeight, Fp8BlockWeight
 
 pytestmark = [pytest.mark.gpu,

@@ -159,7 +159,7 @@ def test_cpu_expert_threads_are_pinned_with_a_gpu(tmp_path):
     """With a GPU (and no CPU quota) each CPU expert thread runs on a core of its own, the first core left
     free; GLMFLASH_CPU_EXPERT_PIN=false (cpu_expert_pin) leaves them floating."""
     from engine.kernels.experts import cpu_gemv
-    from engine.offload.cpu_cores import allowed_cpus, quota_cores, worker_cpus
+    from engine.cpu_cores import allowed_cpus, quota_cores, worker_cpus
     from tests.engine.test_cpu_cores import expert_threads
 
     if quota_cores() < len(allowed_cpus()) or len(allowed_cpus()) < 3:

@@ -9,6 +9,7 @@ import torch
 from engine.cache.state_rows import state_bytes
 from engine.config import ModelConfig
 from engine.engine_core import EngineCore, EngineOptions
+from engine.loading import load_engine
 from engine.sampling_params import SamplingParams
 from engine.sequence import Sequence
 from engine.tiny.factory import write_tiny_model
@@ -36,9 +37,8 @@ def test_cached_outputs_equal_uncached_on_cuda(snapshot):
     one = state_bytes(ModelConfig.from_dir(snapshot), PAGE, torch.float32)
     options = EngineOptions(max_num_seqs=4, page_size=PAGE, prefix_cache_bytes=2 * one,  # two device snapshots
                             prefix_cache_host_bytes=64 * one)
-    cached = EngineCore.from_snapshot(snapshot, "cuda", "float32", options)
-    plain = EngineCore.from_snapshot(snapshot, "cuda", "float32", EngineOptions(max_num_seqs=4, page_size=PAGE,
-                                                                                prefix_cache=False))
+    cached = load_engine(snapshot, "cuda", "float32", options)
+    plain = load_engine(snapshot, "cuda", "float32", EngineOptions(max_num_seqs=4, page_size=PAGE, prefix_cache=False))
     assert cached.runner.graphs is not None
     system = random_prompt(45, seed=1)
     first = [system + random_prompt(6 + i, seed=2 + i) for i in range(3)]

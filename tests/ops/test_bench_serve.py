@@ -186,7 +186,9 @@ def test_agent_workload_starts_glmflash_with_the_cache_on_and_off(tmp_path: Path
     assert report["computed_drop"] > 0.4
     for run in (on, off):  # where TTFT went, from the server's /metrics over the run
         assert 0 <= run["engine_queue_mean_ms"] and 0 < run["engine_prefill_mean_ms"] <= run["ttft_mean_ms"]
-        assert run["prefill_steps"] >= 1 and run["decode_steps"] >= 2  # each request's second token in a decode step
+        # A request's second token runs in a decode step unless another request's prefill chunk takes it along
+        # (then that step counts as prefill): the run's last request always has a decode step of its own.
+        assert run["prefill_steps"] >= 1 and run["decode_steps"] >= 1
         assert run["prefill_step_mean_ms"] > 0 and run["decode_step_mean_ms"] > 0
     assert "compare computed_drop=" in capsys.readouterr().out
 

@@ -17,10 +17,10 @@ import pytest
 from provision.cache import check_snapshot
 from provision.download import download_snapshot
 from provision.errors import ProvisionError
-from provision.settings import Settings
 from provision.sources import HuggingFaceSource, LocalSource, is_snapshot_file, parse_hf_spec, source_for
 from provision.sources.huggingface import files_from_siblings
 from provision_helpers import BIG, SMALL, serving_only, snapshot_bytes, tree_bytes
+from worker.settings import Settings
 
 REPO = "zai-org/GLM-5.3-Flash"
 SHA = "0123456789abcdef0123456789abcdef01234567"
@@ -45,27 +45,27 @@ def test_parse_hf_spec_rejects(spec):
 
 
 def test_source_for_dispatch(tmp_path, monkeypatch):
-    s = Settings(hf_token="hf_x", model_revision=None)
-    hf = source_for("zai-org/GLM-5.3-Flash@v1", s)
+    s = dict(token="hf_x", revision=None)
+    hf = source_for("zai-org/GLM-5.3-Flash@v1", **s)
     assert isinstance(hf, HuggingFaceSource)
     assert (hf.repo_id, hf.requested_revision, hf.token, hf.uri) == (REPO, "v1", "hf_x", f"hf://{REPO}")
-    assert source_for(REPO, s).requested_revision == "main"
-    assert source_for(REPO, Settings(model_revision=SHA)).requested_revision == SHA
-    assert source_for(f"{REPO}@{SHA}", Settings(model_revision=SHA)).requested_revision == SHA
+    assert source_for(REPO, **s).requested_revision == "main"
+    assert source_for(REPO, revision=SHA).requested_revision == SHA
+    assert source_for(f"{REPO}@{SHA}", revision=SHA).requested_revision == SHA
     with pytest.raises(ProvisionError, match="GLMFLASH_MODEL_REVISION"):
-        source_for(f"{REPO}@v1", Settings(model_revision=SHA))
+        source_for(f"{REPO}@v1", revision=SHA)
     # An existing directory wins over an id-shaped name; path-shaped names never go to the hub.
     (tmp_path / "org" / "name").mkdir(parents=True)
     monkeypatch.chdir(tmp_path)
-    assert isinstance(source_for("org/name", s), LocalSource)
+    assert isinstance(source_for("org/name", **s), LocalSource)
     with pytest.raises(ProvisionError, match="does not exist"):
-        source_for("./org/other", s)
+        source_for("./org/other", **s)
     with pytest.raises(ProvisionError, match="does not exist"):
-        source_for("/no/such/snapshot", s)
+        source_for("/no/such/snapshot", **s)
     with pytest.raises(ProvisionError, match="neither an existing directory"):
-        source_for("org/bad name", s)
+        source_for("org/bad name", **s)
     with pytest.raises(ProvisionError, match="no model source"):
-        source_for("  ", s)
+        source_for("  ", **s)
 
 
 @pytest.mark.parametrize("path,keep", [
@@ -246,7 +246,7 @@ def test_hf_start_downloads_into_the_cache_and_reads_the_files_there(tmp_path, m
     src = write_tiny_model(tmp_path / "src", "fp8")
     hub = FakeHub({p.name: p.read_bytes() for p in src.iterdir()})
     monkeypatch.setattr(worker.provisioning, "source_for",
-                        lambda spec, settings: HuggingFaceSource(spec, endpoint=hub.endpoint, token="hf_dummy"))
+                        lambda spec, **_: HuggingFaceSource(spec, endpoint=hub.endpoint, token="hf_dummy"))
     settings = Settings(model=REPO, cache_dir=tmp_path / "cache", device="cpu", dtype="float32")
     try:
         clock = StageClock(300)
@@ -268,7 +268,7 @@ def test_hf_start_downloads_into_the_cache_and_reads_the_files_there(tmp_path, m
                            "set GLMFLASH_TEST_HUB=1 and optionally GLMFLASH_TEST_HUB_REPO=org/name to run")
 def test_real_hub_snapshot(tmp_path):
     repo = os.environ.get("GLMFLASH_TEST_HUB_REPO", "hf-internal-testing/tiny-random-LlamaForCausalLM")
-    src = source_for(repo, Settings(hf_token=os.environ.get("HF_TOKEN")))
+    src = source_for(repo, token=os.environ.get("HF_TOKEN"))
     info = src.describe()
     assert re.fullmatch(r"[0-9a-f]{40}", info.revision)
     manifest = download_snapshot(src, tmp_path / "cache", workers=4)

@@ -16,7 +16,6 @@ import pytest
 from provision.cache import check_snapshot, read_manifest
 from provision.download import download_snapshot
 from provision.errors import ProvisionError
-from provision.settings import Settings
 from provision.sources import S3Source, source_for
 from provision_helpers import BIG, SMALL, GetLog, serving_only, snapshot_bytes, tree_bytes, upload
 
@@ -37,7 +36,7 @@ def make_source(uri, endpoint, workers=4, part_size=MiB):
 
 
 def test_source_for_s3_uses_settings(moto_endpoint, aws_env):
-    src = source_for("s3://bucket/some/prefix/", Settings(s3_endpoint_url=moto_endpoint, download_workers=3))
+    src = source_for("s3://bucket/some/prefix/", endpoint_url=moto_endpoint, workers=3)
     assert isinstance(src, S3Source)
     assert (src.bucket, src.prefix, src.uri, src.endpoint_url, src.workers) == (
         "bucket", "some/prefix", "s3://bucket/some/prefix", moto_endpoint, 3)

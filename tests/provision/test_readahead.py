@@ -11,8 +11,8 @@ import time
 
 import pytest
 
-from engine.checkpoint.prepared_store import write_prepared
-from provision.readahead import prepared_files, snapshot_files, start_readahead, within
+from engine.checkpoint.prepared_store import prepared_files, write_prepared
+from provision.readahead import snapshot_files, start_readahead, within
 
 SIZES = {"r0": 300_000, "r1": 5_000, "r2": 700_000}
 

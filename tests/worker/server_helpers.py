@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from engine.tiny.tokenizer import TOKEN_IDS
-from provision.settings import Settings
+from worker.settings import Settings
 from worker.serve import serve
 
 READY_TIMEOUT_S = 60.0

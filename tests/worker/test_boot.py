@@ -24,11 +24,11 @@ from engine.sequence import Sequence
 from engine.checkpoint.prepared import FORMAT_VERSION, engine_version, load_prepared
 from engine.checkpoint.prepared_store import PLAN_NAME, check_prepared, partial_dir, read_plan
 from engine.tiny.factory import write_tiny_model
-from provision.settings import Settings
 from provision.stages import StageClock
 from server_helpers import free_port
 from worker.provisioning import provision_and_load
 from worker.served_model import build_served_model
+from worker.settings import Settings
 
 
 def boot_stages(settings: Settings) -> list[str]:

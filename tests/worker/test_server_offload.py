@@ -48,7 +48,7 @@ def test_calibration_prompts_put_their_hottest_experts_in_slots(tmp_path):
     """GLMFLASH_EXPERT_CALIBRATION: the prompts are prefilled before ready and each layer's device slots end
     up holding experts routed to at least as often as any left on the host."""
     from engine.tiny.factory import NUM_LAYERS, TEXT_CONFIG
-    from provision.settings import Settings
+    from worker.settings import Settings
     from provision.stages import StageClock
     from worker.provisioning import provision_and_load
     from worker.served_model import build_served_model

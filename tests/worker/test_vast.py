@@ -34,7 +34,7 @@ from vastai.serverless.server.lib.data_types import AuthData as VAuthData
 from vastai.serverless.server.lib.data_types import RequestMetrics, WorkerStatusData
 
 import worker.vast as vast
-from provision.settings import Settings
+from worker.settings import Settings
 from vast_helpers import CONTAINER_ID, MTOKEN, Controller, free_port, pem_public, sign_url, vast_client
 from worker.vast import (
     PUBKEY_FAILED, VAST_APP_KEY, RequestRecord, VastConfig, VastReporter, VastWorker, benchmark_key,

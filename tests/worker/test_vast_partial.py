@@ -15,10 +15,10 @@ from pathlib import Path
 
 from openai.types import Completion
 
-from provision.settings import Settings
 from server_helpers import MODEL_NAME, Server, free_port, make_settings, start_server, stop_server
 from vast_helpers import CONTAINER_ID, MTOKEN, Controller, vast_client
 from worker.partial_ready import MIN_SHARE
+from worker.settings import Settings
 from worker.vast import workload_of
 
 FILL_GBPS = 0.004  # the 15.5 MB of experts (conftest.many_experts) in about 4 s

@@ -19,12 +19,12 @@ import torch
 import triton
 import triton.language as tl
 
-from engine.checkpoint.quant import FP8_BLOCK
 from engine.kernels.experts.epilogue import clamped_swiglu
 from engine.kernels.experts.prefill import align_by_expert, sorted_block
 from engine.kernels.linear.triton_linear import (
     QBLOCK, dot_f32, fp8_block_step, quantize_activations, quantize_tile, sm_count,
 )
+from engine.quant import FP8_BLOCK
 from engine.weights import Fp8BlockWeight
 
 DECODE_MAX_TOKENS = 16

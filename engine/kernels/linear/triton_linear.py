@@ -19,10 +19,10 @@ import torch
 import triton
 import triton.language as tl
 
-from engine.checkpoint.quant import FP8_BLOCK
 from engine.kernels.dispatch import register
 from engine.kernels.linear.torch_ref import linear as torch_linear
 from engine.kernels.token_variants import token_variants
+from engine.quant import FP8_BLOCK
 from engine.weights import Fp8BlockWeight, Weight
 
 DECODE_MAX_ROWS = 16

@@ -99,7 +99,7 @@ def test_experts_can_be_placed_apart_from_the_rest(tiny_dir, tmp_path):
     in host RAM; the meta device stands in for the GPU here (it holds no data, but is a device of its own)."""
     from engine.checkpoint.layout import is_expert_stack
     from engine.checkpoint.prepared import allocate
-    from engine.offload.placement import HOST_SPARES
+    from engine.memory_plan import HOST_SPARES
     from engine.weights import SplitStack
 
     snapshot = tiny_dir("nvfp4-ct")

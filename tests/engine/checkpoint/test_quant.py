@@ -1,4 +1,4 @@
-"""engine.checkpoint.quant against an independent implementation: the compressed-tensors package.
+"""engine.quant against an independent implementation: the compressed-tensors package.
 
 compressed-tensors stores the NVFP4 global scale as a divisor; our functions take a multiplier, so
 every comparison passes 1/global to ours. Everything runs on CPU in float32.
@@ -20,7 +20,7 @@ from compressed_tensors.quantization.quant_scheme import NVFP4 as CT_NVFP4
 from compressed_tensors.quantization.utils import calculate_qparams, generate_gparam
 from compressed_tensors.quantization.utils.fp4_utils import cast_to_fp4
 
-from engine.checkpoint.quant import (
+from engine.quant import (
     FP8_BLOCK,
     NVFP4_GROUP,
     dequantize_fp8_block,

@@ -17,10 +17,10 @@ from typing import Callable
 import pytest
 import torch
 
-from engine.checkpoint.quant import quantize_fp8_block, quantize_nvfp4
 from engine.experts.cpu_experts import CpuExperts
 from engine.experts.torch_experts import TorchExperts
 from engine.kernels.experts import cpu_gemv
+from engine.quant import quantize_fp8_block, quantize_nvfp4
 from engine.weights import DenseWeight, Fp8BlockWeight, Nvfp4Weight
 from tests.cpu_kernels import assert_expert_close, assert_ran, use_mode, weight_path
 

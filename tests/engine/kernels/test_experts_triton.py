@@ -7,10 +7,10 @@ import torch
 import triton
 import triton.language as tl
 
-from engine.checkpoint.quant import quantize_fp8_block, quantize_nvfp4, unpack_e2m1
 from engine.experts import TorchExperts, TritonExperts
 from engine.kernels.experts import DecodeTiles, PrefillTiles, align_by_expert, moe_decode, moe_prefill
 from engine.kernels.experts.dequant import E2M1_UNIT, e2m1_values, to_code_order
+from engine.quant import quantize_fp8_block, quantize_nvfp4, unpack_e2m1
 from engine.weights import DenseWeight, Fp8BlockWeight, Nvfp4Weight
 from tests.engine.kernels.sm90 import assert_compiles_for_sm90
 

@@ -19,11 +19,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.checkpoint.quant import dequantize_fp8_block, quantize_fp8_block, quantize_nvfp4
 from engine.experts.torch_experts import TorchExperts
 from engine.kernels.experts.fp8_block import DECODE_MAX_TOKENS, fp8_block_moe
 from engine.kernels.linear import torch_ref
 from engine.kernels.linear.triton_linear import DECODE_MAX_ROWS, linear, quantize_activations
+from engine.quant import dequantize_fp8_block, quantize_fp8_block, quantize_nvfp4
 from engine.weights import DenseWeight, Fp8BlockWeight, Nvfp4Weight
 
 E, D, I = 5, 192, 96  # D is 1.5 blocks, I 0.75 of one: both ragged

@@ -16,8 +16,9 @@ from types import SimpleNamespace
 import pytest
 from triton import knobs
 
-from engine.kernels import kernel_manifest
-from engine.kernels.kernel_manifest import CompileLog, preload, read_manifest, record_compiles
+from engine.kernels import kernel_manifest, manifest_store
+from engine.kernels.kernel_manifest import CompileLog, preload, record_compiles
+from engine.kernels.manifest_store import read_manifest
 
 KEY = {"capability": "9.0", "triton": "3.6.0", "dtype": "bfloat16", "shapes": "hidden=4096,experts=288"}
 
@@ -168,7 +169,7 @@ def test_model_shapes_leave_out_the_layer_count():
     assert release == model_shapes(ModelConfig.from_dict(slice_text_config(45)))  # a slice compiles what all do
     assert release == "hidden=4096,experts=288,moe=2048,kda=64x128,vocab=154880"
     assert model_shapes(ModelConfig.from_dict(tiny_config())) != release  # the shipped manifest is not the tiny's
-    for shipped in kernel_manifest.MANIFESTS.glob("*.json"):  # what the package ships is for the release
+    for shipped in manifest_store.MANIFESTS.glob("*.json"):  # what the package ships is for the release
         assert json.loads(shipped.read_text())["key"]["shapes"] == release
 
 
@@ -180,15 +181,15 @@ def test_the_shipped_manifests_name_our_kernels_as_their_sources_hash_now():
     check = textwrap.dedent("""
         import json, pathlib, warnings
         warnings.simplefilter("ignore")
-        from engine.kernels import kernel_manifest
+        from engine.kernels import manifest_store
         from engine.kernels.cache_keys import settle_kernel_keys
         settle_kernel_keys()
-        shipped = sorted((pathlib.Path(kernel_manifest.__file__).parent / "manifests").glob("*.json"))
+        shipped = sorted((pathlib.Path(manifest_store.__file__).parent / "manifests").glob("*.json"))
         assert shipped
         for manifest in shipped:
             for entry in json.loads(manifest.read_text())["kernels"]:
                 if entry["module"].startswith("engine."):
-                    source = kernel_manifest.resolve(entry["module"], entry["name"]).cache_key
+                    source = manifest_store.resolve(entry["module"], entry["name"]).cache_key
                     if source != entry["source"]:
                         print("stale", manifest.name, entry["module"], entry["name"])
     """)

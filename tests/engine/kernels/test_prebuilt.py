@@ -12,7 +12,7 @@ from tests.child_env import child_env
 from tests.engine.kernels.kernel_entries import KEY, cache_files, rms_norm_entry
 from engine.kernels.kernel_manifest import manifest_entries
 from engine.kernels.prebuilt import MANIFEST, TRITON, seed, seeded_manifest
-from provision.compile_cache import seed_prebuilt_kernels
+from worker.compile_cache import seed_prebuilt_kernels
 
 
 def prebuild(directory, *manifests) -> str:

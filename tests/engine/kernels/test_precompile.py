@@ -15,8 +15,9 @@ from triton.compiler.compiler import make_backend
 
 from tests.child_env import child_env
 from tests.engine.kernels.kernel_entries import KEY, cache_files, rms_norm_entry
-from engine.kernels import kernel_manifest
-from engine.kernels.kernel_manifest import manifest_entries, packaged_manifest
+from engine.kernels import manifest_store
+from engine.kernels.kernel_manifest import manifest_entries
+from engine.kernels.manifest_store import packaged_manifest
 from engine.kernels.precompile import localized, precompile
 
 def test_children_compile_into_the_cache_and_a_second_pass_only_reads(tmp_path, monkeypatch):
@@ -46,7 +47,7 @@ def test_library_paths_from_another_installation_fall_back_to_tritons_own():
 
 
 def test_the_packaged_manifest_joins_the_recorded_one(tmp_path, monkeypatch):
-    monkeypatch.setattr(kernel_manifest, "MANIFESTS", tmp_path / "manifests")
+    monkeypatch.setattr(manifest_store, "MANIFESTS", tmp_path / "manifests")
     packaged = packaged_manifest(KEY)
     assert packaged == tmp_path / "manifests" / "sm90-bfloat16.json"
     a, b, c = rms_norm_entry(1024), rms_norm_entry(2048), rms_norm_entry(4096)
@@ -61,14 +62,14 @@ def test_the_packaged_manifest_joins_the_recorded_one(tmp_path, monkeypatch):
 
 @pytest.mark.parametrize("capability", ["9.0", "10.0"])
 def test_packaged_manifests_name_their_architecture(capability, tmp_path, monkeypatch):
-    monkeypatch.setattr(kernel_manifest, "MANIFESTS", tmp_path)
+    monkeypatch.setattr(manifest_store, "MANIFESTS", tmp_path)
     assert packaged_manifest({**KEY, "capability": capability}).name == f"sm{capability.replace('.', '')}-bfloat16.json"
 
 
 def test_shipping_merges_recorded_manifests_into_the_package(tmp_path, monkeypatch):
     from ops.ship_kernel_manifest import ship
 
-    monkeypatch.setattr(kernel_manifest, "MANIFESTS", tmp_path / "manifests")
+    monkeypatch.setattr(manifest_store, "MANIFESTS", tmp_path / "manifests")
     a, b, c = rms_norm_entry(1024), rms_norm_entry(2048), rms_norm_entry(4096)
     for name, kernels in (("one.json", [a, b]), ("two.json", [b, c])):
         (tmp_path / name).write_text(json.dumps({"key": KEY, "kernels": kernels}))
@@ -141,7 +142,7 @@ def test_every_shipped_kernel_of_ours_compiles_for_its_architecture(tmp_path, mo
     for the architecture its manifest names, without a GPU."""
     monkeypatch.delenv("TRITON_INTERPRET")
     monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "triton"))
-    manifests = sorted((kernel_manifest.MANIFESTS).glob("*.json"))
+    manifests = sorted((manifest_store.MANIFESTS).glob("*.json"))
     assert manifests
     for manifest in manifests:
         shipped = json.loads(manifest.read_text())

@@ -6,12 +6,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.checkpoint.quant import quantize_fp8_block
 from engine.kernels import token_variants
 from engine.kernels.experts import prefill
 from engine.kernels.kda import triton_spans
 from engine.kernels.linear import triton_linear
 from engine.kernels.token_variants import covering_lengths, variant_key
+from engine.quant import quantize_fp8_block
 from engine.weights import Fp8BlockWeight
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from pydantic import ValidationError
 
-from provision.settings import Settings
+from worker.settings import Settings
 
 
 def test_env_names_and_aliases(monkeypatch):

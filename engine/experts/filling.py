@@ -16,15 +16,15 @@ from engine.checkpoint.availability import ExpertAvailability
 from engine.experts import ExpertExecutor
 
 
-class PendingExperts:
+class FillingExperts:
     def __init__(self, inner: ExpertExecutor, availability: ExpertAvailability) -> None:
         self.inner, self.availability = inner, availability
 
     def __call__(self, layer: int, x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor,
-                 beside: Callable[[], torch.Tensor] | None = None) -> torch.Tensor:
+                 shared_expert: Callable[[], torch.Tensor] | None = None) -> torch.Tensor:
         if not self.availability.complete:
             used = expert_ids.unique().cpu()
             missing = used[~self.availability.loaded[layer][used]]
             if missing.numel():
                 self.availability.ensure(layer, missing.tolist())
-        return self.inner(layer, x, expert_ids, weights, beside)
+        return self.inner(layer, x, expert_ids, weights, shared_expert)

@@ -7,7 +7,7 @@ import sys
 
 from triton import knobs
 
-from provision.compile_cache import use_compile_cache
+from worker.compile_cache import use_compile_cache
 
 
 def test_triton_reads_the_cache_under_the_model_cache(tmp_path, monkeypatch):
@@ -29,7 +29,7 @@ def test_the_users_choice_stands(tmp_path, monkeypatch):
 SCRIPT = """
 import sys
 from pathlib import Path
-from provision.compile_cache import use_compile_cache
+from worker.compile_cache import use_compile_cache
 use_compile_cache(Path(sys.argv[1]))
 import triton
 import engine.kernels.kda.fla_prefill  # the engine's KDA prefill: defines fla's kernels

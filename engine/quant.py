@@ -1,7 +1,8 @@
-"""Pure tensor codecs for the checkpoint formats: FP8 128x128 blocks and NVFP4 (E2M1 + FP8 group scales).
+"""Pure tensor codecs for the quantized weight formats: FP8 128x128 blocks and NVFP4 (E2M1 + FP8 group scales).
 
-No model knowledge lives here: the loader decides which tensors are which and, for NVFP4, converts
-the global scale to a multiplier (compressed-tensors stores a divisor, ModelOpt a multiplier).
+Shared by the in-memory weights (engine/weights.py), the kernels and the tiny model's factory. No model
+knowledge lives here: the loader decides which tensors are which and, for NVFP4, converts the global scale
+to a multiplier (compressed-tensors stores a divisor, ModelOpt a multiplier).
 All math runs in float32 with plain torch ops, so every function works on CPU and CUDA alike.
 """
 

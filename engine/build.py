@@ -1,0 +1,86 @@
+"""An engine's parts built from weights in memory, under one memory plan: the request slots and latent pages,
+the prefix cache, the expert executor (hybrid when the plan gives experts a device budget; wrapped while
+experts still fill in), the model, the scheduler and the runner."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+from engine.cache import PagedLatents, RequestSlots
+from engine.cache.prefix_cache import PrefixCache
+from engine.checkpoint.availability import ExpertAvailability
+from engine.checkpoint.loader import LoadedWeights
+from engine.config import ModelConfig
+from engine.experts import ExpertExecutor, default_executor, executor_class
+from engine.experts.filling import FillingExperts
+from engine.experts.hybrid import HybridExperts
+from engine.kernels.dispatch import fast_kernels_enabled
+from engine.memory_plan import MemoryPlan, build_caches, plan_memory
+from engine.model.glm5_next import Glm5NextModel
+from engine.model_runner import ModelRunner
+from engine.offload.miss_split import choose_split
+from engine.options import EngineOptions
+from engine.scheduler import Scheduler, SchedulerLimits
+from engine.warm_up import wait_for_warm_up
+
+log = logging.getLogger("glmflash.engine")
+
+
+@dataclass(frozen=True)
+class EngineParts:
+    plan: MemoryPlan
+    slots: RequestSlots
+    cache: PagedLatents
+    prefix: PrefixCache | None
+    offload: HybridExperts | None  # experts split between device slots and the host (None: all resident)
+    expert_fill: FillingExperts | None  # while routed experts still fill in (early readiness)
+    model: Glm5NextModel
+    scheduler: Scheduler
+    runner: ModelRunner
+
+
+def build_parts(config: ModelConfig, weights: LoadedWeights, options: EngineOptions, plan: MemoryPlan | None,
+                experts: ExpertAvailability | None) -> EngineParts:
+    """`plan`: the one the weights were loaded under (None: weights built in memory; it is made here).
+    `experts`: the fill of the routed experts, when they are still arriving."""
+    embed = weights["embed_tokens.weight"]
+    device, dtype = embed.device, embed.dtype
+    if device.type == "cuda" and fast_kernels_enabled():
+        wait_for_warm_up(config, options, device, dtype)
+    plan = plan or plan_memory(config, options, device, dtype)
+    slots, cache = build_caches(config, options, plan, device, dtype)
+    prefix = _prefix_cache(config, slots, cache, plan) if options.prefix_cache else None
+    offload = _hybrid_experts(config, weights, options, plan)
+    executor: ExpertExecutor = offload or default_executor(weights, config.moe_layers, config.swiglu_limit, device)
+    fill = FillingExperts(executor, experts) if experts is not None and not experts.complete else None
+    model = Glm5NextModel(config, weights, fill or executor)
+    limits = SchedulerLimits(options.max_model_len, max(options.max_num_batched_tokens, options.max_num_seqs),
+                             options.max_waiting)
+    scheduler = Scheduler(slots, cache, limits, prefix)
+    runner = ModelRunner(model, slots, cache, cache.pages_for(options.max_model_len))
+    return EngineParts(plan, slots, cache, prefix, offload, fill, model, scheduler, runner)
+
+
+def _prefix_cache(config: ModelConfig, slots: RequestSlots, cache: PagedLatents, plan: MemoryPlan) -> PrefixCache:
+    device, host = plan.prefix_device, plan.prefix_host
+    log.info("event=prefix_cache device_snapshots=%d device_pages=%d host_snapshots=%d host_pages=%d",
+             device.snapshots, device.pages, host.snapshots, host.pages)
+    return PrefixCache(config, slots, cache, device.snapshots, host)
+
+
+def _hybrid_experts(config: ModelConfig, weights: LoadedWeights, options: EngineOptions,
+                    plan: MemoryPlan) -> HybridExperts | None:
+    """Experts split between device slots and the host bank when the plan gives them a budget."""
+    if plan.expert_budget is None:
+        return None
+    device = weights["norm.weight"].device
+    hybrid = HybridExperts.from_weights(weights, config.moe_layers, config.swiglu_limit, device, plan.expert_budget,
+                                        executor_class(device), options.cpu_expert_threads, options.cpu_expert_pin)
+    hybrid.split_misses(*choose_split(hybrid, config.num_experts_per_tok, options.pcie_expert_percent,
+                                      options.miss_split_file))
+    slots = len(hybrid.resident[config.moe_layers[0]])
+    gib_per_slot = hybrid.expert_bytes * len(config.moe_layers) / 2 ** 30  # one expert in every MoE layer
+    log.info("event=expert_placement device_slots_per_layer=%d of=%d device_gib=%.2f host_gib=%.2f",
+             slots, hybrid.num_experts, gib_per_slot * slots, gib_per_slot * (hybrid.num_experts - slots))
+    return hybrid

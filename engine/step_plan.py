@@ -1,0 +1,61 @@
+"""A step as plain data, the contract between its three parts: the scheduler plans it (which requests run how
+many tokens, which of them sample a token, which states are saved partway for the prefix cache), the runner
+only computes it (`StepResult`: the logits rows, the prompt logprobs it scored), and the scheduler's `update`
+is the one place a request advances (tokens computed, the prefix cache recorded, tokens appended, finishes).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from engine.cache.state_rows import StepSaves
+from engine.sequence import Sequence, TokenLogprobs
+
+
+@dataclass(frozen=True)
+class Span:
+    seq: Sequence
+    num_new: int  # tokens run this step, from seq.num_computed on
+
+    @property
+    def samples(self) -> bool:
+        """Whether the span reaches its request's last known token, whose logits row samples the next one."""
+        return self.seq.num_computed + self.num_new == self.seq.num_tokens
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    spans: tuple[Span, ...]
+    to_sample: tuple[Sequence, ...]  # the requests a logits row each is sampled for, in row order
+    snapshot_saves: StepSaves | None = None  # requests whose state is saved before their last token this step
+    all_rows: bool = False  # logits for every token run (a prompt scored whole), nothing sampled
+    started: float = field(default_factory=time.perf_counter)  # when the step's planning began
+
+    @classmethod
+    def of(cls, spans: list[tuple[Sequence, int]], snapshot_saves: StepSaves | None = None, all_rows: bool = False,
+           started: float | None = None) -> "StepPlan":
+        planned = tuple(Span(seq, num_new) for seq, num_new in spans)
+        to_sample = () if all_rows else tuple(span.seq for span in planned if span.samples)
+        return cls(planned, to_sample, snapshot_saves, all_rows, time.perf_counter() if started is None else started)
+
+    def __bool__(self) -> bool:
+        return bool(self.spans)
+
+    @property
+    def is_decode(self) -> bool:
+        """Every request adds its one sampled token: the static decode path (a CUDA graph where captured)."""
+        return not self.all_rows and all(span.num_new == 1 == span.seq.num_to_compute for span in self.spans)
+
+    @property
+    def has_prefill(self) -> bool:
+        return any(span.num_new > 1 for span in self.spans)
+
+
+@dataclass
+class StepResult:
+    logits: torch.Tensor  # one row per plan.to_sample request (every token's row with all_rows)
+    # Requests asking for prompt logprobs: those of the prompt tokens their chunk scored this step.
+    prompt_logprobs: dict[Sequence, list[TokenLogprobs]] = field(default_factory=dict)
