@@ -1,0 +1,1 @@
+"""Images for the vision tower: decoding and preprocessing (`preprocess.py`)."""
