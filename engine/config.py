@@ -38,6 +38,53 @@ class QuantConfig:
 
 
 @dataclass(frozen=True)
+class VisionConfig:
+    depth: int
+    hidden_size: int
+    num_heads: int
+    intermediate_size: int
+    out_hidden_size: int  # the text model's width
+    projection_intermediate_size: int
+    patch_size: int = 14
+    temporal_patch_size: int = 2
+    spatial_merge_size: int = 2
+    in_channels: int = 3
+    rms_norm_eps: float = 1e-5
+    swiglu_limit: float = 10.0
+    rope_theta: float = 10000.0
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_heads
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any] | None, text_hidden_size: int) -> "VisionConfig | None":
+        """`config.json`'s `vision_config`, or None where the checkpoint has no tower."""
+        if not raw:
+            return None
+        if raw.get("hidden_act", "silu") != "silu":
+            raise ConfigError("vision_config.hidden_act", raw["hidden_act"], "only silu is supported")
+        rope = raw.get("rope_parameters") or {}
+        if rope.get("rope_type", "axial") != "axial":
+            raise ConfigError("vision_config.rope_parameters.rope_type", rope["rope_type"], "only axial is supported")
+        fields = {name: raw[name] for name in ("depth", "hidden_size", "num_heads", "intermediate_size",
+                                               "projection_intermediate_size", "patch_size", "temporal_patch_size",
+                                               "spatial_merge_size", "in_channels", "rms_norm_eps", "swiglu_limit")
+                  if name in raw}
+        config = cls(**{"depth": 24, "hidden_size": 1024, "num_heads": 16, "intermediate_size": 4096,
+                        "projection_intermediate_size": 10240, **fields},
+                     out_hidden_size=raw.get("out_hidden_size", text_hidden_size),
+                     rope_theta=float(rope.get("rope_theta", 10000.0)))
+        if config.out_hidden_size != text_hidden_size:
+            raise ConfigError("vision_config.out_hidden_size", config.out_hidden_size,
+                              f"must equal the text model's hidden_size {text_hidden_size}")
+        if config.hidden_size % config.num_heads or config.head_dim % 4:
+            raise ConfigError("vision_config.num_heads", config.num_heads,
+                              f"must split hidden_size {config.hidden_size} into heads of a multiple of 4")
+        return config
+
+
+@dataclass(frozen=True)
 class ModelConfig:
     vocab_size: int
     hidden_size: int
@@ -73,6 +120,7 @@ class ModelConfig:
     max_position_embeddings: int
     eos_token_ids: tuple[int, ...] = ()
     quant: QuantConfig = field(default_factory=QuantConfig)
+    vision: VisionConfig | None = None  # the multimodal config's tower; None for text-only configs
 
     @property
     def kda_layers(self) -> list[int]:
@@ -190,6 +238,8 @@ def _parse(raw: dict[str, Any], generation: dict[str, Any]) -> ModelConfig:
         max_position_embeddings=int(get("max_position_embeddings", 1 << 20)),
         eos_token_ids=eos_ids,
         quant=_quant(raw.get("quantization_config") or text.get("quantization_config")),
+        vision=VisionConfig.from_dict(raw.get("vision_config") if "text_config" in raw else None,
+                                      int(get("hidden_size"))),
     )
 
 

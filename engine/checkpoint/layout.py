@@ -1,9 +1,10 @@
-"""The official checkpoint layout: every text tensor's name, shape and storage rule, from the config.
+"""The official checkpoint layout: every tensor's name, shape and storage rule, from the config.
 
 One table serves three users: the loader (what must be present, with which shape), the tiny
 model factory (what to write) and synthetic benchmarks (what to build). Names are the official
 keys without the `model.language_model.` prefix; linear weights are named without `.weight`
-because their format decides the suffixes (`weight`, `weight_scale_inv`, `weight_packed`, ...).
+because their format decides the suffixes (`weight`, `weight_scale_inv`, `weight_packed`, ...). The vision
+tower's tensors (BF16 in every release, `vision_specs`) are named `visual.*`, the official key less `model.`.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from engine.config import ModelConfig
 
 TensorRole = Literal["linear", "fp32", "param"]
 TEXT_PREFIX = "model.language_model."
+VISION_PREFIX = "model.visual."
 EXPERT_KEY = re.compile(r"^layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)$")
 EXPERT_PROJS = ("gate_proj", "up_proj", "down_proj")
 
@@ -41,6 +43,48 @@ def text_specs(cfg: ModelConfig) -> Iterator[TensorSpec]:
         yield from _layer_specs(cfg, i)
     yield TensorSpec("norm.weight", (d,), "param")
     yield TensorSpec("lm_head", (cfg.vocab_size, d), "linear")
+
+
+def checkpoint_key(name: str) -> str:
+    """The official key of a layout entry (a linear's, less its format's suffixes)."""
+    if name == "lm_head":
+        return name
+    return "model." + name if name.startswith("visual.") else TEXT_PREFIX + name
+
+
+def vision_specs(cfg: ModelConfig) -> Iterator[TensorSpec]:
+    """The vision tower's tensors (none for a text-only config), kept in the compute dtype."""
+    v = cfg.vision
+    if v is None:
+        return
+    d = v.hidden_size
+    yield TensorSpec("visual.patch_embed.proj.weight", (d, v.in_channels, v.temporal_patch_size, v.patch_size,
+                                                         v.patch_size), "param")
+    yield TensorSpec("visual.patch_embed.proj.bias", (d,), "param")
+    for i in range(v.depth):
+        p = f"visual.blocks.{i}."
+        yield TensorSpec(f"{p}norm1.weight", (d,), "param")
+        yield TensorSpec(f"{p}norm2.weight", (d,), "param")
+        yield TensorSpec(f"{p}attn.qkv.weight", (3 * d, d), "param")
+        yield TensorSpec(f"{p}attn.qkv.bias", (3 * d,), "param")
+        yield TensorSpec(f"{p}attn.proj.weight", (d, d), "param")
+        yield TensorSpec(f"{p}attn.proj.bias", (d,), "param")
+        yield TensorSpec(f"{p}attn.q_norm.weight", (v.head_dim,), "param")
+        yield TensorSpec(f"{p}attn.k_norm.weight", (v.head_dim,), "param")
+        for name, shape in (("gate_proj", (v.intermediate_size, d)), ("up_proj", (v.intermediate_size, d)),
+                            ("down_proj", (d, v.intermediate_size))):
+            yield TensorSpec(f"{p}mlp.{name}.weight", shape, "param")
+            yield TensorSpec(f"{p}mlp.{name}.bias", (shape[0],), "param")
+    out, merge, inner = v.out_hidden_size, v.spatial_merge_size, v.projection_intermediate_size
+    yield TensorSpec("visual.post_layernorm.weight", (d,), "param")
+    yield TensorSpec("visual.downsample.weight", (out, d, merge, merge), "param")
+    yield TensorSpec("visual.downsample.bias", (out,), "param")
+    yield TensorSpec("visual.merger.proj.weight", (out, out), "param")
+    yield TensorSpec("visual.merger.post_projection_norm.weight", (out,), "param")
+    yield TensorSpec("visual.merger.post_projection_norm.bias", (out,), "param")
+    yield TensorSpec("visual.merger.gate_proj.weight", (inner, out), "param")
+    yield TensorSpec("visual.merger.up_proj.weight", (inner, out), "param")
+    yield TensorSpec("visual.merger.down_proj.weight", (out, inner), "param")
 
 
 def _layer_specs(cfg: ModelConfig, i: int) -> Iterator[TensorSpec]:

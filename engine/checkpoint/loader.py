@@ -25,7 +25,8 @@ from typing import Callable, Iterable
 
 import torch
 
-from engine.checkpoint.layout import EXPERT_KEY, TEXT_PREFIX, TensorSpec, stacked_expert_name, text_specs
+from engine.checkpoint.layout import (EXPERT_KEY, TEXT_PREFIX, VISION_PREFIX, TensorSpec, checkpoint_key,
+                                     stacked_expert_name, text_specs, vision_specs)
 from engine.checkpoint.availability import ExpertAvailability, ExpertUnit
 from engine.checkpoint.shards import (CheckpointError, Chunk, ReadTiming, StoredTensor, plan_chunks, read_chunk,
                                       read_chunks, read_header, staging_buffer)
@@ -47,7 +48,7 @@ FORMATS: dict[str, frozenset[str]] = {
 }
 IGNORED_SUFFIXES = frozenset({"input_scale", "input_global_scale"})
 LINEAR_SUFFIXES = frozenset().union(*FORMATS.values(), IGNORED_SUFFIXES)
-SKIPPED = re.compile(r"^(model\.visual\.|visual\.|model\.vision_tower\.|.*\.shared_head\.|.*hc_head)")
+SKIPPED = re.compile(r"^(model\.vision_tower\.|.*\.shared_head\.|.*hc_head)")
 
 
 @dataclass
@@ -96,9 +97,11 @@ def checkpoint_sizes(snapshot: Path, cfg: ModelConfig) -> WeightBytes:
 
 
 def logical_name(key: str, num_layers: int) -> str | None:
-    """The layout name for a checkpoint key, or None for tensors the text model does not use."""
+    """The layout name for a checkpoint key, or None for tensors the model does not use."""
     if SKIPPED.match(key):
         return None
+    if key.startswith(VISION_PREFIX):
+        return key[len("model."):]
     if key.startswith(TEXT_PREFIX):
         name = key[len(TEXT_PREFIX):]
     elif key.startswith("model."):
@@ -267,6 +270,12 @@ def _plan(stored: list[StoredTensor], cfg: ModelConfig) -> dict[str, tuple[_Grou
 
     Returns, for every key to read, the group it belongs to and its suffix in it."""
     specs = {s.name: s for s in text_specs(cfg)}
+    names = {t.key: logical_name(t.key, cfg.num_layers) for t in stored}
+    has_tower = any(name and name.startswith("visual.") for name in names.values())
+    if cfg.vision is not None and has_tower:
+        specs.update((s.name, s) for s in vision_specs(cfg))
+    elif cfg.vision is not None:
+        log.info("event=vision_tower present=0 reason=no_visual_tensors serving=text")
     groups: dict[str, _Group] = {}
     part_of: dict[str, tuple[_Group, str]] = {}
     seen: dict[str, Path] = {}
@@ -274,8 +283,8 @@ def _plan(stored: list[StoredTensor], cfg: ModelConfig) -> dict[str, tuple[_Grou
         if t.key in seen:
             raise CheckpointError(f"tensor {t.key!r} is stored twice: in {seen[t.key].name} and {t.path.name}")
         seen[t.key] = t.path
-        name = logical_name(t.key, cfg.num_layers)
-        if name is None:
+        name = names[t.key]
+        if name is None or (name.startswith("visual.") and cfg.vision is None):  # a tower without its config
             continue
         if name in specs and specs[name].role != "linear":
             group = groups.setdefault(name, _Group(specs[name]))
@@ -285,16 +294,14 @@ def _plan(stored: list[StoredTensor], cfg: ModelConfig) -> dict[str, tuple[_Grou
         base, _, suffix = name.rpartition(".")
         spec = specs.get(base)
         if spec is None or spec.role != "linear" or suffix not in LINEAR_SUFFIXES:
-            raise CheckpointError(f"{t.path.name}: unexpected tensor {t.key!r} (not part of the glm5_next text model)")
+            raise CheckpointError(f"{t.path.name}: unexpected tensor {t.key!r} (not part of the glm5_next model)")
         if suffix not in IGNORED_SUFFIXES:
             group = groups.setdefault(base, _Group(spec))
             group.keys[suffix] = t.key
             part_of[t.key] = (group, suffix)
     for name, spec in specs.items():
         if name not in groups:
-            hint = f"{TEXT_PREFIX}{name}" + (".weight" if spec.role == "linear" else "")
-            if name == "lm_head":
-                hint = "lm_head.weight"
+            hint = checkpoint_key(name) + (".weight" if spec.role == "linear" else "")
             raise CheckpointError(f"missing tensor {hint!r} (expected shape {list(spec.shape)})")
         found = frozenset(groups[name].keys)
         if spec.role == "linear" and found not in FORMATS.values():

@@ -27,7 +27,7 @@ from engine.checkpoint.availability import ExpertAvailability, ExpertUnit
 from engine.checkpoint.prepared_store import (PIECE_BYTES, PreparedPlan, PreparedSnapshotError, ReadStats, Region,
                                               piece_regions, read_plan, read_regions, write_prepared)
 
-FORMAT_VERSION = 2  # 2: pieces checksummed with CRC-32 instead of BLAKE2b
+FORMAT_VERSION = 3  # 2: pieces checksummed with CRC-32 instead of BLAKE2b; 3: the vision tower kept too
 FIELDS = {"tensor": ("data",), "dense": ("data",), "fp8_block": ("data", "scale_inv"),
           "nvfp4": ("packed", "scale", "global_scale")}
 DTYPES = {str(d).removeprefix("torch."): d for d in (torch.float32, torch.bfloat16, torch.float16, torch.uint8,

@@ -12,66 +12,16 @@ Images are independent: a batch of them is packed along the patch axis and atten
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any
-
 import torch
 import torch.nn.functional as F
 
-from engine.config import ConfigError
+from engine.config import VisionConfig
 
 PREFIXES = ("model.visual.", "visual.")
 
 
-@dataclass(frozen=True)
-class VisionConfig:
-    depth: int
-    hidden_size: int
-    num_heads: int
-    intermediate_size: int
-    out_hidden_size: int  # the text model's width
-    projection_intermediate_size: int
-    patch_size: int = 14
-    temporal_patch_size: int = 2
-    spatial_merge_size: int = 2
-    in_channels: int = 3
-    rms_norm_eps: float = 1e-5
-    swiglu_limit: float = 10.0
-    rope_theta: float = 10000.0
-
-    @property
-    def head_dim(self) -> int:
-        return self.hidden_size // self.num_heads
-
-    @classmethod
-    def from_dict(cls, raw: dict[str, Any] | None, text_hidden_size: int) -> "VisionConfig | None":
-        """`config.json`'s `vision_config`, or None where the checkpoint has no tower."""
-        if not raw:
-            return None
-        if raw.get("hidden_act", "silu") != "silu":
-            raise ConfigError("vision_config.hidden_act", raw["hidden_act"], "only silu is supported")
-        rope = raw.get("rope_parameters") or {}
-        if rope.get("rope_type", "axial") != "axial":
-            raise ConfigError("vision_config.rope_parameters.rope_type", rope["rope_type"], "only axial is supported")
-        fields = {name: raw[name] for name in ("depth", "hidden_size", "num_heads", "intermediate_size",
-                                               "projection_intermediate_size", "patch_size", "temporal_patch_size",
-                                               "spatial_merge_size", "in_channels", "rms_norm_eps", "swiglu_limit")
-                  if name in raw}
-        config = cls(**{"depth": 24, "hidden_size": 1024, "num_heads": 16, "intermediate_size": 4096,
-                        "projection_intermediate_size": 10240, **fields},
-                     out_hidden_size=raw.get("out_hidden_size", text_hidden_size),
-                     rope_theta=float(rope.get("rope_theta", 10000.0)))
-        if config.out_hidden_size != text_hidden_size:
-            raise ConfigError("vision_config.out_hidden_size", config.out_hidden_size,
-                              f"must equal the text model's hidden_size {text_hidden_size}")
-        if config.hidden_size % config.num_heads or config.head_dim % 4:
-            raise ConfigError("vision_config.num_heads", config.num_heads,
-                              f"must split hidden_size {config.hidden_size} into heads of a multiple of 4")
-        return config
-
-
 def vision_weights(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """The tower's tensors out of a checkpoint's, keyed without the `model.visual.` prefix."""
+    """The tower's tensors out of a checkpoint's (`model.visual.*`) or the loader's (`visual.*`), keyed without it."""
     found = {}
     for key, tensor in tensors.items():
         for prefix in PREFIXES:

@@ -20,8 +20,8 @@ import torch
 from safetensors.torch import save_file
 
 from engine.checkpoint.loader import LoadedWeights, assemble
-from engine.checkpoint.layout import (EXPERT_KEY, TEXT_PREFIX, TensorSpec, quantized_in_release,
-                                      stacked_expert_name, text_specs)
+from engine.checkpoint.layout import (EXPERT_KEY, TensorSpec, checkpoint_key, quantized_in_release,
+                                      stacked_expert_name, text_specs, vision_specs)
 from engine.config import ModelConfig
 from engine.quant import quantize_fp8_block, quantize_nvfp4
 from engine.tiny.tokenizer import write_tokenizer
@@ -100,8 +100,8 @@ def tiny_config(fmt: str = "bf16", **text_overrides: Any) -> dict[str, Any]:
         "architectures": ["Glm5NextForConditionalGeneration"],
         "tie_word_embeddings": False,
         "text_config": {**TEXT_CONFIG, **text_overrides},
-        # A token vision tower so multimodal loaders build quickly; the engine serves text only.
-        "vision_config": {"model_type": "glm5_next_vision", "depth": 1, "hidden_size": 32, "num_heads": 2,
+        # A small vision tower (2 blocks of width 32), written after the text model's tensors.
+        "vision_config": {"model_type": "glm5_next_vision", "depth": 2, "hidden_size": 32, "num_heads": 2,
                           "intermediate_size": 64, "out_hidden_size": TEXT_CONFIG["hidden_size"],
                           "projection_intermediate_size": 64, "patch_size": 14, "image_size": 28},
     }
@@ -167,11 +167,24 @@ def init_values(cfg: ModelConfig, generator: torch.Generator,
             if spec.name.endswith(("o_proj", "down_proj")):
                 value = BRANCH_GAIN * value
         yield spec, value
+    for spec in vision_specs(cfg):  # after the text model's: its values do not move when the tower changes
+        yield spec, vision_value(spec, generator)
+
+
+def vision_value(spec: TensorSpec, generator: torch.Generator) -> torch.Tensor:
+    """A float32 random tensor for a tower entry: matrices (and convolutions) scaled by their fan-in, norm weights
+    near one, biases small but not zero."""
+    randn = torch.randn(spec.shape, generator=generator, device=generator.device)
+    if len(spec.shape) > 1:
+        return randn / math.sqrt(math.prod(spec.shape[1:]))
+    if "norm" in spec.name and spec.name.endswith(".weight"):
+        return 1.0 + 0.1 * randn
+    return 0.1 * randn
 
 
 def encode(spec: TensorSpec, value: torch.Tensor, fmt: str, cfg: ModelConfig) -> dict[str, torch.Tensor]:
     """Checkpoint entries (official keys) for one tensor stored the way the format's release stores it."""
-    key = "lm_head" if spec.name == "lm_head" else TEXT_PREFIX + spec.name
+    key = checkpoint_key(spec.name)
     if spec.role == "fp32":
         return {key: value.float().contiguous()}
     if not quantized_in_release(cfg, spec):
@@ -217,8 +230,7 @@ def synthetic_weights(cfg: ModelConfig, fmt: str, device: torch.device | str, dt
 
 
 def _suffix(spec: TensorSpec, key: str) -> str:
-    base = "lm_head" if spec.name == "lm_head" else TEXT_PREFIX + spec.name
-    return key[len(base) + 1:]
+    return key[len(checkpoint_key(spec.name)) + 1:]
 
 
 def write_tiny_model(out_dir: Path | str, fmt: str = "bf16", seed: int = 0, well_conditioned: bool = False,

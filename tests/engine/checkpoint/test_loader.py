@@ -71,7 +71,7 @@ def test_bf16_copies_of_fp32_tensors_are_upcast(tiny_dir, tmp_path):
     assert load(snapshot)["layers.1.mlp.gate.e_score_correction_bias"].dtype == torch.float32
 
 
-def test_single_file_snapshot_and_skipped_vision_and_mtp(tiny_dir, tmp_path):
+def test_single_file_snapshot_loads_the_vision_tower_and_skips_mtp(tiny_dir, tmp_path):
     src = tiny_dir("bf16")
     dst = tmp_path / "one"
     dst.mkdir()
@@ -79,14 +79,20 @@ def test_single_file_snapshot_and_skipped_vision_and_mtp(tiny_dir, tmp_path):
     for shard in src.glob("*.safetensors"):
         with safe_open(str(shard), "pt") as f:
             tensors.update({k: f.get_tensor(k) for k in f.keys()})
-    tensors["model.visual.blocks.0.attn.qkv.weight"] = torch.zeros(3, 2)
     tensors["model.language_model.layers.8.eh_proj.weight"] = torch.zeros(2, 4)  # MTP layer
     tensors["model.language_model.layers.8.shared_head.norm.weight"] = torch.zeros(2)
     save_file(tensors, str(dst / "model.safetensors"))
     shutil.copy(src / "config.json", dst / "config.json")
     w = load(dst)
-    assert not any("visual" in k or k.startswith("layers.8.") for k in w)
+    assert not any(k.startswith("layers.8.") for k in w)
     assert torch.equal(w["norm.weight"], tensors["model.language_model.norm.weight"].float())
+    qkv = "model.visual.blocks.0.attn.qkv.weight"
+    assert torch.equal(w["visual.blocks.0.attn.qkv.weight"], tensors[qkv].float())
+    tensors[qkv] = torch.zeros(3, 2)
+    save_file(tensors, str(dst / "model.safetensors"))
+    message = r"'visual.blocks.0.attn.qkv.weight': expected shape \[96, 32\], found \[3, 2\]"
+    with pytest.raises(CheckpointError, match=message):
+        load(dst)
 
 
 def test_missing_tensor_is_named(tiny_dir, tmp_path):
@@ -144,7 +150,7 @@ def test_parallel_chunked_read_matches_the_safetensors_library(tiny_dir, fmt, mo
     than a staging buffer read in pieces by several threads, skipped activation scales read through; every
     byte must equal what the safetensors library reads, put together the same way."""
     import engine.checkpoint.shards as shards
-    from engine.checkpoint.layout import text_specs
+    from engine.checkpoint.layout import checkpoint_key, text_specs, vision_specs
     from engine.checkpoint.loader import IGNORED_SUFFIXES, assemble
 
     monkeypatch.setattr(shards, "CHUNK_BYTES", 4096)
@@ -161,8 +167,8 @@ def test_parallel_chunked_read_matches_the_safetensors_library(tiny_dir, fmt, mo
             stored.update({k: f.get_tensor(k) for k in f.keys()})
 
     def groups():
-        for spec in text_specs(cfg):
-            base = "lm_head" if spec.name == "lm_head" else "model.language_model." + spec.name
+        for spec in [*text_specs(cfg), *vision_specs(cfg)]:
+            base = checkpoint_key(spec.name)
             if spec.role != "linear":
                 yield spec, {"": stored[base]}
                 continue
