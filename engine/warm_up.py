@@ -62,8 +62,8 @@ def warm_up(core: EngineCore) -> None:
     fast = core.model.device.type == "cuda" and fast_kernels_enabled()
     if fast and core.options.cuda_graphs and core.expert_fill is not None:
         log.info("event=decode_graphs deferred=experts_loading")  # missing experts are loaded inside steps
-    elif fast and core.options.cuda_graphs and _graphs_allowed(core):
-        _capture_graphs(core)
+    else:
+        _capture_graphs_if_allowed(core)
     report_decode_rate(core)
     if fast and core.expert_fill is None:
         warm_up_prefills(core)
@@ -73,9 +73,7 @@ def warm_up(core: EngineCore) -> None:
 
 def after_expert_fill(core: EngineCore) -> None:
     """Once every expert is in place: the decode graphs that were deferred (CUDA), and the decode probe."""
-    if (core.model.device.type == "cuda" and fast_kernels_enabled() and core.options.cuda_graphs
-            and _graphs_allowed(core)):
-        _capture_graphs(core)
+    _capture_graphs_if_allowed(core)
     report_decode_rate(core)
 
 
@@ -139,15 +137,14 @@ def _run_to_end(core: EngineCore, requests: list[Sequence]) -> None:
         core.step()
 
 
-def _graphs_allowed(core: EngineCore) -> bool:
-    """Host experts in a format the compiled CPU kernels do not take run through a synchronizing path."""
+def _capture_graphs_if_allowed(core: EngineCore) -> None:
+    """Decode graphs on CUDA with the fast kernels and graphs on; not where host experts in a format the
+    compiled CPU kernels do not take run through a synchronizing path."""
+    if not (core.model.device.type == "cuda" and fast_kernels_enabled() and core.options.cuda_graphs):
+        return
     if core.offload is not None and not core.offload.graph_safe:
         log.info("event=decode_graphs skipped=host_experts_uncompiled")
-        return False
-    return True
-
-
-def _capture_graphs(core: EngineCore) -> None:
+        return
     sizes = graph_sizes(core.options.max_num_seqs)
     seconds = core.runner.capture_graphs(sizes, None if core.offload is None else core.offload.use_rows)
     log.info("event=decode_graphs sizes=%s capture_s=%.2f", ",".join(map(str, sizes)), seconds)

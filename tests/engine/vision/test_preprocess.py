@@ -10,10 +10,10 @@ import io
 import pytest
 import torch
 from PIL import Image
+from transformers.models.glm5_next import image_processing_pil_glm5_next as transformers_processor
 
 from engine.vision.preprocess import ImageError, ImageProcessorConfig, decode_image, image_tokens, preprocess, to_rgb
 
-transformers_processor = pytest.importorskip("transformers.models.glm5_next.image_processing_pil_glm5_next")
 
 CONFIG = ImageProcessorConfig()
 # (width, height): below the minimum budget, tiny, extreme aspects, the usual sizes, above the maximum budget.

@@ -6,12 +6,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from transformers.models.glm5_next import configuration_glm5_next as configuration
+from transformers.models.glm5_next import modeling_glm5_next as modeling
 
 from engine.config import ConfigError
 from engine.model.vision import VisionConfig, VisionTower, vision_weights
-
-modeling = pytest.importorskip("transformers.models.glm5_next.modeling_glm5_next")
-configuration = pytest.importorskip("transformers.models.glm5_next.configuration_glm5_next")
 
 RAW = {"model_type": "glm5_next_vision", "depth": 2, "hidden_size": 64, "num_heads": 4, "intermediate_size": 96,
        "out_hidden_size": 48, "projection_intermediate_size": 80, "patch_size": 14, "spatial_merge_size": 2,
