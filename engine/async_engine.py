@@ -22,6 +22,7 @@ from engine.engine_core import EngineCore, EngineStats, RequestPhases, StepOutpu
 from engine.sampling_params import SamplingParams
 from engine.scheduler import QueueFull
 from engine.sequence import Sequence, TokenLogprobs
+from engine.vision.placement import PlacedImage
 
 log = logging.getLogger("glmflash.engine")
 
@@ -96,12 +97,19 @@ class AsyncEngine:
         """ValueError if the request can never fit this engine (context length)."""
         self.core.check(prompt_len, max_tokens)
 
-    async def generate(self, prompt_token_ids: list[int], params: SamplingParams,
-                       request_id: str | None = None) -> AsyncIterator[GenerationDelta]:
+    @property
+    def accepts_images(self) -> bool:
+        return self.core.accepts_images
+
+    async def generate(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str | None = None,
+                       images: tuple[PlacedImage, ...] = ()) -> AsyncIterator[GenerationDelta]:
         """Submit a request and iterate over its deltas. Raises QueueFull or ValueError (GrammarError for a
-        grammar that does not compile) before the first one."""
+        grammar that does not compile) before the first one. `images`: where the prompt's images sit
+        (`engine.vision.placement.place_images`)."""
         request_id = request_id or uuid.uuid4().hex
         self.check(len(prompt_token_ids), params.max_tokens)
+        if images and not self.accepts_images:
+            raise ValueError("this model has no vision tower: it answers text only")
         # A grammar is compiled here, off the engine thread: a large one must not stall everyone's next step.
         constraint = (await asyncio.to_thread(self.core.constraint, request_id, params) if params.grammar is not None
                       else self.core.constraint(request_id, params))
@@ -111,7 +119,8 @@ class AsyncEngine:
             if waiting >= self.core.max_waiting:
                 raise QueueFull(f"{waiting} requests already waiting")
             self._streams[request_id] = queue
-            self._incoming.append(Sequence(request_id, list(prompt_token_ids), params, constraint=constraint))
+            self._incoming.append(Sequence(request_id, list(prompt_token_ids), params, constraint=constraint,
+                                           images=images))
             self._cv.notify()
         return _RequestStream(self, request_id, self._deltas(request_id, prompt_token_ids, params, queue))
 

@@ -18,10 +18,12 @@ from engine.experts.hybrid import HybridExperts
 from engine.kernels.dispatch import fast_kernels_enabled
 from engine.memory_plan import MemoryPlan, build_caches, plan_memory
 from engine.model.glm5_next import Glm5NextModel
+from engine.model.vision import VisionTower, vision_weights
 from engine.model_runner import ModelRunner
 from engine.offload.miss_split import choose_split
 from engine.options import EngineOptions
 from engine.scheduler import Scheduler, SchedulerLimits
+from engine.vision.embedder import ImageEmbedder
 from engine.warm_up import wait_for_warm_up
 
 log = logging.getLogger("glmflash.engine")
@@ -58,8 +60,16 @@ def build_parts(config: ModelConfig, weights: LoadedWeights, options: EngineOpti
     limits = SchedulerLimits(options.max_model_len, max(options.max_num_batched_tokens, options.max_num_seqs),
                              options.max_waiting)
     scheduler = Scheduler(slots, cache, limits, prefix)
-    runner = ModelRunner(model, slots, cache, cache.pages_for(options.max_model_len))
+    runner = ModelRunner(model, slots, cache, cache.pages_for(options.max_model_len), _image_embedder(config, weights))
     return EngineParts(plan, slots, cache, prefix, offload, fill, model, scheduler, runner)
+
+
+def _image_embedder(config: ModelConfig, weights: LoadedWeights) -> ImageEmbedder | None:
+    """The vision tower over the loaded `visual.*` tensors (None: a checkpoint without one serves text)."""
+    tower = vision_weights(weights)
+    if config.vision is None or not tower:
+        return None
+    return ImageEmbedder(VisionTower(config.vision, tower), weights["embed_tokens.weight"].device)
 
 
 def _prefix_cache(config: ModelConfig, slots: RequestSlots, cache: PagedLatents, plan: MemoryPlan) -> PrefixCache:

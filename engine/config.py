@@ -52,14 +52,21 @@ class VisionConfig:
     rms_norm_eps: float = 1e-5
     swiglu_limit: float = 10.0
     rope_theta: float = 10000.0
+    # The prompt tokens an image's embeddings replace, and the markers around a video (whose frames use the
+    # same token): top-level fields of the multimodal config.
+    image_token_id: int = 154854
+    video_start_token_id: int = 154832
+    video_end_token_id: int = 154833
 
     @property
     def head_dim(self) -> int:
         return self.hidden_size // self.num_heads
 
     @classmethod
-    def from_dict(cls, raw: dict[str, Any] | None, text_hidden_size: int) -> "VisionConfig | None":
-        """`config.json`'s `vision_config`, or None where the checkpoint has no tower."""
+    def from_dict(cls, raw: dict[str, Any] | None, text_hidden_size: int,
+                  top: dict[str, Any] | None = None) -> "VisionConfig | None":
+        """`config.json`'s `vision_config` (`top`: the whole config, for the image token ids), or None where
+        the checkpoint has no tower."""
         if not raw:
             return None
         if raw.get("hidden_act", "silu") != "silu":
@@ -74,7 +81,9 @@ class VisionConfig:
         config = cls(**{"depth": 24, "hidden_size": 1024, "num_heads": 16, "intermediate_size": 4096,
                         "projection_intermediate_size": 10240, **fields},
                      out_hidden_size=raw.get("out_hidden_size", text_hidden_size),
-                     rope_theta=float(rope.get("rope_theta", 10000.0)))
+                     rope_theta=float(rope.get("rope_theta", 10000.0)),
+                     **{name: int(value) for name, value in (top or {}).items()
+                        if name in ("image_token_id", "video_start_token_id", "video_end_token_id")})
         if config.out_hidden_size != text_hidden_size:
             raise ConfigError("vision_config.out_hidden_size", config.out_hidden_size,
                               f"must equal the text model's hidden_size {text_hidden_size}")
@@ -239,7 +248,7 @@ def _parse(raw: dict[str, Any], generation: dict[str, Any]) -> ModelConfig:
         eos_token_ids=eos_ids,
         quant=_quant(raw.get("quantization_config") or text.get("quantization_config")),
         vision=VisionConfig.from_dict(raw.get("vision_config") if "text_config" in raw else None,
-                                      int(get("hidden_size"))),
+                                      int(get("hidden_size")), raw),
     )
 
 

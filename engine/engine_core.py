@@ -119,9 +119,16 @@ class EngineCore:
         stops = set(params.stop_token_ids) | (set() if params.ignore_eos else set(self.config.eos_token_ids))
         return RequestConstraint(request_id, self.config.vocab_size, matcher, params.reasoning, stops)
 
+    @property
+    def accepts_images(self) -> bool:
+        """Whether the model has a vision tower (a checkpoint without one serves text)."""
+        return self.runner.images is not None
+
     def add(self, seq: Sequence) -> None:
         if seq.request_id in self._by_id:
             raise ValueError(f"request id {seq.request_id!r} is already in use")
+        if seq.images and not self.accepts_images:
+            raise ValueError("this model has no vision tower: it answers text only")
         if seq.constraint is None:
             seq.constraint = self.constraint(seq.request_id, seq.params)
         seq.arrived = time.perf_counter()

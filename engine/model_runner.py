@@ -2,7 +2,7 @@
 
 A step where every request adds one token takes the static decode path (DecodeMeta), replayed
 from a CUDA graph when one was captured for a batch that large; any other step runs eagerly with
-per-request spans. A request that asks for its prompt's logprobs gets them from the rows of its
+per-request spans, image tokens taking their image's embeddings (`ImageEmbedder`). A request that asks for its prompt's logprobs gets them from the rows of its
 prefill chunks, as they run (in the step's result).
 """
 
@@ -20,11 +20,14 @@ from engine.model.glm5_next import Glm5NextModel
 from engine.sampler import token_logprobs
 from engine.sequence import Sequence, TokenLogprobs
 from engine.step_plan import StepPlan, StepResult
+from engine.vision.embedder import ImageEmbedder
 
 
 class ModelRunner:
-    def __init__(self, model: Glm5NextModel, slots: RequestSlots, cache: PagedLatents, max_pages: int) -> None:
+    def __init__(self, model: Glm5NextModel, slots: RequestSlots, cache: PagedLatents, max_pages: int,
+                 images: ImageEmbedder | None = None) -> None:
         self.model, self.slots, self.cache, self.max_pages = model, slots, cache, max_pages
+        self.images = images  # None: a model without a vision tower (requests with images are refused)
         self.graphs: DecodeGraphs | None = None
 
     def capture_graphs(self, sizes: tuple[int, ...], before_replay: Callable[[int], None] | None = None) -> float:
@@ -92,6 +95,7 @@ class ModelRunner:
         rows: list[int] = []
         sampled: list[int] = []  # which of `rows` the step samples from
         prompt_rows: list[tuple[Sequence, int, int]] = []  # (seq, its first row in `rows`, rows)
+        with_images: list[tuple[Sequence, int, int, int]] = []  # (seq, first position, tokens, first flat row)
         for span in plan.spans:
             seq, new, computed = span.seq, span.num_new, span.seq.num_computed
             parts = [new - 1, 1] if saves is not None and seq in saves.requests else [new]
@@ -101,6 +105,8 @@ class ModelRunner:
                     one_token_rows.append((seq, computed + offset))
             start = len(tokens)
             tokens.extend(seq.token_ids[computed:computed + new])
+            if seq.images:
+                with_images.append((seq, computed, new, start))
             if plan.all_rows:
                 rows.extend(range(start, start + new))
                 continue
@@ -114,7 +120,7 @@ class ModelRunner:
                 rows.append(start + new - 1)
         one_token = self._decode_meta(*self._decode_rows(one_token_rows)) if one_token_rows else None
         batch = ForwardBatch(torch.tensor(tokens, dtype=torch.long, device=device), spans, one_token=one_token,
-                             snapshot_saves=saves)
+                             snapshot_saves=saves, embeds=self.images.rows(with_images) if with_images else None)
         logits = self.model.forward(batch, self.slots, self.cache, torch.tensor(rows, dtype=torch.long, device=device),
                                     layer_outputs)
         if not prompt_rows:

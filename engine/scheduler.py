@@ -109,7 +109,7 @@ class Scheduler:
             if budget <= 0:
                 break
             reuse = self.prefix is not None and seq.params.prompt_logprobs is None  # those need every position
-            hit = self.prefix.lookup(seq.prompt_token_ids) if reuse else PrefixHit()
+            hit = self.prefix.lookup(seq.prompt_keys) if reuse else PrefixHit()
             owner = self.prefix.wait_for(seq, hit, self.running) if reuse else None
             if owner is not None:  # it will find the prefix cached once `owner` got there
                 if owner in plan:

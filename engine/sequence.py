@@ -11,6 +11,7 @@ from engine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from engine.structured.constraint import RequestConstraint
+    from engine.vision.placement import PlacedImage
 
 
 @dataclass
@@ -37,10 +38,27 @@ class Sequence:
     # time.perf_counter() when the engine took the request and when a step first ran it (None: not yet).
     arrived: float = 0.0
     started: float | None = None
+    images: tuple[PlacedImage, ...] = ()  # the prompt's images, each over its run of image tokens
+    # The prompt as the prefix cache keys it: image tokens replaced by their image's content key.
+    prompt_keys: list[int] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if self.params.seed is not None and self.generator is None:
             self.generator = torch.Generator().manual_seed(self.params.seed)
+        if not self.prompt_keys:
+            self.prompt_keys = self.prompt_token_ids
+            for image in self.images:
+                self.prompt_keys = self.prompt_keys[:image.start] + [image.key] * (image.end - image.start) \
+                    + self.prompt_keys[image.end:]
+
+    @property
+    def key_ids(self) -> list[int]:
+        """`token_ids` as the prefix cache keys them (`prompt_keys`, then the output)."""
+        return self.prompt_keys + self.output_token_ids
+
+    def images_in(self, start: int, end: int) -> list[PlacedImage]:
+        """The images with tokens among positions [start, end)."""
+        return [image for image in self.images if image.start < end and start < image.end]
 
     @property
     def token_ids(self) -> list[int]:
@@ -75,3 +93,4 @@ class RequestOutput:
     token_ids: list[int]
     finish_reason: str
     prompt_logprobs: list[TokenLogprobs] | None = None  # with params.prompt_logprobs: prompt tokens 1..
+    num_cached_tokens: int = 0  # prompt tokens restored from the prefix cache

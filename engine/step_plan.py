@@ -46,8 +46,11 @@ class StepPlan:
 
     @property
     def is_decode(self) -> bool:
-        """Every request adds its one sampled token: the static decode path (a CUDA graph where captured)."""
-        return not self.all_rows and all(span.num_new == 1 == span.seq.num_to_compute for span in self.spans)
+        """Every request adds its one sampled token: the static decode path (a CUDA graph where captured), which
+        reads the embedding table only (a prompt whose last token is an image's, left alone, is no decode)."""
+        return not self.all_rows and all(
+            span.num_new == 1 == span.seq.num_to_compute
+            and not span.seq.images_in(span.seq.num_computed, span.seq.num_computed + 1) for span in self.spans)
 
     @property
     def has_prefill(self) -> bool:

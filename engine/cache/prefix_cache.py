@@ -4,7 +4,8 @@ What a prefix of N tokens leaves behind is of two kinds:
   - DSA layers: latents and pooled indexer keys in cache pages. A full page depends on nothing but the
     tokens up to its end, so full pages are shared between requests (reference-counted, read-only) and
     indexed by a hash chain over page-sized token blocks: a block's key is (parent block, its tokens),
-    so equal keys mean equal prefixes.
+    so equal keys mean equal prefixes. An image's tokens are keyed by the image's content (`seq.prompt_keys`):
+    the same image matches, a different image of the same size does not.
   - KDA layers: the recurrent and short-conv state, which exist only at the position the request has
     reached (and the indexer's open pool, the keys of a pool not complete yet). These are saved as
     snapshots at chosen positions, attached to the chain block they follow with the tokens past it.
@@ -159,7 +160,8 @@ class PrefixCache:
     # --- lookup and admission --------------------------------------------------------------------
 
     def lookup(self, prompt: list[int]) -> PrefixHit:
-        """The deepest snapshot the prompt matches, ending at most at its second-to-last token."""
+        """The deepest snapshot the prompt (its `prompt_keys`) matches, ending at most at its second-to-last
+        token."""
         size, limit = self.page_size, len(prompt) - 1
         hit, node = PrefixHit(), self.root
         while True:
@@ -214,12 +216,12 @@ class PrefixCache:
         """A running request still prefilling a longer part of this prompt than the cache holds: it gets a
         stop where the prompts part (this one waits for that snapshot instead of computing the prefix
         again). None when there is none worth waiting for."""
-        prompt = seq.prompt_token_ids
+        prompt = seq.prompt_keys
         for other in running:
             progress = self._progress.get(other)
             if progress is None or other.num_computed >= len(other.prompt_token_ids):
                 continue
-            shared = min(_common_prefix(prompt, other.prompt_token_ids, self.page_size), len(prompt) - 1)
+            shared = min(_common_prefix(prompt, other.prompt_keys, self.page_size), len(prompt) - 1)
             if shared >= hit.position + self.page_size and shared > other.num_computed:
                 progress.stops.add(shared)
                 return other
@@ -288,7 +290,7 @@ class PrefixCache:
         if not node.alive or (full <= node.depth and not keep):
             self._free_row(saved_row)
             return  # nothing new, or its chain was evicted under it (later pages could never be found)
-        tokens = seq.token_ids
+        tokens = seq.key_ids
         while node.depth < full:
             i = node.depth
             node = self._register(node, tuple(tokens[i * size:(i + 1) * size]), seq.pages[i])

@@ -57,6 +57,8 @@ class ForwardBatch:
     # Requests whose state is saved between the step's multi-token spans and its one-token rows (the prefix
     # cache's snapshot one token before a prompt's end, whose last token is a one-token span of this step).
     snapshot_saves: StepSaves | None = None
+    # (rows [n], embeddings [n, hidden]): image tokens' inputs, the tower's output in place of the embedding table's.
+    embeds: tuple[torch.Tensor, torch.Tensor] | None = None
     _layouts: dict[Hashable, object] = field(default_factory=dict, init=False, repr=False)
 
     @property

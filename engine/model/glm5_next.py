@@ -1,4 +1,5 @@
-"""GLM-5.3-Flash text model: embedding -> 4 mHC streams -> 45 decoder layers -> mean, norm, lm_head."""
+"""GLM-5.3-Flash text model: embedding (an image token's input is its image's tower output instead) -> 4 mHC
+streams -> 45 decoder layers -> mean, norm, lm_head."""
 
 from __future__ import annotations
 
@@ -70,6 +71,9 @@ class Glm5NextModel:
                 layer_outputs: list[torch.Tensor] | None = None) -> torch.Tensor:
         """Runs one step and returns fp32 logits [len(logit_rows), vocab]; fills `layer_outputs` when given."""
         x = self.embed[batch.token_ids]
+        if batch.embeds is not None:
+            rows, values = batch.embeds
+            x[rows] = values.to(x.dtype)
         streams = x.unsqueeze(1).expand(-1, self.cfg.hc_mult, -1).contiguous()
         for layer in self.layers:
             streams = layer(streams, batch, slots, cache)

@@ -123,7 +123,8 @@ class VisionTower:
         q, k, v = qkv.view(x.shape[0], 3, cfg.num_heads, cfg.head_dim).unbind(1)
         q = _rotate(_rms_norm(q, w[f"blocks.{i}.attn.q_norm.weight"], cfg.rms_norm_eps), cos, sin)
         k = _rotate(_rms_norm(k, w[f"blocks.{i}.attn.k_norm.weight"], cfg.rms_norm_eps), cos, sin)
-        outs = [F.scaled_dot_product_attention(qi.transpose(0, 1), ki.transpose(0, 1), vi.transpose(0, 1))
+        # [1, heads, patches, head_dim]: the fused (flash, memory-efficient) kernels take 4D inputs only.
+        outs = [F.scaled_dot_product_attention(*(t.transpose(0, 1).unsqueeze(0) for t in (qi, ki, vi)))[0]
                 .transpose(0, 1) for qi, ki, vi in zip(q.split(lengths), k.split(lengths), v.split(lengths))]
         return F.linear(torch.cat(outs).reshape(x.shape[0], cfg.hidden_size), w[f"blocks.{i}.attn.proj.weight"],
                         w[f"blocks.{i}.attn.proj.bias"])

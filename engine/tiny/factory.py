@@ -100,6 +100,9 @@ def tiny_config(fmt: str = "bf16", **text_overrides: Any) -> dict[str, Any]:
         "architectures": ["Glm5NextForConditionalGeneration"],
         "tie_word_embeddings": False,
         "text_config": {**TEXT_CONFIG, **text_overrides},
+        # The tiny tokenizer's image and video markers (engine/tiny/tokenizer.py).
+        "image_token_id": 270, "video_token_id": 271, "image_start_token_id": 266, "image_end_token_id": 267,
+        "video_start_token_id": 268, "video_end_token_id": 269,
         # A small vision tower (2 blocks of width 32), written after the text model's tensors.
         "vision_config": {"model_type": "glm5_next_vision", "depth": 2, "hidden_size": 32, "num_heads": 2,
                           "intermediate_size": 64, "out_hidden_size": TEXT_CONFIG["hidden_size"],

@@ -152,13 +152,17 @@ _STOP_TOKENS = ("<|endoftext|>", "<|user|>", "<|observation|>")
 #   later GLM-5 templates fixed that).
 # * ``developer`` messages render like ``system``; ``tool`` and
 #   ``observation`` are both tool results; any other role is an error.
+# * Images (GLM-4.xV): an ``{"type": "image"}`` part of a system or user
+#   message renders as ``<|begin_of_image|><|image|><|end_of_image|>``, one
+#   ``<|image|>`` per image, which the server expands to the image's run of
+#   image tokens; image parts elsewhere are dropped.
 #
 # All literal output is inside ``{{ }}`` and every tag trims whitespace, so the
 # rendering does not depend on trim_blocks/lstrip_blocks.  It does rely on the
 # transformers chat-template environment: ``tojson(ensure_ascii=False)`` as
 # json.dumps and ``raise_exception``.
 CHAT_TEMPLATE = r"""{#- glmflash tiny model: GLM-4.7 / GLM-5 prompt format (see engine/tiny/tokenizer.py) -#}
-{%- macro plain_text(value) -%}
+{%- macro plain_text(value, images=false) -%}
     {%- if value is none -%}
     {%- elif value is string -%}{{- value -}}
     {%- elif value is mapping -%}{{- value.text if value.text is string else '' -}}
@@ -166,6 +170,7 @@ CHAT_TEMPLATE = r"""{#- glmflash tiny model: GLM-4.7 / GLM-5 prompt format (see 
         {%- for part in value -%}
             {%- if part is string -%}{{- part -}}
             {%- elif part is mapping and part.type == 'text' -%}{{- part.text -}}
+            {%- elif images and part is mapping and part.type == 'image' -%}{{- '<|begin_of_image|><|image|><|end_of_image|>' -}}
             {%- endif -%}
         {%- endfor -%}
     {%- else -%}{{- value -}}
@@ -187,9 +192,9 @@ CHAT_TEMPLATE = r"""{#- glmflash tiny model: GLM-4.7 / GLM-5 prompt format (see 
 {%- endif -%}
 {%- for msg in messages -%}
     {%- if msg.role in ['system', 'developer'] -%}
-        {{- '<|system|>' ~ plain_text(msg.content) -}}
+        {{- '<|system|>' ~ plain_text(msg.content, true) -}}
     {%- elif msg.role == 'user' -%}
-        {{- '<|user|>' ~ plain_text(msg.content) -}}
+        {{- '<|user|>' ~ plain_text(msg.content, true) -}}
     {%- elif msg.role == 'assistant' -%}
         {%- set answer = plain_text(msg.content) -%}
         {%- set thought = '' -%}

@@ -16,6 +16,7 @@ is decoded where the header already tells.
 
 from __future__ import annotations
 
+import hashlib
 import io
 import json
 import math
@@ -76,6 +77,7 @@ class ProcessedImage:
     pixel_values: torch.Tensor
     grid_thw: tuple[int, int, int]
     merge_size: int
+    digest: bytes  # of the fitted canvas's pixels: equal images (after fitting) share it, others do not
 
     @property
     def num_tokens(self) -> int:
@@ -183,9 +185,12 @@ def patchify(image: torch.Tensor, config: ImageProcessorConfig) -> torch.Tensor:
 
 def preprocess(image: Image.Image, config: ImageProcessorConfig) -> ProcessedImage:
     """An RGB image (`decode_image`'s) -> the tower's input."""
-    pixels = normalize(fit_to_canvas(image, config), config)
+    canvas = fit_to_canvas(image, config)
+    pixels = normalize(canvas, config)
     grid = (1, pixels.shape[1] // config.patch_size, pixels.shape[2] // config.patch_size)
-    return ProcessedImage(patchify(pixels, config), grid, config.merge_size)
+    digest = hashlib.blake2b(canvas.numpy().tobytes(), digest_size=16, person=b"glmflash-image")
+    digest.update(repr((grid, config.image_mean, config.image_std)).encode())
+    return ProcessedImage(patchify(pixels, config), grid, config.merge_size, digest.digest())
 
 
 def image_tokens(height: int, width: int, config: ImageProcessorConfig) -> int:

@@ -23,6 +23,7 @@ if TYPE_CHECKING:  # imported where used: transformers takes seconds to import, 
 
     from engine.engine_core import EngineCore
     from engine.sequence import Sequence
+    from engine.vision.preprocess import ProcessedImage
 
 FORMATS = ["bf16", "fp8", "nvfp4-ct", "nvfp4-modelopt"]
 
@@ -111,13 +112,17 @@ class Outputs:
     logits: torch.Tensor
 
 
-def reference_outputs(model: Glm5NextForConditionalGeneration, ids: list[int]) -> Outputs:
+def reference_outputs(model: Glm5NextForConditionalGeneration, ids: list[int],
+                      images: list[ProcessedImage] = ()) -> Outputs:
+    """With `images`: `ids` hold each image's full run of image tokens, in order."""
     layers: list[torch.Tensor] = []
     hooks = [layer.register_forward_hook(lambda _m, _i, out: layers.append(out[0][0]))
              for layer in model.model.language_model.layers]
     try:
         with torch.no_grad():
-            logits = model(input_ids=torch.tensor([ids])).logits[0].float()
+            pixels = {"pixel_values": torch.cat([image.pixel_values for image in images]),
+                      "image_grid_thw": torch.tensor([image.grid_thw for image in images])} if images else {}
+            logits = model(input_ids=torch.tensor([ids]), **pixels).logits[0].float()
     finally:
         for hook in hooks:
             hook.remove()
