@@ -22,6 +22,7 @@ import time
 from typing import Any, Callable
 
 import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from engine.checkpoint.layout import vision_specs
 from engine.config import ModelConfig, VisionConfig
@@ -29,6 +30,9 @@ from engine.model.vision import VisionTower, vision_weights
 from engine.tiny.factory import tiny_config, vision_value
 from engine.vision.preprocess import ImageProcessorConfig, canvas_size
 
+# --attention: torch's own choice of scaled_dot_product_attention kernel, or one forced.
+ATTENTION = {"default": None, "cudnn": SDPBackend.CUDNN_ATTENTION, "flash": SDPBackend.FLASH_ATTENTION,
+             "efficient": SDPBackend.EFFICIENT_ATTENTION, "math": SDPBackend.MATH}
 RELEASE_TEXT_HIDDEN = 4096  # the text model's width, which the merger projects to
 OVERRIDES = {"depth": "depth", "hidden": "hidden_size", "heads": "num_heads", "intermediate": "intermediate_size",
              "out_hidden": "out_hidden_size", "projection_intermediate": "projection_intermediate_size"}
@@ -122,6 +126,14 @@ def packed_images(grid: tuple[int, int, int], batch: int, vision: VisionConfig, 
     return torch.randn(patches, width, generator=generator, device=device), [grid] * batch
 
 
+def attention_kernel(name: str, call: Callable[[], Any]) -> Any:
+    """`call()` with scaled_dot_product_attention held to the named kernel (torch's choice for "default")."""
+    if ATTENTION[name] is None:
+        return call()
+    with sdpa_kernel(ATTENTION[name]):
+        return call()
+
+
 def fmt(value: Any) -> str:
     if isinstance(value, float):
         return f"{value:.4g}"
@@ -153,10 +165,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             grid = image_grid(*parse_size(size), processor)
             for batch in args.batches:
                 pixels, grids = packed_images(grid, batch, vision, device, generator)
-                ms = median_ms(lambda: tower(pixels, grids), device, args.warmup, args.iters)
+                ms = median_ms(lambda: attention_kernel(args.attention, lambda: tower(pixels, grids)), device,
+                               args.warmup, args.iters)
                 flops = tower_flops(vision, grids)
                 roofline_ms = flops / peak * 1e3
-                case = {"size": size, "batch": batch, "grid": "x".join(map(str, grid)), "patches": pixels.shape[0],
+                case = {"size": size, "batch": batch, "attention": args.attention, "grid": "x".join(map(str, grid)), "patches": pixels.shape[0],
                         "tokens": pixels.shape[0] // vision.spatial_merge_size ** 2, "ms": ms,
                         "ms_per_image": ms / batch, "gflop": flops / 1e9, "tflops": flops / ms / 1e9,
                         "roofline_ms": roofline_ms, "ratio": roofline_ms / ms}
@@ -172,6 +185,8 @@ def _list(text: str) -> list[str]:
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--attention", default="default", choices=list(ATTENTION),
+                        help="the attention kernel (default: torch's choice)")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", choices=["cuda", "cpu"])
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     parser.add_argument("--sizes", type=_list, default="448x448,1920x1080", help="comma-separated WIDTHxHEIGHT")

@@ -22,9 +22,9 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from engine.checkpoint.layout import EXPERT_KEY, TensorSpec, quantized_in_release, text_specs
+from engine.checkpoint.layout import EXPERT_KEY, TensorSpec, quantized_in_release, text_specs, vision_specs
 from engine.config import ModelConfig
-from engine.tiny.factory import encode, init_value, tiny_config
+from engine.tiny.factory import IMAGE_TOKEN_IDS, encode, init_value, tiny_config, vision_value
 from engine.tiny.tokenizer import write_tokenizer
 from ops.bench_engine import slice_text_config
 
@@ -55,10 +55,13 @@ def text_only_head(value: torch.Tensor) -> torch.Tensor:
     return head
 
 
-def slice_config(fmt: str, layers: int, experts: int) -> dict:
-    """config.json: the release's text config cut to `layers` MoE layers of `experts` routed experts."""
+def slice_config(fmt: str, layers: int, experts: int, vision: bool = False) -> dict:
+    """config.json: the release's text config cut to `layers` MoE layers of `experts` routed experts; with
+    `vision`, the release's vision tower (its image tokens the tiny tokenizer's)."""
     text = {**slice_text_config(layers), "model_type": "glm5_next_text", "n_routed_experts": experts}
     config = {"model_type": "glm5_next", "architectures": ["Glm5NextForConditionalGeneration"], "text_config": text}
+    if vision:
+        config.update(vision_config={"model_type": "glm5_next_vision"}, **IMAGE_TOKEN_IDS)
     quantization = tiny_config(fmt).get("quantization_config")
     return {**config, "quantization_config": quantization} if quantization else config
 
@@ -83,13 +86,14 @@ def plan_slice(target_bytes: int, fmt: str, layers: int | None = None) -> tuple[
 
 
 def write_slice_snapshot(out_dir: Path, gib: float, fmt: str = "nvfp4-ct", shard_gib: float = 4.0,
-                         seed: int = 0, layers: int | None = None) -> tuple[Path, int]:
-    """Write the slice into out_dir; returns (out_dir, bytes of its shards)."""
+                         seed: int = 0, layers: int | None = None, vision: bool = False) -> tuple[Path, int]:
+    """Write the slice into out_dir; returns (out_dir, bytes of its shards). `vision` adds the release's tower
+    (1.1 GB in BF16) beyond `gib`, which sizes the text model."""
     layers, experts = plan_slice(int(gib * 2**30), fmt, layers)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     tok = write_tokenizer(out)
-    config = slice_config(fmt, layers, experts)
+    config = slice_config(fmt, layers, experts, vision)
     config["text_config"].update(eos_token_id=tok.eos_token_ids, pad_token_id=tok.pad_token_id)
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     generation = {"eos_token_id": tok.eos_token_ids, "pad_token_id": tok.pad_token_id}
@@ -102,7 +106,7 @@ def write_slice_snapshot(out_dir: Path, gib: float, fmt: str = "nvfp4-ct", shard
     weight_map: dict[str, str] = {}
     size = total = 0
     shared: dict[tuple[str, str], tuple[str, dict[str, torch.Tensor]]] = {}
-    for spec in text_specs(cfg):
+    for spec in [*text_specs(cfg), *vision_specs(cfg)]:
         expert = EXPERT_KEY.match(spec.name)
         if expert:  # one quantized matrix per layer and projection, a copy of it per expert
             slot = (expert.group(1), expert.group(3))
@@ -111,7 +115,7 @@ def write_slice_snapshot(out_dir: Path, gib: float, fmt: str = "nvfp4-ct", shard
             first, entries = shared[slot]
             entries = {key.replace(first, spec.name): t.clone() for key, t in entries.items()}
         else:
-            value = init_value(spec, generator)
+            value = vision_value(spec, generator) if spec.name.startswith("visual.") else init_value(spec, generator)
             entries = encode(spec, text_only_head(value) if spec.name == "lm_head" else value, fmt, cfg)
         nbytes = sum(t.numel() * t.element_size() for t in entries.values())
         if shard and size + nbytes > shard_bytes:
@@ -144,8 +148,10 @@ def main() -> None:
     parser.add_argument("--shard-gib", type=float, default=4.0)
     parser.add_argument("--layers", type=int, help="MoE layers (default: full layers of 288 experts as the size "
                         "allows); with it, the routed experts per layer are what the size allows")
+    parser.add_argument("--vision", action="store_true", help="with the release's vision tower (image requests)")
     args = parser.parse_args()
-    out, total = write_slice_snapshot(args.out_dir, args.gib, args.format, args.shard_gib, layers=args.layers)
+    out, total = write_slice_snapshot(args.out_dir, args.gib, args.format, args.shard_gib, layers=args.layers,
+                                      vision=args.vision)
     cfg = ModelConfig.from_dir(out)
     print(f"snapshot={out} bytes={total} layers={cfg.num_layers} experts={cfg.n_routed_experts} "
           f"format={args.format}", flush=True)

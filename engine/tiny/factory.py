@@ -91,6 +91,11 @@ TEXT_CONFIG: dict[str, Any] = {
 }
 
 
+# The tiny tokenizer's image and video markers (engine/tiny/tokenizer.py), as config.json's top-level fields.
+IMAGE_TOKEN_IDS = {"image_token_id": 270, "video_token_id": 271, "image_start_token_id": 266,
+                   "image_end_token_id": 267, "video_start_token_id": 268, "video_end_token_id": 269}
+
+
 def tiny_config(fmt: str = "bf16", **text_overrides: Any) -> dict[str, Any]:
     """config.json contents: the official nested form, with the format's quantization_config."""
     if fmt not in FORMATS:
@@ -100,9 +105,7 @@ def tiny_config(fmt: str = "bf16", **text_overrides: Any) -> dict[str, Any]:
         "architectures": ["Glm5NextForConditionalGeneration"],
         "tie_word_embeddings": False,
         "text_config": {**TEXT_CONFIG, **text_overrides},
-        # The tiny tokenizer's image and video markers (engine/tiny/tokenizer.py).
-        "image_token_id": 270, "video_token_id": 271, "image_start_token_id": 266, "image_end_token_id": 267,
-        "video_start_token_id": 268, "video_end_token_id": 269,
+        **IMAGE_TOKEN_IDS,
         # A small vision tower (2 blocks of width 32), written after the text model's tensors.
         "vision_config": {"model_type": "glm5_next_vision", "depth": 2, "hidden_size": 32, "num_heads": 2,
                           "intermediate_size": 64, "out_hidden_size": TEXT_CONFIG["hidden_size"],

@@ -37,7 +37,7 @@ def test_tiny_run_reports_every_case(tmp_path, capsys):
         assert case["roofline_ms"] == pytest.approx(flops / (result["peak_tflops"] * 1e12) * 1e3)
         assert case["ratio"] == pytest.approx(case["roofline_ms"] / case["ms"])
     lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("event=vision_tower")]
-    assert len(lines) == 2 and "size=56x84 batch=2 grid=1x10x8 patches=160 tokens=40 " in lines[1]
+    assert len(lines) == 2 and "size=56x84 batch=2 attention=default grid=1x10x8 patches=160 tokens=40 " in lines[1]
 
 
 def test_flop_count_matches_the_forwards_matmuls(monkeypatch):

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
-from engine.checkpoint.layout import text_specs
+from engine.checkpoint.layout import text_specs, vision_specs
 from engine.config import ModelConfig
 from engine.tiny.factory import encode, init_value
 from engine.tiny.tokenizer import build_tokenizer
@@ -56,3 +58,14 @@ def test_greedy_tokens_of_the_head_decode_to_text():
     hidden = torch.randn(256, 64, generator=generator)
     text = build_tokenizer().decode((hidden @ head.T).argmax(-1).tolist())
     assert len(text) == 256 and text.isascii() and text.isprintable()
+
+
+def test_a_slice_with_the_vision_tower_has_the_release_tower_and_the_tiny_tokenizer_image_token():
+    cfg = ModelConfig.from_dict(slice_config("nvfp4-ct", 2, MIN_EXPERTS, vision=True))
+    assert (cfg.vision.depth, cfg.vision.hidden_size, cfg.vision.out_hidden_size) == (24, 1024, 4096)
+    tokenizer = build_tokenizer()
+    assert tokenizer.token_to_id("<|image|>") == cfg.vision.image_token_id
+    assert tokenizer.token_to_id("<|begin_of_video|>") == cfg.vision.video_start_token_id
+    tower_bytes = sum(2 * math.prod(s.shape) for s in vision_specs(cfg))  # BF16
+    assert 1.0e9 < tower_bytes < 1.2e9
+    assert ModelConfig.from_dict(slice_config("nvfp4-ct", 2, MIN_EXPERTS)).vision is None
