@@ -24,6 +24,10 @@ Before rendering, messages are normalised the way vLLM does for GLM:
   concatenated with no separator, which is how GLM's own templates render a
   parts list, so the prompt equals the one the template makes from the list;
   vLLM's "string" content format would join them with ``"\\n"``);
+* a ``content`` list with images stays a list of ``{"type": "text", "text"}``
+  and ``{"type": "image"}`` parts in order (vLLM's "openai" content format, as
+  HF processors and GLM-4.xV templates expect): the template writes one image
+  placeholder per image, which the server then expands to the image's tokens;
 * an assistant tool call's ``function.arguments`` JSON string is decoded into a
   dict (GLM templates iterate over ``arguments.items()``); an empty/None value
   becomes ``{}``.
@@ -179,17 +183,24 @@ def _plain(value: Any) -> Any:
     return f"<{type(value).__name__}>"
 
 
-def _content_text(content: list[Any], where: str) -> str:
-    pieces = []
+def _content(content: list[Any], where: str) -> str | list[dict[str, Any]]:
+    """Text parts joined into one string; with images, ``text`` and ``image`` parts in order."""
+    parts: list[dict[str, Any]] = []
     for i, part in enumerate(content):
         if isinstance(part, str):
-            pieces.append(part)
+            parts.append({"type": "text", "text": part})
         elif isinstance(part, Mapping) and part.get("type", "text") == "text" and isinstance(part.get("text"), str):
-            pieces.append(part["text"])
+            parts.append({"type": "text", "text": part["text"]})
+        elif isinstance(part, Mapping) and part.get("type") in ("image_url", "image"):
+            # What HF's and GLM-4.xV's templates test for; the image itself goes to the engine, not the template.
+            parts.append({"type": "image"})
         else:
             kind = part.get("type") if isinstance(part, Mapping) else type(part).__name__
-            raise TemplateError(f"{where}.content[{i}]: unsupported content part {kind!r}; only text is supported")
-    return "".join(pieces)
+            raise TemplateError(f"{where}.content[{i}]: unsupported content part {kind!r}; only text and images "
+                                "are supported")
+    if any(part["type"] == "image" for part in parts):
+        return parts
+    return "".join(part["text"] for part in parts)
 
 
 def _decode_arguments(arguments: Any, where: str) -> Any:
@@ -216,7 +227,7 @@ def normalize_messages(messages: Any) -> list[dict[str, Any]]:
         message = {k: v for k, v in message.items() if v is not None}
         content = message.get("content")
         if isinstance(content, list):
-            message["content"] = _content_text(content, where)
+            message["content"] = _content(content, where)
         reasoning = next((message[k] for k in _REASONING_FIELDS if message.get(k) is not None), None)
         if reasoning is not None:  # transformers' _alias_reasoning_fields
             message = {"thinking": reasoning, **message, "reasoning_content": reasoning}

@@ -30,7 +30,7 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from typing import Annotated, Any, ClassVar, Literal, NamedTuple, TypeVar, Union
+from typing import Annotated, Any, ClassVar, Literal, NamedTuple, TypeVar, Union, get_args
 
 from pydantic import (
     BaseModel,
@@ -58,6 +58,8 @@ __all__ = [
     "parse_request",
     # request pieces
     "TextContentPart",
+    "ImageURL",
+    "ImageContentPart",
     "ChatMessageFunction",
     "ChatMessageToolCall",
     "ChatMessage",
@@ -301,26 +303,53 @@ class TextContentPart(_RequestModel):
     text: str
 
 
+ImageDetail = Literal["auto", "low", "high"]
+
+
+class ImageURL(_RequestModel):
+    url: str  # a data: URL (base64) or an http(s) URL
+    # OpenAI's resolution hint; accepted and ignored: the image processor's token budget decides the resolution.
+    detail: ImageDetail | None = None
+
+
+class ImageContentPart(_RequestModel):
+    type: Literal["image_url"] = "image_url"
+    image_url: ImageURL
+
+
+ContentPart = Annotated[Union[TextContentPart, ImageContentPart], Field(discriminator="type")]
+
+
 def _check_content(value: Any) -> Any:
-    """``content``: a string, or a list of ``{"type": "text", "text": ...}`` parts."""
+    """``content``: a string, or a list of text and image parts (checked here, so errors name the part)."""
     if value is None or isinstance(value, str):
         return value
     if not isinstance(value, list):
         raise _invalid("content must be a string or a list of content parts", code="invalid_type")
     for i, part in enumerate(value):
-        if isinstance(part, TextContentPart):
+        if isinstance(part, (TextContentPart, ImageContentPart)):
             continue
         if not isinstance(part, dict):
             raise _invalid("each content part must be an object", f"[{i}]", code="invalid_type")
         kind = part.get("type")
-        if kind != "text":
-            raise _invalid(
-                f"content part type {_short_repr(kind)} is not supported; only 'text' parts are accepted",
-                f"[{i}].type",
-            )
-        if not isinstance(part.get("text"), str):
-            raise _invalid("a text content part needs a string 'text'", f"[{i}].text", code="invalid_type")
+        if kind == "text":
+            if not isinstance(part.get("text"), str):
+                raise _invalid("a text content part needs a string 'text'", f"[{i}].text", code="invalid_type")
+        elif kind == "image_url":
+            _check_image_url(part.get("image_url"), f"[{i}].image_url")
+        else:
+            raise _invalid(f"content part type {_short_repr(kind)} is not supported; 'text' and 'image_url' parts "
+                           "are accepted", f"[{i}].type")
     return value
+
+
+def _check_image_url(value: Any, field: str) -> None:
+    if isinstance(value, ImageURL):
+        return
+    if not isinstance(value, dict) or not isinstance(value.get("url"), str):
+        raise _invalid('an image_url content part needs "image_url": {"url": "..."}', field, code="invalid_type")
+    if value.get("detail") is not None and value["detail"] not in get_args(ImageDetail):
+        raise _invalid(f"detail must be one of {', '.join(map(repr, get_args(ImageDetail)))}", f"{field}.detail")
 
 
 class ChatMessageFunction(_RequestModel):
@@ -363,7 +392,7 @@ class ChatMessage(_RequestModel):
     """One message of ``messages`` (system, developer, user, assistant or tool)."""
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: Union[str, list[TextContentPart], None] = None
+    content: Union[str, list[ContentPart], None] = None
     name: str | None = None
     # assistant
     tool_calls: list[ChatMessageToolCall] | None = None
@@ -394,13 +423,18 @@ class ChatMessage(_RequestModel):
             raise _invalid("a tool message needs 'tool_call_id'", "tool_call_id", code="missing_required_parameter")
         if self.tool_calls and self.role != "assistant":
             raise _invalid("only assistant messages may carry 'tool_calls'", "tool_calls")
+        if self.role != "user" and isinstance(self.content, list):  # as in OpenAI's API: other roles send text
+            for i, part in enumerate(self.content):
+                if isinstance(part, ImageContentPart):
+                    raise _invalid(f"image parts are only accepted in user messages, not in a {self.role} message",
+                                   f"content[{i}]")
         return self
 
     def text(self) -> str | None:
-        """``content`` as plain text (text parts concatenated)."""
+        """``content`` as plain text (text parts concatenated, images left out)."""
         if self.content is None or isinstance(self.content, str):
             return self.content
-        return "".join(part.text for part in self.content)
+        return "".join(part.text for part in self.content if isinstance(part, TextContentPart))
 
 
 class FunctionDefinition(_RequestModel):
@@ -1077,6 +1111,7 @@ class ModelCard(_ResponseModel):
     owned_by: str = "glmflash"
     root: str | None = None
     max_model_len: int | None = None
+    input_modalities: list[str] | None = None  # ["text"], or ["text", "image"] where chat takes images
 
 
 class ModelList(_ResponseModel):

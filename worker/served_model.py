@@ -1,4 +1,5 @@
-"""What the HTTP side needs of a loaded model: the async engine, its tokenizer, chat template and limits."""
+"""What the HTTP side needs of a loaded model: the async engine, its tokenizer, chat template, limits and, with a
+vision tower, how images enter its prompts."""
 
 from __future__ import annotations
 
@@ -10,10 +11,13 @@ from pathlib import Path
 from tokenizers import Tokenizer
 
 from engine.async_engine import AsyncEngine
+from engine.config import VisionConfig
 from engine.loading import ExpertAvailability
 from engine.engine_core import EngineCore
 from engine.sampler import LogitsProcessor
 from engine.sampling_params import SamplingParams
+from engine.vision.placement import PlacedImage, place_images
+from engine.vision.preprocess import ImageProcessorConfig, ProcessedImage
 from engine.warm_up import calibrate_routing
 from worker.chat_template import ChatTemplate
 from worker.engine_options import engine_options
@@ -33,6 +37,24 @@ class ServedModel:
     vocab_size: int
     logits_processors: tuple[LogitsProcessor, ...] = ()
     experts: ExpertAvailability | None = None  # ready_at=partial: the expert fill, whose share /ready shows
+    # With a vision tower and images on: the image processor (with the server's limits) and the image token ids.
+    image_config: ImageProcessorConfig | None = None
+    vision: VisionConfig | None = None
+
+    @property
+    def accepts_images(self) -> bool:
+        """Chat requests may carry images: the model has a vision tower and the server has images on."""
+        return self.image_config is not None
+
+    @property
+    def input_modalities(self) -> list[str]:
+        return ["text", "image"] if self.accepts_images else ["text"]
+
+    def place_images(self, ids: list[int], images: list[ProcessedImage]) -> tuple[list[int], tuple[PlacedImage, ...]]:
+        """The prompt with each image's one image token expanded to its run, and where each image sits.
+        ValueError when the prompt's image tokens and the images disagree."""
+        return place_images(ids, images, self.vision.image_token_id, self.vision.video_start_token_id,
+                            self.vision.video_end_token_id)
 
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
         return self.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
@@ -52,8 +74,14 @@ def build_served_model(loaded: LoadedModel, settings: Settings) -> ServedModel:
     if settings.expert_calibration is not None and core.offload is not None:
         _calibrate_routing(core, tokenizer, settings.expert_calibration)
     template = ChatTemplate.from_dir(files) if _has_template(files) else None
+    images = core.accepts_images and settings.max_images_per_request > 0  # what chat requests may send
+    image_config = (ImageProcessorConfig.from_snapshot(files, max_bytes=settings.max_image_bytes,
+                                                       max_pixels=settings.max_image_pixels) if images else None)
+    log.info("event=images accepted=%s vision_tower=%s max_per_request=%d fetch_urls=%s", images,
+             core.accepts_images, settings.max_images_per_request, settings.fetch_image_urls)
     return ServedModel(loaded.name, AsyncEngine(core, tokenizer), tokenizer, template, settings.max_model_len,
-                       loaded.config.vocab_size, experts=loaded.experts)
+                       loaded.config.vocab_size, experts=loaded.experts, image_config=image_config,
+                       vision=loaded.config.vision if images else None)
 
 
 def _calibrate_routing(core: EngineCore, tokenizer: Tokenizer, path: Path) -> None:

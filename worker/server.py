@@ -153,5 +153,6 @@ async def metrics(request: web.Request) -> web.Response:
 async def models(request: web.Request) -> web.Response:
     state: ServerState = request.app[STATE]
     model = state.require_model()
-    card = ModelCard(id=model.name, max_model_len=model.max_model_len, root=model.name)
+    card = ModelCard(id=model.name, max_model_len=model.max_model_len, root=model.name,
+                     input_modalities=model.input_modalities)
     return web.json_response(text=ModelList(data=[card]).model_dump_json())

@@ -17,6 +17,7 @@ from engine.sequence import TokenLogprobs
 from engine.sampling_params import SamplingParams
 from engine.scheduler import QueueFull
 from engine.structured import GrammarError, GrammarSpec, Reasoning
+from engine.vision.placement import PlacedImage
 from worker.metrics import Metrics
 from worker.protocol import ProtocolError, _SamplingRequest, error_body, parse_request
 from worker.served_model import ServedModel
@@ -99,9 +100,11 @@ def check_token_ids(ids: list[int], model: ServedModel, param: str) -> None:
         raise ProtocolError(f"token id {bad[0]} is outside the vocabulary (size {model.vocab_size})", param=param)
 
 
-async def open_streams(model: ServedModel, prompts: list[list[int]], params: SamplingParams,
-                       n: int, grammar_param: str | None = None) -> list[AsyncIterator[GenerationDelta]]:
+async def open_streams(model: ServedModel, prompts: list[list[int]], params: SamplingParams, n: int,
+                       grammar_param: str | None = None,
+                       images: tuple[PlacedImage, ...] = ()) -> list[AsyncIterator[GenerationDelta]]:
     """One engine request per (prompt, sample); seeds differ per sample so n > 1 gives n different answers.
+    `images`: where a single prompt's images sit (chat).
 
     All or nothing: if the queue is full for any of them, the ones already queued are aborted. A grammar
     that does not compile is a 400 naming `grammar_param`, the field it came from.
@@ -111,7 +114,8 @@ async def open_streams(model: ServedModel, prompts: list[list[int]], params: Sam
         for ids in prompts:
             for i in range(n):
                 seed = None if params.seed is None else params.seed + i
-                streams.append(await model.engine.generate(ids, dataclasses.replace(params, seed=seed)))
+                sample = dataclasses.replace(params, seed=seed)
+                streams.append(await model.engine.generate(ids, sample, images=images))
     except QueueFull as exc:
         await close_streams(streams)
         raise ProtocolError("The server is at capacity; retry shortly.", status=429, code="queue_full") from exc

@@ -1,13 +1,17 @@
-"""POST /v1/chat/completions: chat template in, reasoning / content / tool calls out, streamed or whole."""
+"""POST /v1/chat/completions: chat template (and images) in, reasoning / content / tool calls out, streamed or
+whole."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import AsyncIterator
 
 from aiohttp import web
 
 from engine.async_engine import GenerationDelta
+from engine.vision.placement import PlacedImage
 from worker.chat_template import RenderedPrompt, TemplateError
+from worker.images import check_images, image_refs, load_images
 from worker.parsers import (
     REASONING_PARSERS, TOOL_PARSERS, GlmReasoningParser, GlmToolParser, ReasoningDelta, ToolStreamDelta,
 )
@@ -18,6 +22,7 @@ from worker.protocol import (
     random_id,
 )
 from worker.served_model import ServedModel
+from worker.settings import Settings
 from worker.structured import output_grammar, reasoning_limit, tool_call_grammar
 from worker.serving import (
     STATE, Timing, cached_prompt_tokens, check_model, close_streams, collect, completion_budget, merged, open_streams,
@@ -93,16 +98,56 @@ def render_chat(body: ChatCompletionRequest, model: ServedModel,
         raise ProtocolError(f"chat template error: {exc}", param="messages") from exc
 
 
+@dataclass(frozen=True)
+class ChatPrompt:
+    """A rendered chat request as the engine takes it: each image's run of image tokens in `ids`."""
+
+    text: RenderedPrompt
+    ids: list[int]
+    images: tuple[PlacedImage, ...] = ()
+
+
+async def chat_prompt(body: ChatCompletionRequest, model: ServedModel, settings: Settings,
+                      add_generation_prompt: bool = True, add_special_tokens: bool = False) -> ChatPrompt:
+    """Render and encode the messages, then read the images and expand each one's image token (also what
+    /tokenize counts). Images the server refuses outright are refused before anything is rendered or fetched."""
+    refs = image_refs(body)
+    check_images(refs, model, settings)
+    text = render_chat(body, model, add_generation_prompt)
+    ids = model.encode(text, add_special_tokens=add_special_tokens)
+    if not refs:
+        return ChatPrompt(text, ids)
+    images = await load_images(refs, model.image_config, settings)
+    try:
+        ids, placed = model.place_images(ids, images)
+    except ValueError as exc:  # a template that drops image parts, or image tokens written as text
+        raise ProtocolError(f"the chat template's image placeholders do not match the images: {exc}",
+                            param="messages", code="invalid_image") from exc
+    return ChatPrompt(text, ids, placed)
+
+
+def check_image_context(prompt: ChatPrompt, model: ServedModel) -> None:
+    """Images can push a text that fits past the context: say so, with the counts (a text that does not fit
+    gets completion_budget's answer)."""
+    image_tokens = sum(placed.image.num_tokens for placed in prompt.images)
+    if image_tokens and len(prompt.ids) - image_tokens < model.max_model_len <= len(prompt.ids):
+        raise ProtocolError(f"The images do not fit the context: the prompt is {len(prompt.ids)} tokens, "
+                            f"{image_tokens} of them for {len(prompt.images)} image(s), and this model's context "
+                            f"limit is {model.max_model_len} tokens.", param="messages",
+                            code="context_length_exceeded")
+
+
 async def chat_completions(request: web.Request) -> web.StreamResponse:
     state = request.app[STATE]
     model: ServedModel = state.require_model()
     body = await read_request(request, ChatCompletionRequest)
     check_model(body.model, model)
-    prompt = render_chat(body, model)
-    ids = model.encode(prompt)
+    settings = state.settings
+    chat = await chat_prompt(body, model, settings)
+    check_image_context(chat, model)
+    prompt, ids = chat.text, chat.ids
     max_tokens = completion_budget(model, len(ids), body.effective_max_tokens, None, "messages")
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
-    settings = state.settings
     grammar, grammar_param = output_grammar(body) or tool_call_grammar(body, model) or (None, None)
     if grammar_param == "tools" and not settings.tool_call_parser:
         raise ProtocolError("tool_choice 'required' or a named function needs a tool-call parser, and this server "
@@ -112,7 +157,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     parsers = [make_parser(body, model, prompt.ends_in_reasoning, settings.reasoning_parser,
                            settings.tool_call_parser) for _ in range(body.n)]
     timing = Timing(state.metrics)
-    streams = await open_streams(model, [ids], params, body.n, grammar_param)
+    streams = await open_streams(model, [ids], params, body.n, grammar_param, chat.images)
     try:  # whatever happens before the streams are read (client gone, cancelled), they are aborted
         if body.stream:
             return await _stream(request, body, model, parsers, streams, len(ids), timing)

@@ -10,19 +10,20 @@ from worker.protocol import (
 )
 from worker.served_model import ServedModel
 from worker.serving import STATE, check_model, check_token_ids, read_payload
-from worker.serving_chat import render_chat
+from worker.serving_chat import chat_prompt
 
 
 async def tokenize(request: web.Request) -> web.Response:
-    model: ServedModel = request.app[STATE].require_model()
+    state = request.app[STATE]
+    model: ServedModel = state.require_model()
     payload = await read_payload(request)
     body = parse_request(TokenizeRequest, payload)
     check_model(body.model, model)
-    if body.messages is not None:  # the chat completion's rendering, from the same fields
-        text = render_chat(parse_request(ChatCompletionRequest, payload), model, body.add_generation_prompt)
+    if body.messages is not None:  # the chat completion's prompt, from the same fields, images expanded
+        chat = parse_request(ChatCompletionRequest, payload)
+        ids = (await chat_prompt(chat, model, state.settings, body.add_generation_prompt, body.add_special_tokens)).ids
     else:
-        text = body.prompt
-    ids = model.encode(text, add_special_tokens=body.add_special_tokens)
+        ids = model.encode(body.prompt, add_special_tokens=body.add_special_tokens)
     strs = [model.tokenizer.id_to_token(i) for i in ids] if body.return_token_strs else None
     return web.json_response(TokenizeResponse(count=len(ids), max_model_len=model.max_model_len, tokens=ids,
                                               token_strs=strs).model_dump())

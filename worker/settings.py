@@ -84,6 +84,21 @@ class Settings(BaseSettings):
     reasoning_parser: str = Field("glm45", validation_alias=_env("REASONING_PARSER"))
     log_level: str = Field("INFO", validation_alias=_env("LOG_LEVEL"))
 
+    # Images (chat `image_url` parts; a checkpoint without a vision tower answers them with 400)
+    max_images_per_request: int = Field(16, ge=0, validation_alias=_env("MAX_IMAGES_PER_REQUEST"),
+                                        description="Images one chat request may carry; 0 turns images off")
+    max_image_bytes: int = Field(20 << 20, ge=1, validation_alias=_env("MAX_IMAGE_BYTES"),
+                                 description="Largest encoded image (a data: URL's decoded bytes or a fetched "
+                                             "body, which stops being read past it)")
+    max_image_pixels: int = Field(50_000_000, ge=1, validation_alias=_env("MAX_IMAGE_PIXELS"),
+                                  description="Largest image, width x height, checked from its header before it "
+                                              "is decoded")
+    fetch_image_urls: bool = Field(True, validation_alias=_env("FETCH_IMAGE_URLS"),
+                                   description="Fetch http(s) image URLs; off, only data: URLs are accepted (the "
+                                               "server then makes no requests on a client's behalf)")
+    image_fetch_timeout_s: float = Field(10.0, gt=0, validation_alias=_env("IMAGE_FETCH_TIMEOUT_S"),
+                                         description="Time to fetch one image URL, connection to last byte")
+
     # Provisioning
     model_revision: str | None = Field(None, validation_alias=_env("MODEL_REVISION", "MODEL_REVISION"),
                                        description="Pinned Hugging Face revision (a commit hash; default: main)")

@@ -201,6 +201,15 @@ CASES = {
     "unicode_and_markup": dict(
         messages=[{"role": "user", "content": "Ünïcødé ✓ <b>tags</b> {{ not jinja }} 中文"}],
     ),
+    "images": dict(
+        messages=[
+            {"role": "system", "content": [{"type": "image"}, {"type": "text", "text": "Describe images."}]},
+            {"role": "user", "content": [{"type": "text", "text": "Compare "}, {"type": "image"},
+                                         {"type": "text", "text": " and "}, {"type": "image"}]},
+            {"role": "assistant", "content": "They differ."},
+            {"role": "user", "content": [{"type": "image"}]},
+        ],
+    ),
 }
 
 
@@ -270,9 +279,22 @@ def test_bad_tool_arguments_are_template_errors(template):
         template.render([{"role": "user", "content": "Q"}, _assistant_call('"just text"')])
 
 
+def test_image_parts_render_as_glm_image_placeholders(template):
+    parts = [{"type": "text", "text": "Compare "},
+             {"type": "image_url", "image_url": {"url": "data:image/png;base64,AA"}},
+             {"type": "text", "text": " and "},
+             {"type": "image_url", "image_url": {"url": "https://example.com/b.png", "detail": "high"}}]
+    image = "<|begin_of_image|><|image|><|end_of_image|>"
+    prompt = template.render([{"role": "user", "content": parts}])
+    assert prompt == f"[gMASK]<sop><|user|>Compare {image} and {image}<|assistant|><think>"
+    # What the template sees: the same parts, each image as {"type": "image"} (its URL is not the template's)
+    seen = normalize_messages([{"role": "user", "content": parts}])
+    assert seen[0]["content"][1] == {"type": "image"} and template.render(seen) == prompt
+
+
 def test_non_text_content_part_rejected(template):
-    with pytest.raises(TemplateError, match="image_url"):
-        template.render([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}])
+    with pytest.raises(TemplateError, match="input_audio"):
+        template.render([{"role": "user", "content": [{"type": "input_audio", "input_audio": {"data": "x"}}]}])
 
 
 def test_reserved_kwargs_rejected(template):
@@ -298,6 +320,9 @@ def test_normalize_messages():
     assert out[1]["tool_calls"][0]["function"]["arguments"] == {"x": 1}
     assert out[1]["reasoning_content"] == "t" and out[1]["thinking"] == "t"
     assert messages[1]["tool_calls"][0]["function"]["arguments"] == '{"x": 1}'
+    with_image = [{"role": "user", "content": ["a", {"type": "image_url", "image_url": {"url": "data:,"}}, "b"]}]
+    assert normalize_messages(with_image)[0]["content"] == [
+        {"type": "text", "text": "a"}, {"type": "image"}, {"type": "text", "text": "b"}]
 
 
 def test_jinja_file_takes_precedence(tmp_path):

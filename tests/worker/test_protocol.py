@@ -148,6 +148,19 @@ def test_explicit_nulls_mean_defaults():
     assert req.n == 1 and req.stream is False and req.logprobs is False
 
 
+def test_image_parts_in_user_messages():
+    parts = [{"type": "text", "text": "What is "},
+             {"type": "image_url", "image_url": {"url": "data:image/png;base64,AA"}},
+             {"type": "text", "text": "?"},
+             {"type": "image_url", "image_url": {"url": "https://x/b.png", "detail": "low"}}]
+    req = parse_request(ChatCompletionRequest, chat(messages=[{"role": "user", "content": parts}]))
+    assert req.messages[0].text() == "What is ?"
+    assert [p.image_url.url for p in req.messages[0].content if p.type == "image_url"] == [
+        "data:image/png;base64,AA", "https://x/b.png"]
+    assert req.template_messages()[0]["content"][3] == {"type": "image_url",
+                                                         "image_url": {"url": "https://x/b.png", "detail": "low"}}
+
+
 def test_max_tokens_alone_and_stop_string():
     req = parse_request(ChatCompletionRequest, chat(max_tokens=7, stop="###"))
     assert req.effective_max_tokens == 7
@@ -202,8 +215,14 @@ CHAT_ERRORS = [
     (chat(messages=[{"role": "robot", "content": "hi"}]), "messages[0].role", "invalid_value"),
     (chat(messages=[{"role": "user"}]), "messages[0].content", "missing_required_parameter"),
     (chat(messages=[{"role": "user", "content": 5}]), "messages[0].content", "invalid_type"),
-    (chat(messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]),
+    (chat(messages=[{"role": "user", "content": [{"type": "input_audio", "input_audio": {"data": "x"}}]}]),
      "messages[0].content[0].type", "invalid_value"),
+    (chat(messages=[{"role": "user", "content": [{"type": "image_url", "image_url": "https://x/a.png"}]}]),
+     "messages[0].content[0].image_url", "invalid_type"),
+    (chat(messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x", "detail": "max"}}]}]),
+     "messages[0].content[0].image_url.detail", "invalid_value"),
+    (chat(messages=[{"role": "system", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]),
+     "messages[0].content[0]", "invalid_value"),
     (chat(messages=[{"role": "user", "content": [{"type": "text"}]}]), "messages[0].content[0].text", "invalid_type"),
     (chat(messages=[{"role": "user", "content": ["bare"]}]), "messages[0].content[0]", "invalid_type"),
     (chat(messages=[MSGS[0], {"role": "tool", "content": "r"}]), "messages[1].tool_call_id",

@@ -144,6 +144,9 @@ def test_workload_is_prompt_tokens_plus_max_tokens():
     assert workload_of(chat) == 3 + 50  # "user" + "hi there" = 12 chars; max_completion_tokens wins
     parts = {"messages": [{"role": "user", "content": [{"type": "text", "text": "x" * 40}]}]}
     assert workload_of(parts, default_max_tokens=300) == 12 + 300  # chat without max_tokens
+    image = {"type": "image_url", "image_url": {"url": "data:image/png;base64," + "A" * 4000}}
+    parts["messages"][0]["content"].append(image)
+    assert workload_of(parts, default_max_tokens=300) == 12 + 300  # an image's URL is not priced as text
     assert workload_of({"prompt": "x" * 40, "max_tokens": 5}, count_tokens=lambda s: 3) == 8
     assert workload_of({"foo": 1}) == workload_of("nonsense") == 100.0  # the framework's fallback
     body = benchmark_payload(0)

@@ -16,10 +16,14 @@ def _text_units(text: str, count_tokens: Callable[[str], int] | None) -> int:
 
 
 def _strings(value: Any) -> list[str]:
-    """Every string leaf of a JSON value (message contents, text parts, tool-call names and arguments)."""
+    """Every string leaf of a JSON value (message contents, text parts, tool-call names and arguments); an image
+    part's URL is no text (a base64 image would price as a huge prompt), and its tokens are known only once
+    decoded, so it is left out."""
     if isinstance(value, str):
         return [value]
     if isinstance(value, dict):
+        if value.get("type") == "image_url":
+            return []
         return [s for v in value.values() for s in _strings(v)]
     if isinstance(value, list):
         return [s for v in value for s in _strings(v)]
@@ -40,7 +44,7 @@ def workload_of(body: Any, *, default_max_tokens: int = 256,
 
     * prompt tokens: exact for token-id prompts; for text, `count_tokens(text)` when given, else
       ceil(chars / 4) (a body is priced before it is tokenized). Chat counts the text of every message (string
-      content, text parts, tool-call names and arguments) plus the JSON of `tools`.
+      content, text parts, tool-call names and arguments) plus the JSON of `tools`; images are not priced.
     * max_tokens: `max_completion_tokens`, else `max_tokens`, else 16 for /v1/completions (OpenAI's default, and
       the server's) or `default_max_tokens` for chat (whose real cap is the rest of the context).
 
