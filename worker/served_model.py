@@ -8,6 +8,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from PIL import Image
 from tokenizers import Tokenizer
 
 from engine.async_engine import AsyncEngine
@@ -17,7 +18,7 @@ from engine.engine_core import EngineCore
 from engine.sampler import LogitsProcessor
 from engine.sampling_params import SamplingParams
 from engine.vision.placement import PlacedImage, place_images
-from engine.vision.preprocess import ImageProcessorConfig, ProcessedImage
+from engine.vision.preprocess import ImageProcessorConfig, ProcessedImage, preprocess
 from engine.warm_up import calibrate_routing
 from worker.chat_template import ChatTemplate
 from worker.engine_options import engine_options
@@ -102,7 +103,13 @@ def _has_template(snapshot: Path) -> bool:
 
 
 async def warm_up(model: ServedModel) -> None:
-    """One short request through the whole path, so the first user request meets warm kernels."""
-    stream = await model.engine.generate(model.encode("warm up"), SamplingParams(max_tokens=2, temperature=0.0))
+    """One short request through the whole path, so the first user request meets warm kernels; with images on,
+    a small image in it (the tower's first call sets up its kernels)."""
+    ids, placed = model.encode("warm up"), ()
+    image = preprocess(Image.new("RGB", (112, 112), (128, 128, 128)), model.image_config) \
+        if model.accepts_images else None
+    if image is not None and len(ids) + image.num_tokens + 2 <= model.max_model_len:  # room in a small context
+        ids, placed = model.place_images(ids + [model.vision.image_token_id], [image])
+    stream = await model.engine.generate(ids, SamplingParams(max_tokens=2, temperature=0.0), images=placed)
     async for _ in stream:
         pass

@@ -94,6 +94,8 @@ def decode_image(data: bytes, config: ImageProcessorConfig) -> Image.Image:
         image = Image.open(io.BytesIO(data), formats=FORMATS)
     except UnidentifiedImageError:
         raise ImageError(f"cannot decode image: not one of {', '.join(FORMATS)}") from None
+    except Image.DecompressionBombError as error:  # Pillow's own pixel ceiling, where it is below ours
+        raise ImageError(f"image is over the pixel limit: {error}") from None
     except (OSError, ValueError, SyntaxError) as error:  # a header cut short
         raise ImageError(f"cannot decode image: {error}") from None
     width, height = image.size
