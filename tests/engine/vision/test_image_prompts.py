@@ -1,5 +1,6 @@
 """Image prompts through the whole engine against transformers' Glm5NextForConditionalGeneration (pixel values
-in, the tower's output at the image tokens): logits and greedy tokens in float32, the bf16 loss within what
+in, the tower's output at the image tokens): logits in float32 for every release format (the tower is BF16 in
+each), greedy tokens, the bf16 loss within what
 bf16 itself loses; an image split across prefill chunks, image and text requests batched together, and the
 prefix cache keyed by image content."""
 
@@ -13,7 +14,7 @@ from engine import LLM, SamplingParams
 from engine.model.vision import VisionTower
 from engine.vision.placement import place_images
 from engine.vision.preprocess import ImageProcessorConfig, ProcessedImage, preprocess
-from tests.engine.conftest import Outputs, random_prompt, reference_outputs
+from tests.engine.conftest import FORMATS, Outputs, random_prompt, reference_outputs
 from tests.engine.test_bf16 import FACTOR, errors
 from tests.engine.test_parity import assert_close
 
@@ -86,9 +87,12 @@ def test_placement_errors_say_what_is_wrong(two_images, prompt_ids):
     assert place_images([268, IMAGE, 269, 5], [], IMAGE, 268, 269) == ([268, IMAGE, 269, 5], ())
 
 
-def test_prompt_logits_match_transformers(fp32, reference, snapshot, two_images, prompt_ids):
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_prompt_logits_match_transformers(fmt, tiny_dir, reference, two_images, prompt_ids):
+    snapshot = tiny_dir(fmt)
     ids = expanded(prompt_ids, two_images)
-    ours = fp32.prompt_logits({"prompt_token_ids": prompt_ids, "multi_modal_data": {"image": two_images}})
+    ours = LLM(snapshot, dtype="float32").prompt_logits({"prompt_token_ids": prompt_ids,
+                                                         "multi_modal_data": {"image": two_images}})
     want = reference_outputs(reference(snapshot), ids, two_images).logits
     assert_close(ours, want)
     # The images matter: the same tokens with the embedding table's image rows differ after the first image.
