@@ -130,6 +130,9 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...] = ()
     quant: QuantConfig = field(default_factory=QuantConfig)
     vision: VisionConfig | None = None  # the multimodal config's tower; None for text-only configs
+    # Multi-token-prediction layers after the decoder layers (indices num_layers..; the release has one): what
+    # the config declares, whether or not the checkpoint stores them (the ModelOpt build does not).
+    num_mtp_layers: int = 0
 
     @property
     def kda_layers(self) -> list[int]:
@@ -249,6 +252,7 @@ def _parse(raw: dict[str, Any], generation: dict[str, Any]) -> ModelConfig:
         quant=_quant(raw.get("quantization_config") or text.get("quantization_config")),
         vision=VisionConfig.from_dict(raw.get("vision_config") if "text_config" in raw else None,
                                       int(get("hidden_size")), raw),
+        num_mtp_layers=int(get("num_nextn_predict_layers", 0)),
     )
 
 

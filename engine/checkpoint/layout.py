@@ -45,6 +45,27 @@ def text_specs(cfg: ModelConfig) -> Iterator[TensorSpec]:
     yield TensorSpec("lm_head", (cfg.vocab_size, d), "linear")
 
 
+def mtp_specs(cfg: ModelConfig) -> Iterator[TensorSpec]:
+    """The multi-token-prediction layers' tensors (indices num_layers..): the next token's embedding and the
+    main model's hidden, each normed, projected together (`eh_proj`), then a DSA block and a MoE block as plain
+    pre-norm residuals (no mHC) and the head's norm (`shared_head.norm`; the head is the model's lm_head)."""
+    d = cfg.hidden_size
+    for i in mtp_layer_indices(cfg):
+        p = f"layers.{i}."
+        yield TensorSpec(f"{p}enorm.weight", (d,), "param")
+        yield TensorSpec(f"{p}hnorm.weight", (d,), "param")
+        yield TensorSpec(f"{p}eh_proj", (d, 2 * d), "linear")
+        yield TensorSpec(f"{p}input_layernorm.weight", (d,), "param")
+        yield TensorSpec(f"{p}post_attention_layernorm.weight", (d,), "param")
+        yield from _dsa_specs(cfg, p + "self_attn.")
+        yield from _moe_specs(cfg, p + "mlp.")
+        yield TensorSpec(f"{p}shared_head.norm.weight", (d,), "param")
+
+
+def mtp_layer_indices(cfg: ModelConfig) -> range:
+    return range(cfg.num_layers, cfg.num_layers + cfg.num_mtp_layers)
+
+
 def checkpoint_key(name: str) -> str:
     """The official key of a layout entry (a linear's, less its format's suffixes)."""
     if name == "lm_head":
@@ -156,19 +177,27 @@ def quantized_in_release(cfg: ModelConfig, spec: TensorSpec) -> bool:
 
     Official FP8: routed and shared experts, dense MLPs and the DSA projections except kv_b.
     NVFP4 (both flavours): routed experts only. Norms, routers, KDA, indexers and lm_head stay BF16.
+    The MTP layer is FP8-block, as in the official release, in every flavour that has one.
     """
     method = cfg.quant.method
     if spec.role != "linear" or method == "none":
         return False
-    if method in ("nvfp4_ct", "nvfp4_modelopt"):
-        return spec.is_expert
     layer = re.match(r"^layers\.(\d+)\.", spec.name)
+    mtp = in_mtp_layer(cfg, spec.name)
+    if method in ("nvfp4_ct", "nvfp4_modelopt") and not mtp:
+        return spec.is_expert
     if layer is None:
         return False
     if ".mlp." in spec.name:
         return True
-    dsa = cfg.layer_kinds[int(layer.group(1))] == "dsa"
+    dsa = mtp or cfg.layer_kinds[int(layer.group(1))] == "dsa"
     return dsa and re.search(r"self_attn\.(q_a_proj|q_b_proj|kv_a_proj_with_mqa|o_proj)$", spec.name) is not None
+
+
+def in_mtp_layer(cfg: ModelConfig, name: str) -> bool:
+    """Whether a layout name is an MTP layer's (a layer index past the decoder layers)."""
+    layer = re.match(r"^layers\.(\d+)\.", name)
+    return layer is not None and int(layer.group(1)) >= cfg.num_layers
 
 
 def stacked_expert_name(layer: int, proj: str) -> str:

@@ -6,7 +6,8 @@ are then read at disk speed (engine.checkpoint.shards: parallel reads into reuse
 buffers) and each weight, once all its parts have arrived, is converted and put in its place by a
 consuming thread while the next chunks are read (GPU memory, or host RAM for routed experts under an expert budget); routed
 experts are copied into per-layer stacks as they arrive, so the host never holds more than the
-staging buffers besides the weights themselves. Vision tower and MTP tensors are skipped unread.
+staging buffers besides the weights themselves. The vision tower is loaded where the checkpoint and its config
+have one; the MTP layer only when asked (`mtp=True`: speculative decoding), else skipped unread.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from typing import Callable, Iterable
 import torch
 
 from engine.checkpoint.layout import (EXPERT_KEY, TEXT_PREFIX, VISION_PREFIX, TensorSpec, checkpoint_key,
-                                     stacked_expert_name, text_specs, vision_specs)
+                                     mtp_layer_indices, mtp_specs, stacked_expert_name, text_specs, vision_specs)
 from engine.checkpoint.availability import ExpertAvailability, ExpertUnit
 from engine.checkpoint.shards import (CheckpointError, Chunk, ReadTiming, StoredTensor, plan_chunks, read_chunk,
                                       read_chunks, read_header, staging_buffer)
@@ -48,7 +49,8 @@ FORMATS: dict[str, frozenset[str]] = {
 }
 IGNORED_SUFFIXES = frozenset({"input_scale", "input_global_scale"})
 LINEAR_SUFFIXES = frozenset().union(*FORMATS.values(), IGNORED_SUFFIXES)
-SKIPPED = re.compile(r"^(model\.vision_tower\.|.*\.shared_head\.|.*hc_head)")
+# The MTP layer's copies of the embedding and the head, where an export stores them: it uses the model's own.
+SKIPPED = re.compile(r"^(model\.vision_tower\.|.*\.shared_head\.head\.|.*layers\.\d+\.embed_tokens\.|.*hc_head)")
 
 
 @dataclass
@@ -97,7 +99,8 @@ def checkpoint_sizes(snapshot: Path, cfg: ModelConfig) -> WeightBytes:
 
 
 def logical_name(key: str, num_layers: int) -> str | None:
-    """The layout name for a checkpoint key, or None for tensors the model does not use."""
+    """The layout name for a checkpoint key, or None for tensors the model does not use (`num_layers`: the
+    layers to load, the MTP layers among them when they are wanted)."""
     if SKIPPED.match(key):
         return None
     if key.startswith(VISION_PREFIX):
@@ -109,19 +112,21 @@ def logical_name(key: str, num_layers: int) -> str | None:
     else:
         name = key
     layer = re.match(r"^layers\.(\d+)\.", name)
-    if layer and int(layer.group(1)) >= num_layers:  # MTP layer(s), loaded by the speculative path later
+    if layer and int(layer.group(1)) >= num_layers:  # MTP layer(s) not asked for
         return None
     return name
 
 
 def load_weights(snapshot: Path | str, cfg: ModelConfig, device: torch.device | str = "cpu",
                  dtype: torch.dtype = torch.bfloat16, expert_slots: int | None = None,
-                 workers: int = 8, progress: Callable[[int, int], None] | None = None) -> LoadedWeights:
+                 workers: int = 8, progress: Callable[[int, int], None] | None = None,
+                 mtp: bool = False) -> LoadedWeights:
     """Load the text model's tensors; see the module docstring for the guarantees. With `expert_slots`
     each MoE layer's first `expert_slots` routed experts go to `device` and the others straight to host
     RAM (pinned when `device` is a GPU): expert stacks are `SplitStack`s. `workers` threads read and as
-    many convert; `progress(done_bytes, total_bytes)` follows the reads."""
-    reader = _Reader(Path(snapshot), cfg, device, dtype, expert_slots)
+    many convert; `progress(done_bytes, total_bytes)` follows the reads. `mtp`: the MTP layers too, where the
+    checkpoint stores them (`layers.{num_layers}.*`, its experts stacked like any MoE layer's)."""
+    reader = _Reader(Path(snapshot), cfg, device, dtype, expert_slots, mtp)
     chunks = plan_chunks(reader.wanted, lambda key: reader.part_of[key][0].spec.name)
     _timed_reads(chunks, reader, workers, progress)
     return reader.assembler.finish()
@@ -168,10 +173,10 @@ class _Reader:
     any thread); shared by the one-pass load and the early-readiness one."""
 
     def __init__(self, snapshot: Path, cfg: ModelConfig, device: torch.device | str, dtype: torch.dtype,
-                 expert_slots: int | None) -> None:
+                 expert_slots: int | None, mtp: bool = False) -> None:
         self.cfg, self.dtype = cfg, dtype
         stored = [t for path in shard_files(snapshot) for t in read_header(path)]
-        self.part_of = _plan(stored, cfg)
+        self.part_of = _plan(stored, cfg, mtp)
         self.assembler = _Assembler(cfg, device, dtype, expert_slots)
         self.wanted = [t for t in stored if t.key in self.part_of]
         self.pin = self.assembler.device.type == "cuda"
@@ -265,17 +270,26 @@ def _owned(weight: Weight | torch.Tensor, staging: torch.Tensor) -> Weight | tor
     return own(weight) if isinstance(weight, torch.Tensor) else map_tensors(weight, own)
 
 
-def _plan(stored: list[StoredTensor], cfg: ModelConfig) -> dict[str, tuple[_Group, str]]:
+def _plan(stored: list[StoredTensor], cfg: ModelConfig, mtp: bool = False) -> dict[str, tuple[_Group, str]]:
     """Map every stored key to its layout entry from the headers; fail on unknown, missing or malformed sets.
+    `mtp`: the MTP layers' keys too, where the checkpoint has them (a partial layer is refused).
 
     Returns, for every key to read, the group it belongs to and its suffix in it."""
     specs = {s.name: s for s in text_specs(cfg)}
-    names = {t.key: logical_name(t.key, cfg.num_layers) for t in stored}
+    layers = cfg.num_layers + (cfg.num_mtp_layers if mtp else 0)
+    names = {t.key: logical_name(t.key, layers) for t in stored}
     has_tower = any(name and name.startswith("visual.") for name in names.values())
     if cfg.vision is not None and has_tower:
         specs.update((s.name, s) for s in vision_specs(cfg))
     elif cfg.vision is not None:
         log.info("event=vision_tower present=0 reason=no_visual_tensors serving=text")
+    if mtp and cfg.num_mtp_layers:
+        first = f"layers.{cfg.num_layers}."
+        if any(name and name.startswith(first) for name in names.values()):
+            specs.update((s.name, s) for s in mtp_specs(cfg))
+        else:
+            log.info("event=mtp present=0 reason=no_mtp_tensors layers=%s drafts=off",
+                     ",".join(map(str, mtp_layer_indices(cfg))))
     groups: dict[str, _Group] = {}
     part_of: dict[str, tuple[_Group, str]] = {}
     seen: dict[str, Path] = {}

@@ -20,8 +20,8 @@ import torch
 from safetensors.torch import save_file
 
 from engine.checkpoint.loader import LoadedWeights, assemble
-from engine.checkpoint.layout import (EXPERT_KEY, TensorSpec, checkpoint_key, quantized_in_release,
-                                      stacked_expert_name, text_specs, vision_specs)
+from engine.checkpoint.layout import (EXPERT_KEY, TensorSpec, checkpoint_key, in_mtp_layer, mtp_specs,
+                                      quantized_in_release, stacked_expert_name, text_specs, vision_specs)
 from engine.config import ModelConfig
 from engine.quant import quantize_fp8_block, quantize_nvfp4
 from engine.tiny.tokenizer import write_tokenizer
@@ -153,15 +153,17 @@ def init_value(spec: TensorSpec, generator: torch.Generator) -> torch.Tensor:
     return 0.5 * randn  # embeddings, hc base, A_log, dt_bias, convs, pool position bias
 
 
-def init_values(cfg: ModelConfig, generator: torch.Generator,
-                well_conditioned: bool = False) -> Iterator[tuple[TensorSpec, torch.Tensor]]:
-    """Every layout entry with its float32 value, in checkpoint order.
+def init_values(cfg: ModelConfig, generator: torch.Generator, well_conditioned: bool = False,
+                mtp: bool = True) -> Iterator[tuple[TensorSpec, torch.Tensor]]:
+    """Every layout entry with its float32 value, in checkpoint order; the MTP layers (where the config declares
+    them and `mtp`) after the vision tower, so that neither moves the values before them.
 
     well_conditioned: damped sublayer outputs and near-identical experts, so that a bf16 forward pass
     stays close to the fp32 one (the default weights amplify bf16 rounding into different tokens).
     """
     expert_bases: dict[str, torch.Tensor] = {}
-    for spec in text_specs(cfg):
+
+    def value_of(spec: TensorSpec) -> torch.Tensor:
         value = init_value(spec, generator)
         if well_conditioned:
             expert = EXPERT_KEY.match(spec.name)
@@ -172,9 +174,14 @@ def init_values(cfg: ModelConfig, generator: torch.Generator,
                 value = expert_bases[key] + EXPERT_SPREAD * value
             if spec.name.endswith(("o_proj", "down_proj")):
                 value = BRANCH_GAIN * value
-        yield spec, value
+        return value
+
+    for spec in text_specs(cfg):
+        yield spec, value_of(spec)
     for spec in vision_specs(cfg):  # after the text model's: its values do not move when the tower changes
         yield spec, vision_value(spec, generator)
+    for spec in mtp_specs(cfg) if mtp else ():
+        yield spec, value_of(spec)
 
 
 def vision_value(spec: TensorSpec, generator: torch.Generator) -> torch.Tensor:
@@ -195,7 +202,7 @@ def encode(spec: TensorSpec, value: torch.Tensor, fmt: str, cfg: ModelConfig) ->
         return {key: value.float().contiguous()}
     if not quantized_in_release(cfg, spec):
         return {key + (".weight" if spec.role == "linear" else ""): value.to(torch.bfloat16).contiguous()}
-    if fmt == "fp8":
+    if fmt == "fp8" or in_mtp_layer(cfg, spec.name):  # an NVFP4 release's MTP layer is FP8-block too
         q, scale_inv = quantize_fp8_block(value)
         return {f"{key}.weight": q, f"{key}.weight_scale_inv": scale_inv}
     packed, scale, multiplier = quantize_nvfp4(value)
@@ -261,7 +268,8 @@ def write_tiny_model(out_dir: Path | str, fmt: str = "bf16", seed: int = 0, well
     generator = torch.Generator().manual_seed(seed)
     shards: list[dict[str, torch.Tensor]] = [{}]
     size = 0
-    for spec, value in init_values(cfg, generator, well_conditioned):
+    # The ModelOpt NVFP4 release has no MTP layer, though its config declares one.
+    for spec, value in init_values(cfg, generator, well_conditioned, mtp=fmt != "nvfp4-modelopt"):
         entries = encode(spec, value, fmt, cfg)
         nbytes = sum(t.numel() * t.element_size() for t in entries.values())
         if size and size + nbytes > SHARD_BYTES:
