@@ -18,8 +18,10 @@ from engine.experts.hybrid import HybridExperts
 from engine.kernels.dispatch import fast_kernels_enabled
 from engine.memory_plan import MemoryPlan, build_caches, plan_memory
 from engine.model.glm5_next import Glm5NextModel
+from engine.model.mtp import MtpCaches, MtpLayer
 from engine.model.vision import VisionTower, vision_weights
 from engine.model_runner import ModelRunner
+from engine.mtp_drafter import MtpDrafter
 from engine.offload.miss_split import choose_split
 from engine.options import EngineOptions
 from engine.scheduler import Scheduler, SchedulerLimits
@@ -40,6 +42,7 @@ class EngineParts:
     model: Glm5NextModel
     scheduler: Scheduler
     runner: ModelRunner
+    drafter: MtpDrafter | None  # the MTP layer's drafts (options.mtp_drafts, where it can run)
 
 
 def build_parts(config: ModelConfig, weights: LoadedWeights, options: EngineOptions, plan: MemoryPlan | None,
@@ -61,7 +64,26 @@ def build_parts(config: ModelConfig, weights: LoadedWeights, options: EngineOpti
                              options.max_waiting)
     scheduler = Scheduler(slots, cache, limits, prefix)
     runner = ModelRunner(model, slots, cache, cache.pages_for(options.max_model_len), _image_embedder(config, weights))
-    return EngineParts(plan, slots, cache, prefix, offload, fill, model, scheduler, runner)
+    drafter = mtp_drafter(config, weights, options, plan, slots, cache) if options.mtp_drafts else None
+    return EngineParts(plan, slots, cache, prefix, offload, fill, model, scheduler, runner, drafter)
+
+
+def mtp_drafter(config: ModelConfig, weights: LoadedWeights, options: EngineOptions, plan: MemoryPlan,
+                slots: RequestSlots, cache: PagedLatents) -> MtpDrafter | None:
+    """The MTP layer over caches like the main ones, where it can run: the checkpoint has it, every expert is
+    resident (its experts are not placed under a budget yet) and no prefix cache restores requests (it does not
+    keep the MTP layer's latents yet)."""
+    index = config.num_layers
+    reason = ("no_mtp_layer" if f"layers.{index}.eh_proj" not in weights else
+              "hybrid_offload" if plan.expert_budget is not None else
+              "prefix_cache" if options.prefix_cache else None)
+    if reason is not None:
+        log.info("event=mtp_drafts on=0 reason=%s", reason)
+        return None
+    device = weights["embed_tokens.weight"].device
+    layer = MtpLayer(config, weights, index, default_executor(weights, [index], config.swiglu_limit, device))
+    log.info("event=mtp_drafts on=1 layer=%d", index)
+    return MtpDrafter(layer, MtpCaches.like(config, slots, cache))
 
 
 def _image_embedder(config: ModelConfig, weights: LoadedWeights) -> ImageEmbedder | None:

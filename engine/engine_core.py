@@ -21,6 +21,7 @@ from engine.checkpoint.loader import LoadedWeights
 from engine.config import ModelConfig
 from engine.experts.hybrid import OffloadStats
 from engine.memory_plan import MemoryPlan
+from engine.mtp_drafter import DraftStats
 from engine.options import EngineOptions
 from engine.sampler import sample_batch
 from engine.sampling_params import SamplingParams
@@ -84,6 +85,7 @@ class EngineStats:
     offload: OffloadStats | None = None  # hybrid expert placement's totals (None: every expert resident)
     prefix: PrefixCacheStats | None = None  # prefix cache totals (None: no prefix cache)
     steps: StepTimes = StepTimes()
+    drafts: DraftStats | None = None  # the MTP layer's drafts, proposed and right (None: drafts off)
 
 
 class EngineCore:
@@ -101,7 +103,7 @@ class EngineCore:
         parts = build_parts(config, weights, options, plan, experts)
         self.plan, self.slots, self.cache, self.prefix = parts.plan, parts.slots, parts.cache, parts.prefix
         self.offload, self.expert_fill, self.model = parts.offload, parts.expert_fill, parts.model
-        self.scheduler, self.runner = parts.scheduler, parts.runner
+        self.scheduler, self.runner, self.drafter = parts.scheduler, parts.runner, parts.drafter
         self._by_id: dict[str, Sequence] = {}
         self.grammars = GrammarCompiler(tokenizer, config.vocab_size, config.eos_token_ids) if tokenizer else None
         self.masks = GrammarMasks(config.vocab_size, options.max_num_seqs, self.model.device)
@@ -194,7 +196,7 @@ class EngineCore:
         masks = self.masks.start(list(plan.to_sample))  # filled on the CPU while the forward runs
         if self.offload is not None:  # here, where no step is in flight: its later layers would read a new share
             self.offload.follow_cpu_rate()
-        result = self.runner.run(plan)
+        result = self.runner.run(plan, with_hidden=self.drafter is not None)
         if self.offload is not None and self.expert_fill is None:  # swaps would move experts the fill has yet to write
             self.offload.rebalance(self.options.max_expert_swaps)
         if masks is not None:
@@ -204,6 +206,8 @@ class EngineCore:
         self.step_times = self.step_times.plus(plan.has_prefill, end - plan.started)
         for seq in self.scheduler.update(plan, result, sampled, self.config.eos_token_ids):
             del self._by_id[seq.request_id]
+        if self.drafter is not None:
+            self.drafter.step(plan, result)
         outputs = []
         for seq, (token, logprobs) in zip(plan.to_sample, sampled):
             first = len(seq.output_token_ids) == 1
@@ -224,4 +228,5 @@ class EngineCore:
                            self.slots.num_slots - self.slots.free_count, self.slots.num_slots,
                            self.cache.num_pages - self.cache.free_pages, self.cache.num_pages,
                            None if self.offload is None else self.offload.stats,
-                           None if self.prefix is None else self.prefix.stats(), self.step_times)
+                           None if self.prefix is None else self.prefix.stats(), self.step_times,
+                           None if self.drafter is None else dataclasses.replace(self.drafter.stats))

@@ -36,13 +36,15 @@ class ModelRunner:
         self.graphs = DecodeGraphs(self.model, self.slots, self.cache, self.max_pages, sizes, before_replay)
         return self.graphs.capture_s
 
-    def run(self, plan: StepPlan, layer_outputs: list[torch.Tensor] | None = None) -> StepResult:
+    def run(self, plan: StepPlan, layer_outputs: list[torch.Tensor] | None = None,
+            with_hidden: bool = False) -> StepResult:
         """Logits for the plan's `to_sample` requests (one row each, in order), or for every token with
         `all_rows`: a prefill chunk that stops short needs none. Requests in `snapshot_saves` run their prompt's
-        last token as a one-token row, their state saved before it."""
-        if plan.is_decode and layer_outputs is None:
+        last token as a one-token row, their state saved before it. `with_hidden`: the result carries the batch
+        and every row's collapsed hidden (for the MTP layer; such a step never replays a decode graph)."""
+        if plan.is_decode and layer_outputs is None and not with_hidden:
             return StepResult(self._decode([span.seq for span in plan.spans]))
-        return self._spans(plan, layer_outputs)
+        return self._spans(plan, layer_outputs, with_hidden)
 
     def _decode(self, seqs: list[Sequence]) -> torch.Tensor:
         tokens = torch.tensor([seq.token_ids[seq.num_computed] for seq in seqs])
@@ -87,7 +89,7 @@ class ModelRunner:
             times.append(time.perf_counter() - start)
         return sorted(times[1:])[steps // 2]
 
-    def _spans(self, plan: StepPlan, layer_outputs: list[torch.Tensor] | None) -> StepResult:
+    def _spans(self, plan: StepPlan, layer_outputs: list[torch.Tensor] | None, with_hidden: bool) -> StepResult:
         device, saves = self.model.device, plan.snapshot_saves
         tokens: list[int] = []
         spans: list[SeqSpan] = []
@@ -121,12 +123,14 @@ class ModelRunner:
         one_token = self._decode_meta(*self._decode_rows(one_token_rows)) if one_token_rows else None
         batch = ForwardBatch(torch.tensor(tokens, dtype=torch.long, device=device), spans, one_token=one_token,
                              snapshot_saves=saves, embeds=self.images.rows(with_images) if with_images else None)
+        hidden: list[torch.Tensor] | None = [] if with_hidden else None
         logits = self.model.forward(batch, self.slots, self.cache, torch.tensor(rows, dtype=torch.long, device=device),
-                                    layer_outputs)
+                                    layer_outputs, hidden)
+        extra = {"batch": batch, "hidden": hidden[0]} if hidden else {}
         if not prompt_rows:
-            return StepResult(logits)
+            return StepResult(logits, **extra)
         scored = {seq: _prompt_logprobs(seq, logits[first:first + count]) for seq, first, count in prompt_rows}
-        return StepResult(logits[torch.tensor(sampled, dtype=torch.long, device=device)], scored)
+        return StepResult(logits[torch.tensor(sampled, dtype=torch.long, device=device)], scored, **extra)
 
 
 def _prompt_logprobs(seq: Sequence, logits: torch.Tensor) -> list[TokenLogprobs]:

@@ -30,3 +30,7 @@ class EngineOptions:
     prefix_cache: bool = True  # start requests from the saved state of their longest cached prefix
     prefix_cache_bytes: int = 4 << 30  # device memory for cached prefixes (snapshots and extra pages)
     prefix_cache_host_bytes: int = 0  # host RAM for prefixes evicted from the device (0: none, evictions drop)
+    # Load the checkpoint's MTP layer and run it after every step, drafting the token after each sampled one and
+    # counting how often the draft is right (engine/mtp_drafter.py; drafts are not verified yet). Off where the
+    # prefix cache or hybrid offload is on: neither keeps the MTP layer's cache yet.
+    mtp_drafts: bool = False

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 import torch
 
 from engine.cache.state_rows import StepSaves
+from engine.model.batch import ForwardBatch
 from engine.sequence import Sequence, TokenLogprobs
 
 
@@ -62,3 +63,6 @@ class StepResult:
     logits: torch.Tensor  # one row per plan.to_sample request (every token's row with all_rows)
     # Requests asking for prompt logprobs: those of the prompt tokens their chunk scored this step.
     prompt_logprobs: dict[Sequence, list[TokenLogprobs]] = field(default_factory=dict)
+    # With the MTP layer on: the step's batch and every row's collapsed hidden (what the MTP layer runs on).
+    batch: ForwardBatch | None = None
+    hidden: torch.Tensor | None = None

@@ -68,8 +68,10 @@ class Glm5NextModel:
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, slots: RequestSlots, cache: PagedLatents, logit_rows: torch.Tensor,
-                layer_outputs: list[torch.Tensor] | None = None) -> torch.Tensor:
-        """Runs one step and returns fp32 logits [len(logit_rows), vocab]; fills `layer_outputs` when given."""
+                layer_outputs: list[torch.Tensor] | None = None,
+                hidden_out: list[torch.Tensor] | None = None) -> torch.Tensor:
+        """Runs one step and returns fp32 logits [len(logit_rows), vocab]; fills `layer_outputs` when given, and
+        `hidden_out` with every row's collapsed hidden before the final norm (the MTP layer's input)."""
         x = self.embed[batch.token_ids]
         if batch.embeds is not None:
             rows, values = batch.embeds
@@ -79,5 +81,7 @@ class Glm5NextModel:
             streams = layer(streams, batch, slots, cache)
             if layer_outputs is not None:
                 layer_outputs.append(streams.clone())
+        if hidden_out is not None:
+            hidden_out.append(streams.mean(dim=1))
         hidden = rms_norm(streams[logit_rows].mean(dim=1), self.norm, self.cfg.rms_norm_eps)
         return linear(hidden, self.lm_head).float()
