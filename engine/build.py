@@ -18,7 +18,7 @@ from engine.experts.hybrid import HybridExperts
 from engine.kernels.dispatch import fast_kernels_enabled
 from engine.memory_plan import MemoryPlan, build_caches, plan_memory
 from engine.model.glm5_next import Glm5NextModel
-from engine.model.mtp import MtpCaches, MtpLayer
+from engine.model.mtp import MtpLayer
 from engine.model.vision import VisionTower, vision_weights
 from engine.model_runner import ModelRunner
 from engine.mtp_drafter import MtpDrafter
@@ -82,8 +82,8 @@ def mtp_drafter(config: ModelConfig, weights: LoadedWeights, options: EngineOpti
         return None
     device = weights["embed_tokens.weight"].device
     layer = MtpLayer(config, weights, index, default_executor(weights, [index], config.swiglu_limit, device))
-    log.info("event=mtp_drafts on=1 layer=%d", index)
-    return MtpDrafter(layer, MtpCaches.like(config, slots, cache))
+    log.info("event=mtp_drafts on=1 layer=%d verify=%d", index, options.speculative)
+    return MtpDrafter(config, layer, slots, cache, options.speculative)
 
 
 def _image_embedder(config: ModelConfig, weights: LoadedWeights) -> ImageEmbedder | None:

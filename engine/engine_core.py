@@ -193,27 +193,36 @@ class EngineCore:
         plan = self.scheduler.schedule()
         if not plan:
             return []
+        if self.drafter is not None:
+            plan = self.drafter.with_drafts(plan)
         masks = self.masks.start(list(plan.to_sample))  # filled on the CPU while the forward runs
         if self.offload is not None:  # here, where no step is in flight: its later layers would read a new share
             self.offload.follow_cpu_rate()
         result = self.runner.run(plan, with_hidden=self.drafter is not None)
         if self.offload is not None and self.expert_fill is None:  # swaps would move experts the fill has yet to write
             self.offload.rebalance(self.options.max_expert_swaps)
+        rows = len(plan.to_sample)  # then the drafted requests' draft rows
         if masks is not None:
-            self.masks.apply(result.logits, masks)
-        sampled = sample_batch(result.logits, list(plan.to_sample))
+            self.masks.apply(result.logits[:rows], masks)
+        sampled = sample_batch(result.logits[:rows], list(plan.to_sample))
+        after_drafts = dict(zip(plan.drafted_in_order, result.logits[rows:].argmax(dim=-1).tolist()))
         end = time.perf_counter()
         self.step_times = self.step_times.plus(plan.has_prefill, end - plan.started)
-        for seq in self.scheduler.update(plan, result, sampled, self.config.eos_token_ids):
+        before = {seq: len(seq.output_token_ids) for seq in plan.drafted}
+        for seq in self.scheduler.update(plan, result, sampled, self.config.eos_token_ids, after_drafts):
             del self._by_id[seq.request_id]
         if self.drafter is not None:
             self.drafter.step(plan, result)
         outputs = []
         for seq, (token, logprobs) in zip(plan.to_sample, sampled):
             first = len(seq.output_token_ids) == 1
-            outputs.append(StepOutput(seq.request_id, token, logprobs, seq.finish_reason, seq.cached_prompt_tokens,
+            accepted = seq.output_token_ids[before[seq] + 1:] if seq in before else []  # a verified draft's next
+            outputs.append(StepOutput(seq.request_id, token, logprobs, None if accepted else seq.finish_reason,
+                                      seq.cached_prompt_tokens,
                                       seq.prompt_logprobs if first and seq.params.prompt_logprobs is not None else None,
                                       RequestPhases(seq.started - seq.arrived, end - seq.started) if first else None))
+            outputs.extend(StepOutput(seq.request_id, extra, None, seq.finish_reason, seq.cached_prompt_tokens, None,
+                                      None) for extra in accepted)
         return outputs
 
     def _drop_expert_fill(self) -> None:

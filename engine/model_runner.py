@@ -98,15 +98,20 @@ class ModelRunner:
         sampled: list[int] = []  # which of `rows` the step samples from
         prompt_rows: list[tuple[Sequence, int, int]] = []  # (seq, its first row in `rows`, rows)
         with_images: list[tuple[Sequence, int, int, int]] = []  # (seq, first position, tokens, first flat row)
+        draft_rows: list[int] = []  # the drafted requests' draft tokens' rows
         for span in plan.spans:
             seq, new, computed = span.seq, span.num_new, span.seq.num_computed
-            parts = [new - 1, 1] if saves is not None and seq in saves.requests else [new]
-            for offset, part in zip((0, new - 1), parts):
+            draft = [seq.draft_token] if seq in plan.drafted else []
+            length = new + len(draft)
+            parts = [length - 1, 1] if saves is not None and seq in saves.requests else [length]
+            for offset, part in zip((0, length - 1), parts):
                 spans.append(SeqSpan(len(tokens) + offset, part, computed + offset, seq.slot, seq.pages))
                 if part == 1:
                     one_token_rows.append((seq, computed + offset))
             start = len(tokens)
-            tokens.extend(seq.token_ids[computed:computed + new])
+            tokens.extend(seq.token_ids[computed:computed + new] + draft)
+            if draft:
+                draft_rows.append(start + new)
             if seq.images:
                 with_images.append((seq, computed, new, start))
             if plan.all_rows:
@@ -120,6 +125,8 @@ class ModelRunner:
             if span.samples:
                 sampled.append(len(rows))
                 rows.append(start + new - 1)
+        sampled.extend(range(len(rows), len(rows) + len(draft_rows)))  # after every other row
+        rows.extend(draft_rows)
         one_token = self._decode_meta(*self._decode_rows(one_token_rows)) if one_token_rows else None
         batch = ForwardBatch(torch.tensor(tokens, dtype=torch.long, device=device), spans, one_token=one_token,
                              snapshot_saves=saves, embeds=self.images.rows(with_images) if with_images else None)

@@ -1,21 +1,32 @@
-"""Drafts from the checkpoint's MTP layer, kept in step with the main model: after every step it runs over the
-step's rows (the main model's collapsed hidden at each position, the token after it: a prompt token, or the one
-just sampled), so its own latent cache holds every position the main model computed, and each request that
-sampled gets a draft of the token after that one (`Sequence.draft_token`, greedy).
+"""Drafts from the checkpoint's MTP layer, kept in step with the main model, and (with `verify`) checked in the
+next step: speculative decoding with one draft token.
 
-Verification is the next step (issue: speculative decoding); until then the drafts are only counted: how many
-were proposed and how many equalled the token the main model sampled next (the acceptance rate that decides
-whether speculation pays).
+After every step the MTP layer runs over the step's rows (the main model's collapsed hidden at each position, the
+token after it: a prompt token, or the one just sampled), so its own latent cache holds every position the main
+model computed, and each request that sampled gets a draft of the token after that one (`Sequence.draft_token`,
+greedy).
+
+With `verify`, a greedy request's next decode step runs its token and its draft as one two-token span (the
+verify): the token's row gives the next token as without drafts; if that token is the draft, the draft's row gives
+one more, so the step yields two tokens for the price of one step's weight reads. Otherwise the draft's position
+has left its traces in the request's recurrent, short-conv and open-pool state (the main model's and the MTP
+layer's): those are restored from a copy taken before the step, and the request computes its token again next
+step, with the new one (latents past a position are rewritten before anything reads them). Greedy output is the
+same token for token as without drafts.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
 
+from engine.cache import PagedLatents, RequestSlots
+from engine.cache.state_rows import StateRows
+from engine.config import ModelConfig
 from engine.model.batch import ForwardBatch
-from engine.model.mtp import MtpCaches, MtpLayer
+from engine.model.mtp import MtpCaches, MtpLayer, mtp_attention_config
 from engine.sequence import Sequence
 from engine.step_plan import StepPlan, StepResult
 
@@ -30,36 +41,65 @@ class DraftStats:
         return self.accepted / self.proposed if self.proposed else None
 
 
+def verifiable(seq: Sequence) -> bool:
+    """A request whose next token is its logits' argmax and nothing else: its draft's row decides the token after."""
+    p = seq.params
+    return (p.greedy and not p.logits_processors and not p.penalized and p.logprobs is None
+            and p.prompt_logprobs is None and seq.constraint is None)
+
+
 class MtpDrafter:
-    def __init__(self, layer: MtpLayer, caches: MtpCaches) -> None:
-        self.layer, self.caches = layer, caches
+    def __init__(self, config: ModelConfig, layer: MtpLayer, slots: RequestSlots, cache: PagedLatents,
+                 verify: bool = False) -> None:
+        self.layer, self.slots, self.cache, self.verify = layer, slots, cache, verify
+        self.caches = MtpCaches.like(config, slots, cache)
         self.stats = DraftStats()
+        if verify:  # a copy of each slot's state from before its verify step, main and MTP layer
+            device, dtype, rows = cache.latents.device, cache.latents.dtype, slots.num_slots + 1
+            self.saved = StateRows(config, rows, cache.page_size, device, dtype)
+            self.saved_mtp = StateRows(mtp_attention_config(config), rows, cache.page_size, device, dtype)
+
+    def with_drafts(self, plan: StepPlan) -> StepPlan:
+        """The plan with its decoding greedy requests' drafts to verify; their states copied first."""
+        if not self.verify or plan.snapshot_saves is not None:
+            return plan
+        drafted = frozenset(span.seq for span in plan.spans
+                            if span.num_new == 1 == span.seq.num_to_compute and span.seq.draft_token is not None
+                            and verifiable(span.seq))
+        for seq in drafted:
+            self.saved.save(seq.slot, self.slots, seq.slot, self.cache, None)
+            self.saved_mtp.save(seq.slot, self.caches.slots, seq.slot, self.caches.cache, None)
+        return dataclasses.replace(plan, drafted=drafted) if drafted else plan
 
     def step(self, plan: StepPlan, result: StepResult) -> None:
-        """After the step's requests were updated (sampled tokens appended): score the drafts they had, then run
-        the MTP layer over the step's rows and draft anew for the requests that sampled."""
+        """After the step's requests were updated (tokens appended, drafts verified): score the drafts they had,
+        run the MTP layer over the step's rows, draft anew for the requests that sampled, and restore the state
+        of those whose draft was rejected."""
+        main = result.batch
         tokens: list[int] = []
         draft_rows: list[tuple[Sequence, int]] = []
-        sampled = set(plan.to_sample)  # (a span's `samples` reads the request as it was before the update)
-        for span in plan.spans:
-            seq, first = span.seq, len(tokens)
-            start = seq.num_computed - span.num_new  # the step ran positions start .. num_computed - 1
-            after = seq.token_ids[start + 1:seq.num_computed + 1]  # the token after each
-            tokens.extend(after + [0] * (span.num_new - len(after)))  # none after an aborted request's last row
-            if seq in sampled:
-                self._score(seq)
-                draft_rows.append((seq, first + span.num_new - 1))
-        main = result.batch
+        rejected: list[Sequence] = []
+        sampled = set(plan.to_sample)
+        for span, part in zip(plan.spans, main.spans, strict=True):  # one part a span: no snapshot splits here
+            seq, start = span.seq, part.num_computed
+            after = seq.token_ids[start + 1:start + part.new + 1]  # the token after each row
+            tokens.extend(after + [0] * (part.new - len(after)))  # none past a request that stopped there
+            if seq not in sampled:
+                continue
+            if seq.draft_token is not None:
+                self.stats.proposed += 1
+                self.stats.accepted += seq.token_ids[start + 1] == seq.draft_token
+            seq.draft_token = None
+            if seq in plan.drafted and not seq.finished and seq.num_computed == start:
+                rejected.append(seq)  # its token runs again next step
+            elif not seq.finished:
+                draft_rows.append((seq, part.offset + part.new - 1))
         batch = ForwardBatch(torch.tensor(tokens, dtype=torch.long, device=main.token_ids.device), main.spans,
                              main.decode, main.one_token)
         rows = torch.tensor([row for _, row in draft_rows], dtype=torch.long, device=main.token_ids.device)
         logits, _ = self.layer(result.hidden, batch, self.caches, rows)
         for (seq, _), token in zip(draft_rows, logits.argmax(dim=-1).tolist()):
             seq.draft_token = token
-
-    def _score(self, seq: Sequence) -> None:
-        """The request just sampled its last token: was it the draft?"""
-        if seq.draft_token is not None:
-            self.stats.proposed += 1
-            self.stats.accepted += seq.token_ids[-1] == seq.draft_token
-            seq.draft_token = None
+        for seq in rejected:
+            self.saved.load(seq.slot, self.slots, seq.slot, self.cache, None)
+            self.saved_mtp.load(seq.slot, self.caches.slots, seq.slot, self.caches.cache, None)

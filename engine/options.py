@@ -34,3 +34,6 @@ class EngineOptions:
     # counting how often the draft is right (engine/mtp_drafter.py; drafts are not verified yet). Off where the
     # prefix cache or hybrid offload is on: neither keeps the MTP layer's cache yet.
     mtp_drafts: bool = False
+    # With mtp_drafts: verify each greedy request's draft in its next decode step (speculative decoding, one
+    # draft token): two tokens a step where the draft is right, the same tokens as without.
+    speculative: bool = False

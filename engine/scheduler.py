@@ -180,16 +180,25 @@ class Scheduler:
                 self.prefix.commit(span.seq)
 
     def update(self, plan: StepPlan, result: StepResult, sampled: list[tuple[int, TokenLogprobs | None]],
-               eos_token_ids: tuple[int, ...]) -> list[Sequence]:
+               eos_token_ids: tuple[int, ...], after_drafts: dict[Sequence, int] | None = None) -> list[Sequence]:
         """The one place requests advance after a step: `advance`, then each sampled token appended (and taken
-        by the request's constraint), finishes decided and the finished requests' slots and pages freed.
-        -> the finished requests."""
+        by the request's constraint), drafts verified, finishes decided and the finished requests' slots and
+        pages freed. `after_drafts`: for each drafted request, the token its draft's row chose. A draft equal to
+        the sampled token is accepted (its position computed, that token appended too); a rejected one leaves
+        the request's last known token to compute again with the sampled one (its state is restored by the
+        caller). -> the finished requests."""
         self.advance(plan, result)
         finished = []
         for seq, (token, _) in zip(plan.to_sample, sampled):
             seq.append(token, eos_token_ids)
             if seq.constraint is not None:
                 seq.constraint.accept(token)
+            if seq in plan.drafted and not seq.finished:
+                if token == seq.draft_token:
+                    seq.num_computed += 1
+                    seq.append(after_drafts[seq], eos_token_ids)
+                else:
+                    seq.num_computed -= 1
             if seq.finished:
                 self.finish(seq)
                 finished.append(seq)

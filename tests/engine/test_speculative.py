@@ -1,0 +1,134 @@
+"""Speculative decoding with one MTP draft (`speculative=True`): greedy output equals decoding without drafts
+token for token whatever the drafts are (the tiny model's own MTP drafts, and drafts forced right or wrong at
+random, so both the accept and the reject paths run), in batches with chunked prefill, with `max_tokens` and EOS
+ending inside an accepted pair; a rejected draft leaves no trace in the request's state (main model and MTP layer)
+against an engine that never saw it."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from engine import LLM, SamplingParams
+from engine.mtp_drafter import MtpDrafter
+from engine.sequence import Sequence
+from tests.engine.conftest import random_prompt
+
+PROMPTS = [random_prompt(40, 1), random_prompt(23, 2), random_prompt(31, 3)]
+
+
+@pytest.fixture(scope="module")
+def snapshot(tiny_dir):
+    return tiny_dir("bf16", num_nextn_predict_layers=1)
+
+
+def spec_llm(snapshot, **options) -> LLM:
+    return LLM(snapshot, dtype="float32", prefix_cache=False, mtp_drafts=True, speculative=True,
+               **{"max_num_batched_tokens": 16, **options})
+
+
+def force_drafts(monkeypatch, truth: dict[tuple[int, ...], list[int]], right: float, seed: int = 0) -> None:
+    """After the MTP layer drafts, replace each draft by the right token (the one decoding without drafts gives)
+    with probability `right`, else by a wrong one."""
+    rng = random.Random(seed)
+    original = MtpDrafter.step
+
+    def step(self, plan, result):
+        original(self, plan, result)
+        for span in plan.spans:
+            seq = span.seq
+            if seq.draft_token is None:
+                continue
+            answer = truth[tuple(seq.prompt_token_ids)]
+            position = len(seq.output_token_ids)  # the draft is for this output index
+            if position < len(answer):
+                seq.draft_token = answer[position] if rng.random() < right else (answer[position] + 1) % 320
+
+    monkeypatch.setattr(MtpDrafter, "step", step)
+
+
+def plain_outputs(snapshot, prompts, params) -> dict[tuple[int, ...], list[int]]:
+    outputs = LLM(snapshot, dtype="float32", prefix_cache=False).generate(prompts, params)
+    return {tuple(p): o.token_ids for p, o in zip(prompts, outputs)}
+
+
+def test_the_mtp_layers_own_drafts_change_no_token(snapshot):
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    llm = spec_llm(snapshot)
+    got = [o.token_ids for o in llm.generate(PROMPTS, params)]
+    assert got == list(plain_outputs(snapshot, PROMPTS, params).values())
+    assert llm.core.stats().drafts.proposed > 0
+
+
+def run_counting_steps(llm: LLM, prompts: list[list[int]], params: SamplingParams) -> tuple[list[list[int]], int]:
+    seqs = [Sequence(str(i), list(p), params) for i, p in enumerate(prompts)]
+    for seq in seqs:
+        llm.core.add(seq)
+    steps = 0
+    while llm.core.has_work:
+        llm.core.step()
+        steps += 1
+    return [s.output_token_ids for s in seqs], steps
+
+
+@pytest.mark.parametrize("right", [1.0, 0.6, 0.0])
+def test_forced_drafts_change_no_token_and_save_steps_when_right(snapshot, monkeypatch, right):
+    params = SamplingParams(max_tokens=13, temperature=0.0, ignore_eos=True)  # odd: a pair can end at the limit
+    truth = plain_outputs(snapshot, PROMPTS, params)
+    unverified = LLM(snapshot, dtype="float32", prefix_cache=False, mtp_drafts=True, max_num_batched_tokens=16,
+                     max_num_seqs=3)
+    _, unverified_steps = run_counting_steps(unverified, PROMPTS, params)
+    force_drafts(monkeypatch, truth, right)
+    llm = spec_llm(snapshot, max_num_seqs=3)
+    outputs, steps = run_counting_steps(llm, PROMPTS, params)
+    assert outputs == list(truth.values())
+    stats = llm.core.stats().drafts
+    if right == 1.0:
+        assert stats.accepted == stats.proposed > 0
+        assert steps <= unverified_steps - 5  # two tokens a step once decoding (12 decode steps -> 6)
+    if right == 0.0:
+        assert stats.accepted == 0 and stats.proposed > 0
+
+
+def test_eos_inside_an_accepted_pair_ends_the_request(snapshot, monkeypatch):
+    probe = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    answer = plain_outputs(snapshot, PROMPTS[:1], probe)[tuple(PROMPTS[0])]
+    stop_at = answer[3]  # a stop token the 4th output reaches, drafted right
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, stop_token_ids=[stop_at])
+    truth = plain_outputs(snapshot, PROMPTS[:1], params)
+    force_drafts(monkeypatch, truth, right=1.0)
+    out = spec_llm(snapshot).generate(PROMPTS[:1], params)[0]
+    assert out.token_ids == truth[tuple(PROMPTS[0])] and out.finish_reason == "stop"
+
+
+def slot_state(llm: LLM, seq: Sequence) -> list[torch.Tensor]:
+    slots = llm.core.slots
+    out = [slots.recurrent[:, seq.slot].clone(), slots.conv[:, seq.slot].clone(), slots.open_pool[:, seq.slot].clone()]
+    drafter = llm.core.drafter
+    if drafter is not None:
+        out.append(drafter.caches.slots.open_pool[:, seq.slot].clone())
+    return out
+
+
+def test_a_rejected_draft_leaves_no_trace(snapshot, monkeypatch):
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    truth = plain_outputs(snapshot, PROMPTS[:1], params)
+    force_drafts(monkeypatch, truth, right=0.0)
+    # Drafts on, never verified: the state after the prefill step, the MTP layer's included.
+    never = LLM(snapshot, dtype="float32", prefix_cache=False, mtp_drafts=True, max_num_batched_tokens=64)
+    seq = Sequence("a", list(PROMPTS[0]), params)
+    never.core.add(seq)
+    never.core.step()  # the prompt, its first token sampled, a draft made
+    want = slot_state(never, seq)
+    llm = spec_llm(snapshot, max_num_batched_tokens=64)
+    seq = Sequence("b", list(PROMPTS[0]), params)
+    llm.core.add(seq)
+    llm.core.step()
+    assert seq.draft_token is not None
+    computed = seq.num_computed
+    llm.core.step()  # the verify: the (wrong) draft rejected
+    assert seq.num_computed == computed and len(seq.output_token_ids) == 2
+    for got, expected in zip(slot_state(llm, seq), want, strict=True):
+        assert torch.equal(got, expected)
