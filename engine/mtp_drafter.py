@@ -35,10 +35,17 @@ from engine.step_plan import StepPlan, StepResult
 class DraftStats:
     proposed: int = 0  # drafts whose position the main model has since sampled
     accepted: int = 0  # of those, drafts equal to the sampled token
+    verified: int = 0  # drafts run in a verify step (speculative)
+    verified_accepted: int = 0  # of those, accepted: each gave a second token in its step
 
     @property
     def acceptance(self) -> float | None:
         return self.accepted / self.proposed if self.proposed else None
+
+    @property
+    def mean_accepted_length(self) -> float | None:
+        """Tokens a verify step gave a request, on average (1 + its accepted drafts)."""
+        return 1 + self.verified_accepted / self.verified if self.verified else None
 
 
 def verifiable(seq: Sequence) -> bool:
@@ -87,8 +94,12 @@ class MtpDrafter:
             if seq not in sampled:
                 continue
             if seq.draft_token is not None:
+                right = seq.token_ids[start + 1] == seq.draft_token
                 self.stats.proposed += 1
-                self.stats.accepted += seq.token_ids[start + 1] == seq.draft_token
+                self.stats.accepted += right
+                if seq in plan.drafted:
+                    self.stats.verified += 1
+                    self.stats.verified_accepted += right
             seq.draft_token = None
             if seq in plan.drafted and not seq.finished and seq.num_computed == start:
                 rejected.append(seq)  # its token runs again next step

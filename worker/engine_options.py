@@ -18,4 +18,5 @@ def engine_options(settings: Settings, miss_split_file: Path | None = None,
                          pcie_expert_percent=settings.pcie_expert_percent, miss_split_file=miss_split_file,
                          kernels_file=kernels_file, precompile_processes=settings.kernel_precompile_processes,
                          prefix_cache=settings.prefix_cache, prefix_cache_bytes=settings.prefix_cache_bytes,
-                         prefix_cache_host_bytes=settings.prefix_cache_host_bytes)
+                         prefix_cache_host_bytes=settings.prefix_cache_host_bytes, mtp_drafts=settings.mtp_drafts,
+                         speculative=settings.speculative)

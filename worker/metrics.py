@@ -92,6 +92,13 @@ class Metrics:
                                       "Cached pages and state snapshots evicted from the device", ["kind"], registry=r)
         self.prefix_entries = Gauge("glmflash_prefix_cache_entries", "Cached pages and state snapshots held now",
                                     ["kind", "tier"], registry=r)
+        self.spec_drafts = Gauge("glmflash_spec_draft_tokens", "MTP draft tokens whose position was since sampled, "
+                                 "and of those the ones equal to the sampled token", ["outcome"], registry=r)
+        self.spec_verified = Gauge("glmflash_spec_verified_drafts", "Drafts run in verify steps, and of those the "
+                                   "accepted ones", ["outcome"], registry=r)
+        self.spec_mean_length = Gauge("glmflash_spec_mean_accepted_length",
+                                      "Tokens a verify step gave a request on average (1 + accepted drafts)",
+                                      registry=r)
 
     def observe_engine(self, stats) -> None:
         """Refresh the occupancy gauges from an engine stats snapshot."""
@@ -122,6 +129,15 @@ class Metrics:
             self._observe_transfer(offload.host_bytes, offload.fetched_bytes)
         if stats.prefix is not None:
             self.observe_prefix_cache(stats.prefix)
+        if stats.drafts is not None:
+            self.observe_drafts(stats.drafts)
+
+    def observe_drafts(self, drafts) -> None:
+        self.spec_drafts.labels("proposed").set(drafts.proposed)
+        self.spec_drafts.labels("accepted").set(drafts.accepted)
+        self.spec_verified.labels("verified").set(drafts.verified)
+        self.spec_verified.labels("accepted").set(drafts.verified_accepted)
+        self.spec_mean_length.set(drafts.mean_accepted_length or 0.0)
 
     def _observe_transfer(self, host_bytes: int, fetched_bytes: int) -> None:
         """What crossed each path since the previous refresh, over the wall time between the two (the CPU

@@ -69,6 +69,14 @@ class Settings(BaseSettings):
                                             description="Share (percent) of a decode step's missed experts that "
                                                         "are copied over PCIe and run on the GPU while the CPU runs "
                                                         "the rest (default: from both rates measured at load)")
+    mtp_drafts: bool = Field(False, validation_alias=_env("MTP_DRAFTS"),
+                             description="Load the checkpoint's MTP layer and draft the next token with it after "
+                                         "every step (counted in /metrics); needs GLMFLASH_PREFIX_CACHE off and every "
+                                         "expert on the GPU for now")
+    speculative: bool = Field(False, validation_alias=_env("SPECULATIVE"),
+                              description="With GLMFLASH_MTP_DRAFTS: verify each greedy request's draft in its next "
+                                          "decode step (two tokens a step where it is right, the same tokens as "
+                                          "without)")
     prefix_cache: bool = Field(True, validation_alias=_env("PREFIX_CACHE"),
                                description="Start each request from the saved state of the longest prompt prefix "
                                            "seen before (shared system prompts, conversation turns, n > 1)")

@@ -6,6 +6,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from engine.engine_core import EngineStats
 from engine.experts.hybrid import OffloadStats
+from engine.mtp_drafter import DraftStats
 from worker.metrics import Metrics
 
 
@@ -35,3 +36,15 @@ def test_expert_transfer_rates_cover_the_time_since_the_previous_refresh():
     assert got["glmflash_expert_transfer_gbpscpu"] == 0.0 and got["glmflash_expert_transfer_gbpspcie"] == 0.5
     metrics.observe_engine(engine_stats(host_bytes=7_000_000_000, fetched_bytes=5_000_000_000))  # no time passed
     assert samples(metrics)["glmflash_expert_transfer_gbpscpu"] == 0.0  # kept until time has passed
+
+
+def test_draft_counts_and_the_mean_accepted_length():
+    metrics = Metrics()
+    stats = EngineStats(running=1, waiting=0, slots_used=1, slots_total=4, pages_used=2, pages_total=8,
+                        drafts=DraftStats(proposed=10, accepted=6, verified=8, verified_accepted=6))
+    metrics.observe_engine(stats)
+    got = {f"{s.name}{s.labels.get('outcome', '')}": s.value
+           for family in text_string_to_metric_families(metrics.render().decode()) for s in family.samples}
+    assert got["glmflash_spec_draft_tokensproposed"] == 10 and got["glmflash_spec_draft_tokensaccepted"] == 6
+    assert got["glmflash_spec_verified_draftsverified"] == 8 and got["glmflash_spec_verified_draftsaccepted"] == 6
+    assert got["glmflash_spec_mean_accepted_length"] == 1.75

@@ -1,0 +1,46 @@
+"""A server with speculative decoding on (GLMFLASH_MTP_DRAFTS, GLMFLASH_SPECULATIVE) over a tiny model with an MTP
+layer answers greedy requests exactly as one without it, streamed or not, and /metrics counts its drafts."""
+
+from __future__ import annotations
+
+import urllib.request
+
+import openai
+import pytest
+
+from engine.tiny.factory import write_tiny_model
+from server_helpers import make_settings, start_server, stop_server
+from worker.metrics import samples
+
+PROMPT = "The quick brown fox jumps over the lazy dog, and then"
+
+
+@pytest.fixture(scope="module")
+def servers(tmp_path_factory):
+    model = write_tiny_model(tmp_path_factory.mktemp("mtp") / "tiny", "bf16", num_nextn_predict_layers=1)
+    started = [start_server(make_settings(model, tmp_path_factory.mktemp("cache"), prefix_cache=False, **flags))
+               for flags in ({}, {"mtp_drafts": True, "speculative": True})]
+    yield started
+    for server in started:
+        stop_server(server)
+
+
+def completion(server, stream: bool) -> str:
+    with openai.OpenAI(base_url=server.v1, api_key="x", max_retries=0, timeout=60) as client:
+        kwargs = dict(model=server.settings.served_model_name, prompt=PROMPT, max_tokens=17, temperature=0.0,
+                      extra_body={"ignore_eos": True})
+        if not stream:
+            return client.completions.create(**kwargs).choices[0].text
+        return "".join(chunk.choices[0].text for chunk in client.completions.create(stream=True, **kwargs)
+                       if chunk.choices)
+
+
+def test_speculative_answers_equal_plain_ones_and_drafts_are_counted(servers):
+    plain, speculative = servers
+    want = completion(plain, stream=False)
+    assert want and completion(speculative, stream=False) == want
+    assert completion(speculative, stream=True) == want
+    with urllib.request.urlopen(speculative.url + "/metrics") as response:
+        got = samples(response.read().decode())
+    assert got['glmflash_spec_draft_tokens{outcome="proposed"}'] > 0
+    assert got['glmflash_spec_verified_drafts{outcome="verified"}'] > 0
