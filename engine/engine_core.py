@@ -23,7 +23,7 @@ from engine.experts.hybrid import OffloadStats
 from engine.memory_plan import MemoryPlan
 from engine.mtp_drafter import DraftStats
 from engine.options import EngineOptions
-from engine.sampler import sample_batch
+from engine.sampler import sample_batch, verify_drafts
 from engine.sampling_params import SamplingParams
 from engine.sequence import Sequence, TokenLogprobs
 from engine.step_plan import StepPlan
@@ -201,11 +201,7 @@ class EngineCore:
         result = self.runner.run(plan, with_hidden=self.drafter is not None)
         if self.offload is not None and self.expert_fill is None:  # swaps would move experts the fill has yet to write
             self.offload.rebalance(self.options.max_expert_swaps)
-        rows = len(plan.to_sample)  # then the drafted requests' draft rows
-        if masks is not None:
-            self.masks.apply(result.logits[:rows], masks)
-        sampled = sample_batch(result.logits[:rows], list(plan.to_sample))
-        after_drafts = dict(zip(plan.drafted_in_order, result.logits[rows:].argmax(dim=-1).tolist()))
+        sampled, after_drafts = self._sample(plan, result.logits, masks)
         end = time.perf_counter()
         self.step_times = self.step_times.plus(plan.has_prefill, end - plan.started)
         before = {seq: len(seq.output_token_ids) for seq in plan.drafted}
@@ -224,6 +220,27 @@ class EngineCore:
             outputs.extend(StepOutput(seq.request_id, extra, None, seq.finish_reason, seq.cached_prompt_tokens, None,
                                       None) for extra in accepted)
         return outputs
+
+    def _sample(self, plan: StepPlan, logits: torch.Tensor, masks) -> tuple[list[tuple[int, TokenLogprobs | None]],
+                                                                         dict[Sequence, int]]:
+        """A token for each request that samples (its row of `logits`, masked where it is constrained) and, for
+        the drafted ones (their draft rows follow), the verdict on the draft: the token after it where accepted."""
+        rows = len(plan.to_sample)
+        if masks is not None:
+            self.masks.apply(logits[:rows], masks)
+        drafted = plan.drafted_in_order
+        if not drafted:
+            return sample_batch(logits[:rows], list(plan.to_sample)), {}
+        others = [i for i, seq in enumerate(plan.to_sample) if seq not in plan.drafted]
+        row_of = {seq: i for i, seq in enumerate(plan.to_sample)}
+        verdicts = verify_drafts(logits[[row_of[seq] for seq in drafted]], logits[rows:], drafted,
+                                 [seq.draft_token for seq in drafted])
+        sampled: list[tuple[int, TokenLogprobs | None]] = [(0, None)] * rows
+        for i, pick in zip(others, sample_batch(logits[others], [plan.to_sample[i] for i in others])):
+            sampled[i] = pick
+        for seq, (token, _) in zip(drafted, verdicts):
+            sampled[row_of[seq]] = (token, None)
+        return sampled, {seq: after for seq, (_, after) in zip(drafted, verdicts) if after is not None}
 
     def _drop_expert_fill(self) -> None:
         """Between steps, once the fill is done: the plain executor from now on."""

@@ -6,13 +6,15 @@ token after it: a prompt token, or the one just sampled), so its own latent cach
 model computed, and each request that sampled gets a draft of the token after that one (`Sequence.draft_token`,
 greedy).
 
-With `verify`, a greedy request's next decode step runs its token and its draft as one two-token span (the
-verify): the token's row gives the next token as without drafts; if that token is the draft, the draft's row gives
-one more, so the step yields two tokens for the price of one step's weight reads. Otherwise the draft's position
+With `verify`, a request's next decode step runs its token and its draft as one two-token span (the verify): the
+token's row gives the next token as without drafts (greedy; sampling accepts the draft with the probability the row
+gives it, else draws from the rest: the same distribution, `engine.sampler.verify_drafts`); if that token is the
+draft, the draft's row gives one more, so the step yields two tokens for the price of one step's weight reads.
+Otherwise the draft's position
 has left its traces in the request's recurrent, short-conv and open-pool state (the main model's and the MTP
 layer's): those are restored from a copy taken before the step, and the request computes its token again next
 step, with the new one (latents past a position are rewritten before anything reads them). Greedy output is the
-same token for token as without drafts.
+same token for token as without drafts; sampled output follows the same distribution.
 """
 
 from __future__ import annotations
@@ -49,10 +51,11 @@ class DraftStats:
 
 
 def verifiable(seq: Sequence) -> bool:
-    """A request whose next token is its logits' argmax and nothing else: its draft's row decides the token after."""
+    """A request whose next token depends on its logits row alone (greedy, or temperature / top-k / top-p /
+    min-p sampling): its draft can be verified from the rows (`engine.sampler.verify_drafts`)."""
     p = seq.params
-    return (p.greedy and not p.logits_processors and not p.penalized and p.logprobs is None
-            and p.prompt_logprobs is None and seq.constraint is None)
+    return (not p.logits_processors and not p.penalized and p.logprobs is None and p.prompt_logprobs is None
+            and seq.constraint is None)
 
 
 class MtpDrafter:

@@ -115,3 +115,27 @@ def _probs_rows(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
         drop = (sorted_probs.cumsum(-1) - sorted_probs >= top_p) & (top_p < 1.0)
         probs = probs.scatter(1, order, sorted_probs.masked_fill(drop, 0.0))
     return probs
+
+
+def verify_drafts(rows: torch.Tensor, draft_rows: torch.Tensor, seqs: list[Sequence],
+                  drafts: list[int]) -> list[tuple[int, int | None]]:
+    """Speculative sampling with one greedy draft a request (`rows`: the logits before each draft, `draft_rows`:
+    the draft's own): -> (the token at the row, the token after the draft when the draft was accepted, else
+    None). Greedy: the draft is accepted when it is the argmax. Sampling: with probability p(draft), p the
+    request's distribution at the row, the draft is the token and the draft's row samples the next; otherwise
+    the token is drawn from p without the draft, renormalized: either way the token follows p exactly (the
+    draft's distribution is one-hot), and what follows an accepted draft follows its own row's distribution."""
+    out: list[tuple[int, int | None]] = []
+    for row, draft_row, seq, draft in zip(rows, draft_rows, seqs, drafts):
+        if seq.params.greedy:
+            token = int(row.argmax())
+            out.append((token, int(draft_row.argmax()) if token == draft else None))
+            continue
+        probs = _probs(row, seq).cpu()
+        if float(torch.rand((), generator=seq.generator)) < float(probs[draft]):
+            after = int(torch.multinomial(_probs(draft_row, seq).cpu(), 1, generator=seq.generator))
+            out.append((draft, after))
+            continue
+        probs[draft] = 0.0
+        out.append((int(torch.multinomial(probs / probs.sum(), 1, generator=seq.generator)), None))
+    return out

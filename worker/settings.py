@@ -74,9 +74,9 @@ class Settings(BaseSettings):
                                          "every step (counted in /metrics); needs GLMFLASH_PREFIX_CACHE off and every "
                                          "expert on the GPU for now")
     speculative: bool = Field(False, validation_alias=_env("SPECULATIVE"),
-                              description="With GLMFLASH_MTP_DRAFTS: verify each greedy request's draft in its next "
-                                          "decode step (two tokens a step where it is right, the same tokens as "
-                                          "without)")
+                              description="With GLMFLASH_MTP_DRAFTS: verify each request's draft in its next decode "
+                                          "step (two tokens a step where it is right; greedy output unchanged, sampled "
+                                          "output from the same distribution)")
     prefix_cache: bool = Field(True, validation_alias=_env("PREFIX_CACHE"),
                                description="Start each request from the saved state of the longest prompt prefix "
                                            "seen before (shared system prompts, conversation turns, n > 1)")

@@ -2,7 +2,8 @@
 token for token whatever the drafts are (the tiny model's own MTP drafts, and drafts forced right or wrong at
 random, so both the accept and the reject paths run), in batches with chunked prefill, with `max_tokens` and EOS
 ending inside an accepted pair; a rejected draft leaves no trace in the request's state (main model and MTP layer)
-against an engine that never saw it."""
+against an engine that never saw it; sampled tokens follow the target distribution (the verification on its own
+over many draws, and the tiny model's tokens over many seeds against their exact distribution)."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import torch
 
 from engine import LLM, SamplingParams
 from engine.mtp_drafter import MtpDrafter
+from engine.sampler import _probs, verify_drafts
 from engine.sequence import Sequence
 from tests.engine.conftest import random_prompt
 
@@ -132,3 +134,62 @@ def test_a_rejected_draft_leaves_no_trace(snapshot, monkeypatch):
     assert seq.num_computed == computed and len(seq.output_token_ids) == 2
     for got, expected in zip(slot_state(llm, seq), want, strict=True):
         assert torch.equal(got, expected)
+
+
+# Sampling: a draft is accepted with the probability the row gives it, else the token comes from the rest.
+DRAWS = 20_000  # a frequency's standard deviation is at most 0.0035: 0.015 is over 4 of them
+
+
+def test_verify_drafts_draws_from_the_rows_distribution():
+    g = torch.Generator().manual_seed(0)
+    row, draft_row = torch.randn(12, generator=g) * 2, torch.randn(12, generator=g) * 2
+    seq = Sequence("s", [1], SamplingParams(temperature=0.8, top_k=6, seed=7))
+    p, q = _probs(row, seq), _probs(draft_row, seq)
+    for draft in (int(p.argmax()), int(p.argmin())):  # a likely draft, and one outside the top 6
+        tokens, after = torch.zeros(12), torch.zeros(12)
+        for _ in range(DRAWS):
+            token, next_token = verify_drafts(row[None], draft_row[None], [seq], [draft])[0]
+            tokens[token] += 1
+            if next_token is not None:
+                assert token == draft
+                after[next_token] += 1
+        assert (tokens / DRAWS - p).abs().max() < 0.015
+        accepted = after.sum()
+        assert abs(accepted / DRAWS - p[draft]) < 0.015
+        if accepted:
+            assert (after / accepted - q).abs().max() < 0.02
+    greedy = Sequence("g", [1], SamplingParams(temperature=0.0))
+    assert verify_drafts(row[None], draft_row[None], [greedy], [int(row.argmax())]) == [
+        (int(row.argmax()), int(draft_row.argmax()))]
+
+
+RUNS = 600
+
+
+def test_sampled_tokens_follow_the_models_distribution(snapshot, monkeypatch):
+    """The token a verify step samples, over many seeds, against its exact distribution given the token before
+    it (drafts forced to each context's likeliest token, so acceptance and rejection both happen often)."""
+    prompt = PROMPTS[1]
+    params = [SamplingParams(max_tokens=2, temperature=1.0, top_k=4, seed=i, ignore_eos=True) for i in range(RUNS)]
+    plain = LLM(snapshot, dtype="float32", prefix_cache=False)
+    probe = Sequence("p", prompt, params[0])
+    support = _probs(plain.prompt_logits(prompt)[-1], probe).nonzero().flatten().tolist()
+    exact = {t: _probs(plain.prompt_logits(prompt + [t])[-1], probe) for t in support}
+    original = MtpDrafter.step
+
+    def step(self, plan, result):
+        original(self, plan, result)
+        for span in plan.spans:
+            if span.seq.draft_token is not None:
+                span.seq.draft_token = int(exact[span.seq.output_token_ids[-1]].argmax())
+
+    monkeypatch.setattr(MtpDrafter, "step", step)
+    llm = spec_llm(snapshot, max_num_seqs=64, max_num_batched_tokens=2048, max_waiting=RUNS)
+    outputs = llm.generate([prompt] * RUNS, params)
+    seen = torch.bincount(torch.tensor([o.token_ids[1] for o in outputs]), minlength=320).float() / RUNS
+    expected = sum(exact[o.token_ids[0]] for o in outputs) / RUNS
+    # Sampling noise over these few cells: total variation ~0.03; a draft accepted regardless, or the rest
+    # drawn with the draft still in it, moves it by 0.15 or more.
+    assert 0.5 * (seen - expected).abs().sum() < 0.07
+    stats = llm.core.stats().drafts
+    assert 0 < stats.verified_accepted < stats.verified == RUNS
