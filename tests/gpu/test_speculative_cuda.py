@@ -1,0 +1,62 @@
+"""The MTP layer and speculative decoding on CUDA in bf16: the layer's logits within 2x what bf16 loses on the CPU
+against the CPU's float32, and greedy output with drafts verified equal to the same engine's without (the
+MTP's own drafts and drafts forced right, so both paths run). Runs only where a GPU is."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine import LLM, SamplingParams
+from engine.cache import PagedLatents, RequestSlots
+from engine.checkpoint.loader import load_weights
+from engine.config import ModelConfig
+from engine.experts import default_executor
+from engine.model.batch import ForwardBatch, SeqSpan
+from engine.model.mtp import MtpCaches, MtpLayer
+from engine.tiny.factory import write_tiny_model
+from tests.engine.test_bf16 import FACTOR, rel_error
+from tests.engine.test_mtp import engine_mtp, inputs, prefill
+from tests.engine.test_speculative import PROMPTS, force_drafts
+
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (none on this machine)")]
+
+
+@pytest.fixture(scope="module")
+def snapshot(tmp_path_factory):
+    return write_tiny_model(tmp_path_factory.mktemp("mtp-cuda"), "fp8", well_conditioned=True,
+                            num_nextn_predict_layers=1)
+
+
+def test_mtp_logits_on_cuda_within_bf16_error(snapshot):
+    want_layer, want_caches, cfg = engine_mtp(snapshot, torch.float32)
+    hidden, next_ids = inputs(cfg, seed=3)
+    want = prefill(want_layer, want_caches, hidden, next_ids)
+    base_layer, base_caches, _ = engine_mtp(snapshot, torch.bfloat16)
+    base = prefill(base_layer, base_caches, hidden, next_ids)
+    got = cuda_mtp_logits(snapshot, hidden, next_ids)
+    assert rel_error(got, want) <= FACTOR * rel_error(base, want), (rel_error(got, want), rel_error(base, want))
+
+
+def cuda_mtp_logits(snapshot, hidden: torch.Tensor, next_ids: list[int]) -> torch.Tensor:
+    cfg, cuda = ModelConfig.from_dir(snapshot), torch.device("cuda")
+    weights = load_weights(snapshot, cfg, cuda, torch.bfloat16, mtp=True)
+    layer = MtpLayer(cfg, weights, cfg.num_layers, default_executor(weights, [cfg.num_layers], cfg.swiglu_limit, cuda))
+    pages = -(-len(next_ids) // 16) + 1
+    caches = MtpCaches.like(cfg, RequestSlots(cfg, 2, cuda, torch.bfloat16),
+                            PagedLatents(cfg, pages, 16, cuda, torch.bfloat16))
+    batch = ForwardBatch(torch.tensor(next_ids, device=cuda), [SeqSpan(0, len(next_ids), 0, 0, list(range(pages)))])
+    return layer(hidden.to(cuda), batch, caches)[0].cpu()
+
+
+@pytest.mark.parametrize("right", [None, 1.0])
+def test_verified_greedy_output_on_cuda_equals_plain(snapshot, monkeypatch, right):
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    plain = LLM(snapshot, "cuda", "bfloat16", prefix_cache=False).generate(PROMPTS, params)
+    if right is not None:
+        force_drafts(monkeypatch, {tuple(p): o.token_ids for p, o in zip(PROMPTS, plain)}, right)
+    spec = LLM(snapshot, "cuda", "bfloat16", prefix_cache=False, mtp_drafts=True, speculative=True,
+               max_num_batched_tokens=16)
+    assert [o.token_ids for o in spec.generate(PROMPTS, params)] == [o.token_ids for o in plain]
+    assert spec.core.stats().drafts.verified > 0
