@@ -219,12 +219,13 @@ def synthetic_weights(cfg: ModelConfig, fmt: str, device: torch.device | str, dt
     """Random weights in a release format, built directly on `device` (no files): for benchmarks at full
     width. With `expert_slots`, routed experts are split as the loader splits them (see `load_weights`).
     With `expert_variety`, each layer's experts repeat that many distinct values (each still in its own
-    memory): a whole-model build in seconds per layer, for speed figures that do not depend on values."""
+    memory): a whole-model build in seconds per layer, for speed figures that do not depend on values. The MTP
+    layers come too where the config declares them."""
     generator = torch.Generator(device).manual_seed(seed)
     repeats: dict[tuple[str, str, int], dict[str, torch.Tensor]] = {}  # (layer, projection, index) -> entries
 
     def groups():
-        for spec in text_specs(cfg):
+        for spec in [*text_specs(cfg), *mtp_specs(cfg)]:
             expert = EXPERT_KEY.match(spec.name)
             if expert and expert_variety:
                 key = (expert[1], expert[3], int(expert[2]) % expert_variety)

@@ -1,0 +1,139 @@
+"""Speculative decoding's cost side, through `LLM.generate` (wall clock): decode tok/s without drafts, with the MTP
+layer drafting but nothing verified (the drafting's cost), and with drafts verified at forced acceptance rates.
+
+Random synthetic weights make the MTP layer's own drafts almost never right, so each verify-step run replaces the
+drafts, after the MTP layer made them, by the token decoding without drafts gives (known from a first run) with
+probability `a`, else by a wrong one: the step costs are the real ones (the MTP layer still runs, every verify
+step still runs its draft's row), the acceptance is chosen. Reported per batch size: tok/s and ms a step for each,
+and the verify step's cost against a decode step (the issue's targets: at most 1.15x on a resident slice, the
+drafting at most 0.15x).
+
+    python -m ops.bench_speculative --device cuda --layers 8 --batches 1,4 --tokens 64 [--json OUT]
+    python -m ops.bench_speculative --device cpu --tiny --tokens 8     # smoke run on the tiny model's shapes
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import time
+from contextlib import contextmanager
+from typing import Any, Iterator
+
+import torch
+
+from engine import LLM, SamplingParams
+from engine.config import ModelConfig
+from engine.mtp_drafter import MtpDrafter
+from engine.tiny.factory import synthetic_weights, tiny_config
+from ops.bench_engine import slice_text_config, sync
+
+ACCEPTANCE = (0.0, 0.5, 0.7, 0.9, 1.0)
+
+
+@contextmanager
+def forced_drafts(truth: dict[tuple[int, ...], list[int]], right: float, vocab: int, seed: int = 0) -> Iterator[None]:
+    """Within the block, each draft the MTP layer makes is replaced by the right token (the one decoding without
+    drafts gives for that request and position, from `truth`: prompt -> output) with probability `right`, else by a
+    wrong one."""
+    rng = random.Random(seed)
+    original = MtpDrafter.step
+
+    def step(self, plan, result):
+        original(self, plan, result)
+        for span in plan.spans:
+            seq = span.seq
+            answer = truth.get(tuple(seq.prompt_token_ids), [])
+            position = len(seq.output_token_ids)
+            if seq.draft_token is not None and position < len(answer):
+                seq.draft_token = answer[position] if rng.random() < right else (answer[position] + 1) % vocab
+
+    MtpDrafter.step = step
+    try:
+        yield
+    finally:
+        MtpDrafter.step = original
+
+
+def config(args: argparse.Namespace) -> ModelConfig:
+    text = dict(tiny_config(args.format)["text_config"]) if args.tiny else slice_text_config(args.layers)
+    text["num_nextn_predict_layers"] = 1
+    return ModelConfig.from_dict({"text_config": text, "quantization_config": tiny_config(args.format).get(
+        "quantization_config")})
+
+
+def timed_generate(llm: LLM, prompts: list[list[int]], tokens: int, device: torch.device) -> tuple[float, list]:
+    """Seconds of the decode steps (a run to `tokens` less a run to one token, the prefill's) and the outputs."""
+    params = SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True)
+    first = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+    times = []
+    outputs = None
+    for p in (first, params):
+        sync(device)
+        start = time.perf_counter()
+        out = llm.generate(prompts, p)
+        sync(device)
+        times.append(time.perf_counter() - start)
+        outputs = out
+    return times[1] - times[0], outputs
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    device, dtype = torch.device(args.device), getattr(torch, args.dtype)
+    cfg = config(args)
+    weights = synthetic_weights(cfg, args.format, device, dtype, expert_variety=args.expert_variety)
+    options = dict(prefix_cache=False, max_num_seqs=max(args.batches), max_model_len=args.prompt + args.tokens + 16)
+    engines = {"plain": LLM.from_weights(cfg, weights, **options),
+               "drafting": LLM.from_weights(cfg, weights, mtp_drafts=True, **options),
+               "verify": LLM.from_weights(cfg, weights, mtp_drafts=True, speculative=True, **options)}
+    g = torch.Generator().manual_seed(0)
+    warm = [torch.randint(0, cfg.vocab_size, (args.prompt,), generator=g).tolist() for _ in range(max(args.batches))]
+    for llm in engines.values():  # first-run costs (allocator, kernels at these shapes) out of the timings
+        llm.generate(warm, SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
+    results = []
+    for batch in args.batches:
+        prompts = [torch.randint(0, cfg.vocab_size, (args.prompt,), generator=g).tolist() for _ in range(batch)]
+        decode_s, outputs = timed_generate(engines["plain"], prompts, args.tokens, device)
+        truth = {tuple(p): o.token_ids for p, o in zip(prompts, outputs)}
+        drafting_s, _ = timed_generate(engines["drafting"], prompts, args.tokens, device)
+        steps = args.tokens - 1  # decode steps after the prefill's token, per request
+        row = {"batch": batch, "decode_ms_per_step": decode_s / steps * 1e3,
+               "decode_tok_s": batch * steps / decode_s, "drafting_ms_per_step": drafting_s / steps * 1e3,
+               "drafting_cost": (drafting_s - decode_s) / decode_s}
+        for a in args.acceptance:
+            with forced_drafts(truth, a, cfg.vocab_size):
+                verify_s, got = timed_generate(engines["verify"], prompts, args.tokens, device)
+            if [o.token_ids for o in got] != list(truth.values()):
+                raise SystemExit(f"batch {batch}, acceptance {a}: verified output differs from plain decoding")
+            row[f"tok_s_at_{a}"] = batch * steps / verify_s
+        print(" ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()), flush=True)
+        results.append(row)
+    return {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu", "layers": cfg.num_layers,
+            "format": args.format, "dtype": args.dtype, "tokens": args.tokens, "prompt": args.prompt,
+            "results": results}
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--format", default="nvfp4-ct", choices=["bf16", "fp8", "nvfp4-ct"])
+    parser.add_argument("--layers", type=int, default=8, help="decoder layers of the full-width slice")
+    parser.add_argument("--tiny", action="store_true", help="the tiny model's shapes (CPU smoke run)")
+    parser.add_argument("--batches", type=lambda s: [int(x) for x in s.split(",")], default=[1, 4])
+    parser.add_argument("--tokens", type=int, default=64, help="tokens generated a request")
+    parser.add_argument("--prompt", type=int, default=128, help="prompt tokens a request")
+    parser.add_argument("--acceptance", type=lambda s: [float(x) for x in s.split(",")], default=list(ACCEPTANCE))
+    parser.add_argument("--expert-variety", type=int, default=8)
+    parser.add_argument("--json")
+    args = parser.parse_args(argv)
+    report = run(args)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(report, f, indent=2)
+    return report
+
+
+if __name__ == "__main__":
+    main()
