@@ -19,28 +19,29 @@ import json
 import random
 import time
 from contextlib import contextmanager
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 
 from engine import LLM, SamplingParams
 from engine.config import ModelConfig
 from engine.mtp_drafter import MtpDrafter
+from engine.step_plan import StepPlan, StepResult
 from engine.tiny.factory import synthetic_weights, tiny_config
 from ops.bench_engine import slice_text_config, sync
 
 ACCEPTANCE = (0.0, 0.5, 0.7, 0.9, 1.0)
 
 
-@contextmanager
-def forced_drafts(truth: dict[tuple[int, ...], list[int]], right: float, vocab: int, seed: int = 0) -> Iterator[None]:
-    """Within the block, each draft the MTP layer makes is replaced by the right token (the one decoding without
-    drafts gives for that request and position, from `truth`: prompt -> output) with probability `right`, else by a
-    wrong one."""
+def forcing_step(truth: dict[tuple[int, ...], list[int]], right: float, vocab: int,
+                 seed: int = 0) -> Callable[[MtpDrafter, StepPlan, StepResult], None]:
+    """An `MtpDrafter.step` that, after the MTP layer drafted, replaces each draft by the right token (the one
+    decoding without drafts gives for that request and position, from `truth`: prompt -> output) with
+    probability `right`, else by a wrong one."""
     rng = random.Random(seed)
     original = MtpDrafter.step
 
-    def step(self, plan, result):
+    def step(self: MtpDrafter, plan: StepPlan, result: StepResult) -> None:
         original(self, plan, result)
         for span in plan.spans:
             seq = span.seq
@@ -49,7 +50,13 @@ def forced_drafts(truth: dict[tuple[int, ...], list[int]], right: float, vocab: 
             if seq.draft_token is not None and position < len(answer):
                 seq.draft_token = answer[position] if rng.random() < right else (answer[position] + 1) % vocab
 
-    MtpDrafter.step = step
+    return step
+
+
+@contextmanager
+def forced_drafts(truth: dict[tuple[int, ...], list[int]], right: float, vocab: int) -> Iterator[None]:
+    """`forcing_step` in place within the block."""
+    original, MtpDrafter.step = MtpDrafter.step, forcing_step(truth, right, vocab)
     try:
         yield
     finally:

@@ -7,8 +7,6 @@ over many draws, and the tiny model's tokens over many seeds against their exact
 
 from __future__ import annotations
 
-import random
-
 import pytest
 import torch
 
@@ -16,6 +14,7 @@ from engine import LLM, SamplingParams
 from engine.mtp_drafter import MtpDrafter
 from engine.sampler import _probs, verify_drafts
 from engine.sequence import Sequence
+from ops.bench_speculative import forcing_step
 from tests.engine.conftest import random_prompt
 
 PROMPTS = [random_prompt(40, 1), random_prompt(23, 2), random_prompt(31, 3)]
@@ -31,24 +30,8 @@ def spec_llm(snapshot, **options) -> LLM:
                **{"max_num_batched_tokens": 16, **options})
 
 
-def force_drafts(monkeypatch, truth: dict[tuple[int, ...], list[int]], right: float, seed: int = 0) -> None:
-    """After the MTP layer drafts, replace each draft by the right token (the one decoding without drafts gives)
-    with probability `right`, else by a wrong one."""
-    rng = random.Random(seed)
-    original = MtpDrafter.step
-
-    def step(self, plan, result):
-        original(self, plan, result)
-        for span in plan.spans:
-            seq = span.seq
-            if seq.draft_token is None:
-                continue
-            answer = truth[tuple(seq.prompt_token_ids)]
-            position = len(seq.output_token_ids)  # the draft is for this output index
-            if position < len(answer):
-                seq.draft_token = answer[position] if rng.random() < right else (answer[position] + 1) % 320
-
-    monkeypatch.setattr(MtpDrafter, "step", step)
+def force_drafts(monkeypatch, truth: dict[tuple[int, ...], list[int]], right: float) -> None:
+    monkeypatch.setattr(MtpDrafter, "step", forcing_step(truth, right, vocab=320))
 
 
 def plain_outputs(snapshot, prompts, params) -> dict[tuple[int, ...], list[int]]:
