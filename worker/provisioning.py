@@ -122,7 +122,7 @@ def model_spec(settings: Settings) -> tuple[str, str]:
         return spec, settings.served_model_name or default
     tiny = settings.cache_dir / "tiny-src"
     if not (tiny / "model.safetensors.index.json").exists():
-        write_tiny_model(tiny)
+        write_tiny_model(tiny, num_nextn_predict_layers=1)  # an MTP layer as the release has: drafts can run
     return str(tiny), settings.served_model_name or TINY_NAME
 
 

@@ -81,7 +81,10 @@ class Glm5NextModel:
             streams = layer(streams, batch, slots, cache)
             if layer_outputs is not None:
                 layer_outputs.append(streams.clone())
-        if hidden_out is not None:
+        if hidden_out is not None:  # every row collapsed once, the logits' rows taken from it
             hidden_out.append(streams.mean(dim=1))
-        hidden = rms_norm(streams[logit_rows].mean(dim=1), self.norm, self.cfg.rms_norm_eps)
+            collapsed = hidden_out[-1][logit_rows]
+        else:
+            collapsed = streams[logit_rows].mean(dim=1)
+        hidden = rms_norm(collapsed, self.norm, self.cfg.rms_norm_eps)
         return linear(hidden, self.lm_head).float()

@@ -142,13 +142,12 @@ class Reference:
         return (self.norm(z, "shared_head.norm.weight") @ self.lm_head.T).double()
 
 
-def engine_mtp(snapshot: Path, dtype: torch.dtype) -> tuple[MtpLayer, MtpCaches, ModelConfig]:
-    cfg = ModelConfig.from_dir(snapshot)
-    weights = load_weights(snapshot, cfg, "cpu", dtype, mtp=True)
-    layer = MtpLayer(cfg, weights, MTP, default_executor(weights, [MTP], cfg.swiglu_limit, torch.device("cpu")))
+def engine_mtp(snapshot: Path, dtype: torch.dtype, device: str = "cpu") -> tuple[MtpLayer, MtpCaches, ModelConfig]:
+    cfg, dev = ModelConfig.from_dir(snapshot), torch.device(device)
+    weights = load_weights(snapshot, cfg, dev, dtype, mtp=True)
+    layer = MtpLayer(cfg, weights, MTP, default_executor(weights, [MTP], cfg.swiglu_limit, dev))
     pages = -(-(PROMPT_LEN + 8) // PAGE)
-    caches = MtpCaches.like(cfg, RequestSlots(cfg, 2, torch.device("cpu"), dtype),
-                            PagedLatents(cfg, pages, PAGE, torch.device("cpu"), dtype))
+    caches = MtpCaches.like(cfg, RequestSlots(cfg, 2, dev, dtype), PagedLatents(cfg, pages, PAGE, dev, dtype))
     return layer, caches, cfg
 
 
@@ -161,9 +160,10 @@ def inputs(cfg: ModelConfig, seed: int) -> tuple[torch.Tensor, list[int]]:
 
 def prefill(layer: MtpLayer, caches: MtpCaches, hidden: torch.Tensor, next_ids: list[int],
             start: int = 0) -> torch.Tensor:
-    pages = list(range(caches.cache.num_pages))
-    batch = ForwardBatch(torch.tensor(next_ids[start:]), [SeqSpan(0, len(next_ids) - start, start, 0, pages)])
-    return layer(hidden[start:], batch, caches)[0]
+    pages, device = list(range(caches.cache.num_pages)), caches.cache.latents.device
+    batch = ForwardBatch(torch.tensor(next_ids[start:], device=device),
+                         [SeqSpan(0, len(next_ids) - start, start, 0, pages)])
+    return layer(hidden[start:].to(device), batch, caches)[0].cpu()
 
 
 @pytest.mark.parametrize("fmt", ["bf16", "fp8", "nvfp4-ct"])

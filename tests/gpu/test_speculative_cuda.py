@@ -8,12 +8,6 @@ import pytest
 import torch
 
 from engine import LLM, SamplingParams
-from engine.cache import PagedLatents, RequestSlots
-from engine.checkpoint.loader import load_weights
-from engine.config import ModelConfig
-from engine.experts import default_executor
-from engine.model.batch import ForwardBatch, SeqSpan
-from engine.model.mtp import MtpCaches, MtpLayer
 from engine.tiny.factory import write_tiny_model
 from tests.engine.test_bf16 import FACTOR, rel_error
 from tests.engine.test_mtp import engine_mtp, inputs, prefill
@@ -35,19 +29,9 @@ def test_mtp_logits_on_cuda_within_bf16_error(snapshot):
     want = prefill(want_layer, want_caches, hidden, next_ids)
     base_layer, base_caches, _ = engine_mtp(snapshot, torch.bfloat16)
     base = prefill(base_layer, base_caches, hidden, next_ids)
-    got = cuda_mtp_logits(snapshot, hidden, next_ids)
+    cuda_layer, cuda_caches, _ = engine_mtp(snapshot, torch.bfloat16, "cuda")
+    got = prefill(cuda_layer, cuda_caches, hidden, next_ids)
     assert rel_error(got, want) <= FACTOR * rel_error(base, want), (rel_error(got, want), rel_error(base, want))
-
-
-def cuda_mtp_logits(snapshot, hidden: torch.Tensor, next_ids: list[int]) -> torch.Tensor:
-    cfg, cuda = ModelConfig.from_dir(snapshot), torch.device("cuda")
-    weights = load_weights(snapshot, cfg, cuda, torch.bfloat16, mtp=True)
-    layer = MtpLayer(cfg, weights, cfg.num_layers, default_executor(weights, [cfg.num_layers], cfg.swiglu_limit, cuda))
-    pages = -(-len(next_ids) // 16) + 1
-    caches = MtpCaches.like(cfg, RequestSlots(cfg, 2, cuda, torch.bfloat16),
-                            PagedLatents(cfg, pages, 16, cuda, torch.bfloat16))
-    batch = ForwardBatch(torch.tensor(next_ids, device=cuda), [SeqSpan(0, len(next_ids), 0, 0, list(range(pages)))])
-    return layer(hidden.to(cuda), batch, caches)[0].cpu()
 
 
 @pytest.mark.parametrize("right", [None, 1.0])

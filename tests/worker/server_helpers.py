@@ -149,9 +149,9 @@ class Server:
         assert self.thread is not None and self.thread.is_alive(), "the server thread is not running"
 
 
-def make_settings(model_dir: Path, cache_dir: Path, **overrides: Any) -> Settings:
+def make_settings(model_dir: Path | None, cache_dir: Path, **overrides: Any) -> Settings:
     fields: dict[str, Any] = dict(
-        model=str(model_dir), served_model_name=MODEL_NAME, host="127.0.0.1", port=free_port(),
+        model=None if model_dir is None else str(model_dir), served_model_name=MODEL_NAME, host="127.0.0.1", port=free_port(),
         device="cpu", dtype="float32", cache_dir=cache_dir, max_num_seqs=8, max_queue=256,
         max_model_len=8192, api_key=None, hf_token=None, log_level="WARNING",
         # no parking, no controller, a short drain: the environment must not change how a test server lives

@@ -1,5 +1,6 @@
-"""A server with speculative decoding on (GLMFLASH_MTP_DRAFTS, GLMFLASH_SPECULATIVE) over a tiny model with an MTP
-layer answers greedy requests exactly as one without it, streamed or not, and /metrics counts its drafts."""
+"""A server with speculative decoding on (GLMFLASH_MTP_DRAFTS, GLMFLASH_SPECULATIVE) over the embedded tiny model
+(no model given: it carries an MTP layer, as the release does) answers greedy requests exactly as one without it,
+streamed or not, and /metrics counts its drafts."""
 
 from __future__ import annotations
 
@@ -8,7 +9,6 @@ import urllib.request
 import openai
 import pytest
 
-from engine.tiny.factory import write_tiny_model
 from server_helpers import make_settings, start_server, stop_server
 from worker.metrics import samples
 
@@ -17,8 +17,7 @@ PROMPT = "The quick brown fox jumps over the lazy dog, and then"
 
 @pytest.fixture(scope="module")
 def servers(tmp_path_factory):
-    model = write_tiny_model(tmp_path_factory.mktemp("mtp") / "tiny", "bf16", num_nextn_predict_layers=1)
-    started = [start_server(make_settings(model, tmp_path_factory.mktemp("cache"), prefix_cache=False, **flags))
+    started = [start_server(make_settings(None, tmp_path_factory.mktemp("cache"), prefix_cache=False, **flags))
                for flags in ({}, {"mtp_drafts": True, "speculative": True})]
     yield started
     for server in started:
