@@ -16,7 +16,7 @@ from engine.experts import ExpertExecutor, default_executor, executor_class
 from engine.experts.filling import FillingExperts
 from engine.experts.hybrid import HybridExperts
 from engine.kernels.dispatch import fast_kernels_enabled
-from engine.memory_plan import MemoryPlan, build_caches, plan_memory
+from engine.memory_plan import MemoryPlan, build_caches, cache_config, plan_memory
 from engine.model.glm5_next import Glm5NextModel
 from engine.model.mtp import MtpLayer
 from engine.model.vision import VisionTower, vision_weights
@@ -42,7 +42,7 @@ class EngineParts:
     model: Glm5NextModel
     scheduler: Scheduler
     runner: ModelRunner
-    drafter: MtpDrafter | None  # the MTP layer's drafts (options.mtp_drafts, where it can run)
+    drafter: MtpDrafter | None  # the MTP layer's drafts (options.drafts_on, where it can run)
 
 
 def build_parts(config: ModelConfig, weights: LoadedWeights, options: EngineOptions, plan: MemoryPlan | None,
@@ -55,7 +55,7 @@ def build_parts(config: ModelConfig, weights: LoadedWeights, options: EngineOpti
         wait_for_warm_up(config, options, device, dtype)
     plan = plan or plan_memory(config, options, device, dtype)
     slots, cache = build_caches(config, options, plan, device, dtype)
-    prefix = _prefix_cache(config, slots, cache, plan) if options.prefix_cache else None
+    prefix = _prefix_cache(cache_config(config, options), slots, cache, plan) if options.prefix_cache else None
     offload = _hybrid_experts(config, weights, options, plan)
     executor: ExpertExecutor = offload or default_executor(weights, config.moe_layers, config.swiglu_limit, device)
     fill = FillingExperts(executor, experts) if experts is not None and not experts.complete else None
@@ -64,26 +64,24 @@ def build_parts(config: ModelConfig, weights: LoadedWeights, options: EngineOpti
                              options.max_waiting)
     scheduler = Scheduler(slots, cache, limits, prefix)
     runner = ModelRunner(model, slots, cache, cache.pages_for(options.max_model_len), _image_embedder(config, weights))
-    drafter = mtp_drafter(config, weights, options, plan, slots, cache) if options.mtp_drafts else None
+    drafter = mtp_drafter(config, weights, options, plan, runner) if options.drafts_on else None
     return EngineParts(plan, slots, cache, prefix, offload, fill, model, scheduler, runner, drafter)
 
 
 def mtp_drafter(config: ModelConfig, weights: LoadedWeights, options: EngineOptions, plan: MemoryPlan,
-                slots: RequestSlots, cache: PagedLatents) -> MtpDrafter | None:
-    """The MTP layer over caches like the main ones, where it can run: the checkpoint has it, every expert is
-    resident (its experts are not placed under a budget yet) and no prefix cache restores requests (it does not
-    keep the MTP layer's latents yet)."""
+                runner: ModelRunner) -> MtpDrafter | None:
+    """The MTP layer over the caches' last DSA index, where it can run: the checkpoint has it and every expert is
+    resident (its experts are not placed under a budget yet)."""
     index = config.num_layers
-    reason = ("no_mtp_layer" if f"layers.{index}.eh_proj" not in weights else
-              "hybrid_offload" if plan.expert_budget is not None else
-              "prefix_cache" if options.prefix_cache else None)
+    reason = ("hybrid_offload" if plan.expert_budget is not None else  # its experts were not loaded then
+              "no_mtp_layer" if f"layers.{index}.eh_proj" not in weights else None)
     if reason is not None:
         log.info("event=mtp_drafts on=0 reason=%s", reason)
         return None
     device = weights["embed_tokens.weight"].device
     layer = MtpLayer(config, weights, index, default_executor(weights, [index], config.swiglu_limit, device))
-    log.info("event=mtp_drafts on=1 layer=%d verify=%d", index, options.speculative)
-    return MtpDrafter(config, layer, slots, cache, options.speculative)
+    log.info("event=mtp_drafts on=1 layer=%d speculative_tokens=%d", index, options.speculative_tokens)
+    return MtpDrafter(cache_config(config, options), layer, runner, options.speculative_tokens)
 
 
 def _image_embedder(config: ModelConfig, weights: LoadedWeights) -> ImageEmbedder | None:

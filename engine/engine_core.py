@@ -204,15 +204,18 @@ class EngineCore:
         sampled, after_drafts = self._sample(plan, result.logits, masks)
         end = time.perf_counter()
         self.step_times = self.step_times.plus(plan.has_prefill, end - plan.started)
-        before = {seq: len(seq.output_token_ids) for seq in plan.drafted}
-        for seq in self.scheduler.update(plan, result, sampled, self.config.eos_token_ids, after_drafts):
+        before = {seq: len(seq.output_token_ids) for seq in plan.drafts}
+        restore = self.drafter.restore if self.drafter is not None else None
+        if self.drafter is not None:
+            self.drafter.follow(plan, result, [token for token, _ in sampled], after_drafts)
+        for seq in self.scheduler.update(plan, result, sampled, self.config.eos_token_ids, after_drafts, restore):
             del self._by_id[seq.request_id]
         if self.drafter is not None:
-            self.drafter.step(plan, result)
+            self.drafter.draft(plan)
         outputs = []
         for seq, (token, logprobs) in zip(plan.to_sample, sampled):
             first = len(seq.output_token_ids) == 1
-            accepted = seq.output_token_ids[before[seq] + 1:] if seq in before else []  # a verified draft's next
+            accepted = seq.output_token_ids[before[seq] + 1:] if seq in before else []  # a verify's further tokens
             outputs.append(StepOutput(seq.request_id, token, logprobs, None if accepted else seq.finish_reason,
                                       seq.cached_prompt_tokens,
                                       seq.prompt_logprobs if first and seq.params.prompt_logprobs is not None else None,
@@ -222,25 +225,28 @@ class EngineCore:
         return outputs
 
     def _sample(self, plan: StepPlan, logits: torch.Tensor, masks) -> tuple[list[tuple[int, TokenLogprobs | None]],
-                                                                         dict[Sequence, int]]:
+                                                                         dict[Sequence, list[int]]]:
         """A token for each request that samples (its row of `logits`, masked where it is constrained) and, for
-        the drafted ones (their draft rows follow), the verdict on the draft: the token after it where accepted."""
+        the drafted ones (their draft rows follow), the verdict on their drafts: the tokens after the first."""
         rows = len(plan.to_sample)
         if masks is not None:
             self.masks.apply(logits[:rows], masks)
-        drafted = plan.drafted_in_order
+        drafted = plan.drafts_in_order
         if not drafted:
             return sample_batch(logits[:rows], list(plan.to_sample)), {}
-        others = [i for i, seq in enumerate(plan.to_sample) if seq not in plan.drafted]
+        others = [i for i, seq in enumerate(plan.to_sample) if seq not in plan.drafts]
         row_of = {seq: i for i, seq in enumerate(plan.to_sample)}
-        verdicts = verify_drafts(logits[[row_of[seq] for seq in drafted]], logits[rows:], drafted,
-                                 [seq.draft_token for seq in drafted])
+        verified, first = [], rows
+        for seq, drafts in drafted:  # each request's row before its drafts, then its draft rows
+            verified.append(torch.cat([logits[row_of[seq]:row_of[seq] + 1], logits[first:first + len(drafts)]]))
+            first += len(drafts)
+        verdicts = verify_drafts(verified, [seq for seq, _ in drafted], [drafts for _, drafts in drafted])
         sampled: list[tuple[int, TokenLogprobs | None]] = [(0, None)] * rows
         for i, pick in zip(others, sample_batch(logits[others], [plan.to_sample[i] for i in others])):
             sampled[i] = pick
-        for seq, (token, _) in zip(drafted, verdicts):
-            sampled[row_of[seq]] = (token, None)
-        return sampled, {seq: after for seq, (_, after) in zip(drafted, verdicts) if after is not None}
+        for (seq, _), tokens in zip(drafted, verdicts):
+            sampled[row_of[seq]] = (tokens[0], None)
+        return sampled, {seq: tokens[1:] for (seq, _), tokens in zip(drafted, verdicts)}
 
     def _drop_expert_fill(self) -> None:
         """Between steps, once the fill is done: the plain executor from now on."""

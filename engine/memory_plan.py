@@ -18,6 +18,7 @@ from engine.cache import PagedLatents, RequestSlots
 from engine.cache.prefix_cache import TierSize
 from engine.cache.state_rows import state_bytes
 from engine.config import ModelConfig
+from engine.model.mtp import with_mtp_cache
 from engine.options import EngineOptions
 from engine.offload.placement import slots_per_layer
 
@@ -74,11 +75,18 @@ def reserve_bytes(max_batched_tokens: int, max_model_len: int) -> int:
     return BASE_RESERVE + max_batched_tokens * (ACTIVATION_BYTES_PER_TOKEN + SCORE_BYTES_PER_CONTEXT * max_model_len)
 
 
+def cache_config(config: ModelConfig, options: EngineOptions) -> ModelConfig:
+    """The layers the caches hold: the model's, and the MTP layer's DSA where drafts are asked of a config that
+    declares one (a checkpoint that lacks it, such as the ModelOpt build, leaves that index unused)."""
+    return with_mtp_cache(config) if options.drafts_on and config.num_mtp_layers else config
+
+
 def build_caches(config: ModelConfig, options: EngineOptions, plan: MemoryPlan, device: torch.device,
                  dtype: torch.dtype) -> tuple[RequestSlots, PagedLatents]:
     """The request slots and the latent pages (the requests' and the prefix cache's device pages) the plan sized."""
-    return (RequestSlots(config, options.max_num_seqs, device, dtype),
-            PagedLatents(config, plan.latent_pages, options.page_size, device, dtype))
+    held = cache_config(config, options)
+    return (RequestSlots(held, options.max_num_seqs, device, dtype),
+            PagedLatents(held, plan.latent_pages, options.page_size, device, dtype))
 
 
 def plan_memory(config: ModelConfig, options: EngineOptions, device: torch.device, dtype: torch.dtype,
@@ -88,15 +96,17 @@ def plan_memory(config: ModelConfig, options: EngineOptions, device: torch.devic
     given; none on the CPU)."""
     request_pages = options.max_num_seqs * -(-options.max_model_len // options.page_size)
 
+    held = cache_config(config, options)
+
     def tier(budget: int) -> TierSize:
-        return TierSize.of(budget, config, options.page_size, dtype, request_pages) if options.prefix_cache \
+        return TierSize.of(budget, held, options.page_size, dtype, request_pages) if options.prefix_cache \
             else TierSize(0, 0)
 
     prefix_device, prefix_host = tier(options.prefix_cache_bytes), tier(options.prefix_cache_host_bytes)
     reserve = reserve_bytes(options.max_num_batched_tokens, options.max_model_len)
     plan = MemoryPlan(request_pages, prefix_device, prefix_host, 0, reserve, None, None)
     meta = build_caches(config, options, plan, torch.device("meta"), dtype)
-    caches = prefix_device.snapshots * state_bytes(config, options.page_size, dtype) + sum(
+    caches = prefix_device.snapshots * state_bytes(held, options.page_size, dtype) + sum(
         t.numel() * t.element_size() for cache in meta for t in vars(cache).values() if isinstance(t, torch.Tensor))
     if free_bytes is None:
         free_bytes = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else 0

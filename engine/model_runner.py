@@ -61,6 +61,10 @@ class ModelRunner:
             page_table[row, :len(seq.pages)] = torch.tensor(seq.pages)
         return slot_ids, positions, page_table
 
+    def decode_meta(self, rows: list[tuple[Sequence, int]]) -> DecodeMeta:
+        """The device tensors of requests adding one token each, at these positions."""
+        return self._decode_meta(*self._decode_rows(rows))
+
     def _decode_meta(self, slot_ids: torch.Tensor, positions: torch.Tensor, page_table: torch.Tensor) -> DecodeMeta:
         dev = self.model.device
         return DecodeMeta(slot_ids.to(dev), positions.to(dev), page_table.to(dev))
@@ -98,10 +102,10 @@ class ModelRunner:
         sampled: list[int] = []  # which of `rows` the step samples from
         prompt_rows: list[tuple[Sequence, int, int]] = []  # (seq, its first row in `rows`, rows)
         with_images: list[tuple[Sequence, int, int, int]] = []  # (seq, first position, tokens, first flat row)
-        draft_rows: list[int] = []  # the drafted requests' draft tokens' rows
+        draft_rows: list[int] = []  # the drafted requests' draft tokens' rows, in span order
         for span in plan.spans:
             seq, new, computed = span.seq, span.num_new, span.seq.num_computed
-            draft = [seq.draft_token] if seq in plan.drafted else []
+            draft = list(plan.drafts.get(seq, ()))
             length = new + len(draft)
             parts = [length - 1, 1] if saves is not None and seq in saves.requests else [length]
             for offset, part in zip((0, length - 1), parts):
@@ -110,8 +114,7 @@ class ModelRunner:
                     one_token_rows.append((seq, computed + offset))
             start = len(tokens)
             tokens.extend(seq.token_ids[computed:computed + new] + draft)
-            if draft:
-                draft_rows.append(start + new)
+            draft_rows.extend(range(start + new, start + new + len(draft)))
             if seq.images:
                 with_images.append((seq, computed, new, start))
             if plan.all_rows:
@@ -127,7 +130,7 @@ class ModelRunner:
                 rows.append(start + new - 1)
         sampled.extend(range(len(rows), len(rows) + len(draft_rows)))  # after every other row
         rows.extend(draft_rows)
-        one_token = self._decode_meta(*self._decode_rows(one_token_rows)) if one_token_rows else None
+        one_token = self.decode_meta(one_token_rows) if one_token_rows else None
         batch = ForwardBatch(torch.tensor(tokens, dtype=torch.long, device=device), spans, one_token=one_token,
                              snapshot_saves=saves, embeds=self.images.rows(with_images) if with_images else None)
         hidden: list[torch.Tensor] | None = [] if with_hidden else None

@@ -1,44 +1,49 @@
-"""Drafts from the checkpoint's MTP layer, kept in step with the main model, and (with `verify`) checked in the
-next step: speculative decoding with one draft token.
+"""Drafts from the checkpoint's MTP layer, kept in step with the main model, and (with `speculative_tokens` k)
+verified in the next step: speculative decoding.
 
-After every step the MTP layer runs over the step's rows (the main model's collapsed hidden at each position, the
-token after it: a prompt token, or the one just sampled), so its own latent cache holds every position the main
-model computed, and each request that sampled gets a draft of the token after that one (`Sequence.draft_token`,
-greedy).
+After every step, before the requests are updated (`follow`), the MTP layer runs over the step's rows (the main
+model's collapsed hidden at each position, the token after it: a prompt token, or one just sampled), so its cache
+(the caches' last DSA index) holds every position the main model computed when a snapshot, finish or restore reads
+it. Then (`draft`) each request that sampled and goes on gets its drafts from the row before its last token: the
+first from that row, each further one from the MTP layer run again on its own output and the draft before
+(a chain of one-token steps at the positions after; its open indexer pool is put back afterwards, and the latents
+it wrote there are rewritten before anything reads them).
 
-With `verify`, a request's next decode step runs its token and its draft as one two-token span (the verify): the
-token's row gives the next token as without drafts (greedy; sampling accepts the draft with the probability the row
-gives it, else draws from the rest: the same distribution, `engine.sampler.verify_drafts`); if that token is the
-draft, the draft's row gives one more, so the step yields two tokens for the price of one step's weight reads.
-Otherwise the draft's position
-has left its traces in the request's recurrent, short-conv and open-pool state (the main model's and the MTP
-layer's): those are restored from a copy taken before the step, and the request computes its token again next
-step, with the new one (latents past a position are rewritten before anything reads them). Greedy output is the
-same token for token as without drafts; sampled output follows the same distribution.
+With k > 0, a request's next step runs its tokens and then its drafts as one span (the verify): the row of its last
+known token gives the next token as without drafts, and each accepted draft's row one more
+(`engine.sampler.verify_drafts`: the argmax for greedy requests, rejection sampling otherwise), so a step yields
+up to k + 1 tokens for about the price of one step's weight reads. Where a draft is rejected, the positions after
+it have left their traces in the request's recurrent, short-conv and open-pool state: the scheduler restores the
+state copied before the step (`restore`), and the request's tokens run again with the new ones in its next step,
+which verifies new drafts made from the rows that held. Greedy output is the same token for token as without
+drafts; sampled output follows the same distribution.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import Iterator
 
 import torch
 
-from engine.cache import PagedLatents, RequestSlots
 from engine.cache.state_rows import StateRows
 from engine.config import ModelConfig
 from engine.model.batch import ForwardBatch
-from engine.model.mtp import MtpCaches, MtpLayer, mtp_attention_config
+from engine.model.mtp import MtpLayer
+from engine.model_runner import ModelRunner
 from engine.sequence import Sequence
 from engine.step_plan import StepPlan, StepResult
 
 
 @dataclass
 class DraftStats:
-    proposed: int = 0  # drafts whose position the main model has since sampled
+    proposed: int = 0  # first drafts whose position the main model has since sampled
     accepted: int = 0  # of those, drafts equal to the sampled token
-    verified: int = 0  # drafts run in a verify step (speculative)
-    verified_accepted: int = 0  # of those, accepted: each gave a second token in its step
+    verify_steps: int = 0  # request-steps that verified drafts (speculative)
+    verified: int = 0  # draft tokens verified
+    verified_accepted: int = 0  # of those, accepted: each gave one more token in its step
 
     @property
     def acceptance(self) -> float | None:
@@ -47,73 +52,141 @@ class DraftStats:
     @property
     def mean_accepted_length(self) -> float | None:
         """Tokens a verify step gave a request, on average (1 + its accepted drafts)."""
-        return 1 + self.verified_accepted / self.verified if self.verified else None
+        return 1 + self.verified_accepted / self.verify_steps if self.verify_steps else None
 
 
 def verifiable(seq: Sequence) -> bool:
     """A request whose next token depends on its logits row alone (greedy, or temperature / top-k / top-p /
-    min-p sampling): its draft can be verified from the rows (`engine.sampler.verify_drafts`)."""
+    min-p sampling): its drafts can be verified from the rows (`engine.sampler.verify_drafts`)."""
     p = seq.params
     return (not p.logits_processors and not p.penalized and p.logprobs is None and p.prompt_logprobs is None
             and seq.constraint is None)
 
 
+def _accepted(seq: Sequence, first: int, drafts: tuple[int, ...]) -> int:
+    """Drafts equal to the tokens the request took from position `first` on (a rejected draft never is)."""
+    taken = seq.token_ids[first:first + len(drafts)]
+    return next((j for j, (a, b) in enumerate(zip(taken, drafts)) if a != b), len(taken))
+
+
 class MtpDrafter:
-    def __init__(self, config: ModelConfig, layer: MtpLayer, slots: RequestSlots, cache: PagedLatents,
-                 verify: bool = False) -> None:
-        self.layer, self.slots, self.cache, self.verify = layer, slots, cache, verify
-        self.caches = MtpCaches.like(config, slots, cache)
+    def __init__(self, config: ModelConfig, layer: MtpLayer, runner: ModelRunner, speculative_tokens: int) -> None:
+        """`config`: the caches' (the MTP layer's DSA included); `speculative_tokens`: drafts verified a step (0:
+        one draft a request, only counted)."""
+        self.layer, self.runner, self.k = layer, runner, speculative_tokens
+        self.slots, self.cache = runner.slots, runner.cache
+        self.index = layer.mixer.cache_index
         self.stats = DraftStats()
-        if verify:  # a copy of each slot's state from before its verify step, main and MTP layer
-            device, dtype, rows = cache.latents.device, cache.latents.dtype, slots.num_slots + 1
-            self.saved = StateRows(config, rows, cache.page_size, device, dtype)
-            self.saved_mtp = StateRows(mtp_attention_config(config), rows, cache.page_size, device, dtype)
+        self._sources: dict[Sequence, tuple[int, int]] = {}  # request -> (its draft's row, its first new position)
+        self._z: torch.Tensor | None = None  # the MTP layer's output over the step's rows, `follow` to `draft`
+        if speculative_tokens:  # each verifying slot's state from before its step, the MTP layer's included
+            cache = self.cache
+            self.saved = StateRows(config, self.slots.num_slots + 1, cache.page_size, cache.latents.device,
+                                   cache.latents.dtype)
+
+    def _drafts_wanted(self, seq: Sequence) -> int:
+        """Drafts to make for `seq`: k, fewer near max_tokens (a step yields at most drafts + 1 tokens), one
+        when they are only counted."""
+        if not self.k:
+            return 1
+        return min(self.k, seq.params.max_tokens - len(seq.output_token_ids) - 1)
 
     def with_drafts(self, plan: StepPlan) -> StepPlan:
-        """The plan with its decoding greedy requests' drafts to verify; their states copied first."""
-        if not self.verify or plan.snapshot_saves is not None:
+        """The plan with its decoding requests' drafts to verify; their states copied first."""
+        if not self.k:
             return plan
-        drafted = frozenset(span.seq for span in plan.spans
-                            if span.num_new == 1 == span.seq.num_to_compute and span.seq.draft_token is not None
-                            and verifiable(span.seq))
-        for seq in drafted:
+        saving = plan.snapshot_saves.requests if plan.snapshot_saves is not None else ()
+        drafts = {span.seq: span.seq.draft_tokens[:self._drafts_wanted(span.seq)] for span in plan.spans
+                  if span.samples and span.seq.draft_tokens and span.seq not in saving and verifiable(span.seq)
+                  and span.seq.num_computed >= len(span.seq.prompt_token_ids)}
+        drafts = {seq: d for seq, d in drafts.items() if d}
+        for seq in drafts:
             self.saved.save(seq.slot, self.slots, seq.slot, self.cache, None)
-            self.saved_mtp.save(seq.slot, self.caches.slots, seq.slot, self.caches.cache, None)
-        return dataclasses.replace(plan, drafted=drafted) if drafted else plan
+        return dataclasses.replace(plan, drafts=drafts) if drafts else plan
 
-    def step(self, plan: StepPlan, result: StepResult) -> None:
-        """After the step's requests were updated (tokens appended, drafts verified): score the drafts they had,
-        run the MTP layer over the step's rows, draft anew for the requests that sampled, and restore the state
-        of those whose draft was rejected."""
+    def restore(self, seq: Sequence) -> None:
+        """`seq`'s state back to before its verify step (a draft was rejected, or it finished inside its run)."""
+        self.saved.load(seq.slot, self.slots, seq.slot, self.cache, None)
+
+    def follow(self, plan: StepPlan, result: StepResult, sampled: list[int],
+               after_drafts: dict[Sequence, list[int]]) -> None:
+        """Before the requests are updated: the MTP layer over the step's rows, each with the token after it (known,
+        or new this step: `sampled` for each request of `plan.to_sample`, then its verified drafts' tokens), so its
+        state holds every position the main model computed before any snapshot, finish or restore reads it."""
         main = result.batch
+        new = {seq: [token] + after_drafts.get(seq, []) for seq, token in zip(plan.to_sample, sampled)}
         tokens: list[int] = []
-        draft_rows: list[tuple[Sequence, int]] = []
-        rejected: list[Sequence] = []
-        sampled = set(plan.to_sample)
-        for span, part in zip(plan.spans, main.spans, strict=True):  # one part a span: no snapshot splits here
-            seq, start = span.seq, part.num_computed
-            after = seq.token_ids[start + 1:start + part.new + 1]  # the token after each row
-            tokens.extend(after + [0] * (part.new - len(after)))  # none past a request that stopped there
-            if seq not in sampled:
-                continue
-            if seq.draft_token is not None:
-                right = seq.token_ids[start + 1] == seq.draft_token
-                self.stats.proposed += 1
-                self.stats.accepted += right
-                if seq in plan.drafted:
-                    self.stats.verified += 1
-                    self.stats.verified_accepted += right
-            seq.draft_token = None
-            if seq in plan.drafted and not seq.finished and seq.num_computed == start:
-                rejected.append(seq)  # its token runs again next step
-            elif not seq.finished:
-                draft_rows.append((seq, part.offset + part.new - 1))
+        self._sources = {}
+        parts = iter(main.spans)
+        for span in plan.spans:
+            seq = span.seq
+            split = plan.snapshot_saves is not None and seq in plan.snapshot_saves.requests
+            own = [next(parts)] + ([next(parts)] if split else [])
+            start, rows = own[0].num_computed, sum(part.new for part in own)
+            known = seq.token_ids + new.get(seq, [])
+            after = known[start + 1:start + rows + 1]
+            tokens.extend(after + [0] * (rows - len(after)))  # none after the tokens taken (rows of undone drafts)
+            if seq in new:
+                last = len(known) - 2  # the position whose next token is the last one taken
+                part = next(p for p in own if p.num_computed <= last < p.total)
+                self._sources[seq] = (part.offset + last - part.num_computed, start + span.num_new)
         batch = ForwardBatch(torch.tensor(tokens, dtype=torch.long, device=main.token_ids.device), main.spans,
-                             main.decode, main.one_token)
-        rows = torch.tensor([row for _, row in draft_rows], dtype=torch.long, device=main.token_ids.device)
-        logits, _ = self.layer(result.hidden, batch, self.caches, rows)
-        for (seq, _), token in zip(draft_rows, logits.argmax(dim=-1).tolist()):
-            seq.draft_token = token
-        for seq in rejected:
-            self.saved.load(seq.slot, self.slots, seq.slot, self.cache, None)
-            self.saved_mtp.load(seq.slot, self.caches.slots, seq.slot, self.caches.cache, None)
+                             main.decode, main.one_token, main.snapshot_saves)
+        self._z = self.layer(result.hidden, batch, self.slots, self.cache)
+
+    def draft(self, plan: StepPlan) -> None:
+        """After the requests were updated (tokens appended, drafts verified, finishes decided): score the drafts
+        they had and draft anew for those that sampled and go on, from the row before their last token."""
+        firsts: list[tuple[Sequence, int]] = []
+        for seq, (row, first) in self._sources.items():
+            self._score(seq, first, plan.drafts.get(seq))
+            seq.draft_tokens = ()
+            if not seq.finished and self._drafts_wanted(seq) > 0:
+                firsts.append((seq, row))
+        if not firsts:
+            self._z = None
+            return
+        rows = torch.tensor([row for _, row in firsts], dtype=torch.long, device=self._z.device)
+        z = self._z[rows]
+        self._z = None
+        drafts = [[token] for token in self.layer.logits(z).argmax(dim=-1).tolist()]
+        self._chain([seq for seq, _ in firsts], z, drafts)
+        for (seq, _), made in zip(firsts, drafts):
+            seq.draft_tokens = tuple(made)
+
+    def _score(self, seq: Sequence, first: int, verified: tuple[int, ...] | None) -> None:
+        """Count `seq`'s first draft (right or not: the token now at position `first`) and its verified ones."""
+        if seq.draft_tokens:
+            self.stats.proposed += 1
+            self.stats.accepted += seq.token_ids[first] == seq.draft_tokens[0]
+        if verified is not None:
+            self.stats.verify_steps += 1
+            self.stats.verified += len(verified)
+            self.stats.verified_accepted += _accepted(seq, first, verified)
+
+    def _chain(self, seqs: list[Sequence], z: torch.Tensor, drafts: list[list[int]]) -> None:
+        """Draft 2.. of each request: the MTP layer on its own output z and the draft before, one position on."""
+        wanted = [self._drafts_wanted(seq) for seq in seqs]
+        for j in range(1, max(wanted, default=0)):
+            rows = [i for i, w in enumerate(wanted) if w > j]
+            chain = [seqs[i] for i in rows]
+            meta = self.runner.decode_meta([(seq, seq.num_tokens - 2 + j) for seq in chain])
+            index = torch.tensor(rows, device=z.device)
+            batch = ForwardBatch(torch.tensor([drafts[i][-1] for i in rows], device=z.device), [], meta)
+            with self._pools_kept([seq.slot for seq in chain]):
+                out = self.layer(z[index], batch, self.slots, self.cache)
+            z = z.index_copy(0, index, out)
+            for i, token in zip(rows, self.layer.logits(out).argmax(dim=-1).tolist()):
+                drafts[i].append(token)
+
+    @contextmanager
+    def _pools_kept(self, slots: list[int]) -> Iterator[None]:
+        """The MTP layer's open indexer pool of these slots as it was before the block: positions the chain runs
+        are drafts ahead of the tokens taken, not the requests'."""
+        if not slots:
+            yield
+            return
+        ids = torch.tensor(slots, device=self.slots.open_pool.device)
+        kept = self.slots.open_pool[self.index, ids].clone()
+        yield
+        self.slots.open_pool[self.index, ids] = kept

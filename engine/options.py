@@ -30,10 +30,16 @@ class EngineOptions:
     prefix_cache: bool = True  # start requests from the saved state of their longest cached prefix
     prefix_cache_bytes: int = 4 << 30  # device memory for cached prefixes (snapshots and extra pages)
     prefix_cache_host_bytes: int = 0  # host RAM for prefixes evicted from the device (0: none, evictions drop)
-    # Load the checkpoint's MTP layer and run it after every step, drafting the token after each sampled one and
-    # counting how often the draft is right (engine/mtp_drafter.py; drafts are not verified yet). Off where the
-    # prefix cache or hybrid offload is on: neither keeps the MTP layer's cache yet.
+    # Load the checkpoint's MTP layer and run it after every step, drafting the tokens after each sampled one and
+    # counting how often the first draft is right (engine/mtp_drafter.py). Off under hybrid offload: the MTP
+    # layer's experts are not placed yet.
     mtp_drafts: bool = False
-    # With mtp_drafts: verify each greedy request's draft in its next decode step (speculative decoding, one
-    # draft token): two tokens a step where the draft is right, the same tokens as without.
-    speculative: bool = False
+    # Speculative decoding: up to this many MTP drafts verified in each decoding request's next step (0: off; on
+    # turns mtp_drafts on): up to k + 1 tokens a step, the same tokens as without (greedy), the same distribution
+    # (sampling).
+    speculative_tokens: int = 0
+
+    @property
+    def drafts_on(self) -> bool:
+        """Whether the MTP layer runs (drafting, verified or not)."""
+        return self.mtp_drafts or self.speculative_tokens > 0

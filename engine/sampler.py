@@ -117,25 +117,31 @@ def _probs_rows(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
     return probs
 
 
-def verify_drafts(rows: torch.Tensor, draft_rows: torch.Tensor, seqs: list[Sequence],
-                  drafts: list[int]) -> list[tuple[int, int | None]]:
-    """Speculative sampling with one greedy draft a request (`rows`: the logits before each draft, `draft_rows`:
-    the draft's own): -> (the token at the row, the token after the draft when the draft was accepted, else
-    None). Greedy: the draft is accepted when it is the argmax. Sampling: with probability p(draft), p the
-    request's distribution at the row, the draft is the token and the draft's row samples the next; otherwise
-    the token is drawn from p without the draft, renormalized: either way the token follows p exactly (the
-    draft's distribution is one-hot), and what follows an accepted draft follows its own row's distribution."""
-    out: list[tuple[int, int | None]] = []
-    for row, draft_row, seq, draft in zip(rows, draft_rows, seqs, drafts):
+def verify_drafts(rows: list[torch.Tensor], seqs: list[Sequence], drafts: list[tuple[int, ...]]) -> list[list[int]]:
+    """Speculative sampling of greedy drafts (`rows[i]`: request i's logits [c + 1, V], the row before its first
+    draft and each draft's own row) -> each request's tokens: the accepted drafts, then one token more (drawn at
+    the first rejected draft's row, or at the last draft's row when all were accepted). Greedy: a draft is
+    accepted while it is the argmax. Sampling: draft j is accepted with probability p_j(draft), p_j the request's
+    distribution at its row; otherwise the token is drawn from p_j without the draft, renormalized: either way
+    every token follows its row's distribution exactly (the drafts' distribution is one-hot)."""
+    out: list[list[int]] = []
+    for row, seq, draft in zip(rows, seqs, drafts):
         if seq.params.greedy:
-            token = int(row.argmax())
-            out.append((token, int(draft_row.argmax()) if token == draft else None))
+            picks = row.argmax(dim=-1).tolist()
+            accepted = next((j for j, token in enumerate(draft) if picks[j] != token), len(draft))
+            out.append(picks[:accepted + 1])
             continue
-        probs = _probs(row, seq).cpu()
-        if float(torch.rand((), generator=seq.generator)) < float(probs[draft]):
-            after = int(torch.multinomial(_probs(draft_row, seq).cpu(), 1, generator=seq.generator))
-            out.append((draft, after))
-            continue
-        probs[draft] = 0.0
-        out.append((int(torch.multinomial(probs / probs.sum(), 1, generator=seq.generator)), None))
+        probs = _probs_rows(row, [seq] * row.shape[0]).cpu()
+        tokens: list[int] = []
+        for j, token in enumerate(draft):
+            if float(torch.rand((), generator=seq.generator)) < float(probs[j, token]):
+                tokens.append(token)
+                continue
+            rest = probs[j].clone()
+            rest[token] = 0.0
+            tokens.append(int(torch.multinomial(rest / rest.sum(), 1, generator=seq.generator)))
+            break
+        else:
+            tokens.append(int(torch.multinomial(probs[len(draft)], 1, generator=seq.generator)))
+        out.append(tokens)
     return out

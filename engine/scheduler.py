@@ -27,7 +27,7 @@ import time
 from collections import deque
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Iterator
+from typing import Callable, Iterator
 
 from engine.cache import PagedLatents, RequestSlots
 from engine.cache.prefix_cache import PrefixCache, PrefixHit
@@ -171,34 +171,44 @@ class Scheduler:
 
     def advance(self, plan: StepPlan, result: StepResult) -> None:
         """The step ran: its requests' computed tokens, prompt logprobs and first step's time, and the prefix
-        cache's records of them."""
+        cache's records of them (a verifying request's after its verdict, in `update`)."""
         for span in plan.spans:
             span.seq.started = plan.started if span.seq.started is None else span.seq.started
             span.seq.num_computed += span.num_new
             span.seq.prompt_logprobs.extend(result.prompt_logprobs.get(span.seq, ()))
-            if self.prefix is not None:
+            if self.prefix is not None and span.seq not in plan.drafts:
                 self.prefix.commit(span.seq)
 
     def update(self, plan: StepPlan, result: StepResult, sampled: list[tuple[int, TokenLogprobs | None]],
-               eos_token_ids: tuple[int, ...], after_drafts: dict[Sequence, int] | None = None) -> list[Sequence]:
+               eos_token_ids: tuple[int, ...], after_drafts: dict[Sequence, list[int]] | None = None,
+               restore: Callable[[Sequence], None] | None = None) -> list[Sequence]:
         """The one place requests advance after a step: `advance`, then each sampled token appended (and taken
         by the request's constraint), drafts verified, finishes decided and the finished requests' slots and
-        pages freed. `after_drafts`: for each drafted request, the token its draft's row chose. A draft equal to
-        the sampled token is accepted (its position computed, that token appended too); a rejected one leaves
-        the request's last known token to compute again with the sampled one (its state is restored by the
-        caller). -> the finished requests."""
+        pages freed. `after_drafts`: for each drafted request, the tokens after its first (its accepted drafts and
+        the one after them). Where every draft was accepted and every token appended, the drafts' positions count as
+        computed; otherwise (a finish cut them too: the state at the last would hold a token after it) `restore(seq)` puts the request's state back to before the step (the drafts' positions left
+        their traces in it) and its tokens run again with the new ones. -> the finished requests."""
         self.advance(plan, result)
         finished = []
         for seq, (token, _) in zip(plan.to_sample, sampled):
-            seq.append(token, eos_token_ids)
-            if seq.constraint is not None:
-                seq.constraint.accept(token)
-            if seq in plan.drafted and not seq.finished:
-                if token == seq.draft_token:
-                    seq.num_computed += 1
-                    seq.append(after_drafts[seq], eos_token_ids)
+            tokens = [token] + (after_drafts or {}).get(seq, [])
+            appended = 0
+            for new in tokens:
+                seq.append(new, eos_token_ids)
+                appended += 1
+                if seq.constraint is not None:
+                    seq.constraint.accept(new)
+                if seq.finished:
+                    break
+            drafts = plan.drafts.get(seq)
+            if drafts is not None:
+                if appended == len(drafts) + 1:  # all accepted and taken: the state holds them
+                    seq.num_computed += len(drafts)
                 else:
-                    seq.num_computed -= 1
+                    seq.num_computed = seq.num_computed - next(s.num_new for s in plan.spans if s.seq is seq)
+                    restore(seq)
+                if self.prefix is not None:
+                    self.prefix.commit(seq)
             if seq.finished:
                 self.finish(seq)
                 finished.append(seq)

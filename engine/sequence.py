@@ -39,7 +39,8 @@ class Sequence:
     arrived: float = 0.0
     started: float | None = None
     images: tuple[PlacedImage, ...] = ()  # the prompt's images, each over its run of image tokens
-    draft_token: int | None = None  # the MTP layer's draft of the token after the last one (with drafts on)
+    # The MTP layer's drafts of the tokens after the last one (with drafts on; empty: none).
+    draft_tokens: tuple[int, ...] = ()
     # The prompt as the prefix cache keys it: image tokens replaced by their image's content key.
     prompt_keys: list[int] = field(default_factory=list)
 

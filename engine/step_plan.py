@@ -34,9 +34,9 @@ class StepPlan:
     snapshot_saves: StepSaves | None = None  # requests whose state is saved before their last token this step
     all_rows: bool = False  # logits for every token run (a prompt scored whole), nothing sampled
     started: float = field(default_factory=time.perf_counter)  # when the step's planning began
-    # Decoding requests whose span also runs their MTP draft after their token (the verify): a logits row each
-    # after the to_sample rows, in span order.
-    drafted: frozenset[Sequence] = frozenset()
+    # Decoding requests whose span also runs MTP drafts after their last known token (the verify), and those
+    # drafts: a logits row each after the to_sample rows, in span order.
+    drafts: dict[Sequence, tuple[int, ...]] = field(default_factory=dict)
 
     @classmethod
     def of(cls, spans: list[tuple[Sequence, int]], snapshot_saves: StepSaves | None = None, all_rows: bool = False,
@@ -52,14 +52,14 @@ class StepPlan:
     def is_decode(self) -> bool:
         """Every request adds its one sampled token: the static decode path (a CUDA graph where captured), which
         reads the embedding table only (a prompt whose last token is an image's, left alone, is no decode)."""
-        return not self.all_rows and not self.drafted and all(
+        return not self.all_rows and not self.drafts and all(
             span.num_new == 1 == span.seq.num_to_compute
             and not span.seq.images_in(span.seq.num_computed, span.seq.num_computed + 1) for span in self.spans)
 
     @property
-    def drafted_in_order(self) -> list[Sequence]:
-        """The drafted requests in the order of their draft rows."""
-        return [span.seq for span in self.spans if span.seq in self.drafted]
+    def drafts_in_order(self) -> list[tuple[Sequence, tuple[int, ...]]]:
+        """The drafted requests and their drafts, in the order of their draft rows."""
+        return [(span.seq, self.drafts[span.seq]) for span in self.spans if span.seq in self.drafts]
 
     @property
     def has_prefill(self) -> bool:

@@ -4,11 +4,13 @@ layer drafting but nothing verified (the drafting's cost), and with drafts verif
 Random synthetic weights make the MTP layer's own drafts almost never right, so each verify-step run replaces the
 drafts, after the MTP layer made them, by the token decoding without drafts gives (known from a first run) with
 probability `a`, else by a wrong one: the step costs are the real ones (the MTP layer still runs, every verify
-step still runs its draft's row), the acceptance is chosen. Reported per batch size: tok/s and ms a step for each,
-and the verify step's cost against a decode step (the issue's targets: at most 1.15x on a resident slice, the
-drafting at most 0.15x).
+step still runs its drafts' rows), the acceptance (each draft right with probability a) is chosen. Reported per
+batch size: decode ms a step, the drafting's cost (the MTP layer, nothing verified), and for each draft length k the
+step's cost against a decode step (at acceptance 0: every step one token, so drafting k tokens plus the k + 1
+position verify) and tok/s at each acceptance (targets: a k = 1 step at most 1.15x a decode step on a resident
+slice, the drafting at most 0.15x).
 
-    python -m ops.bench_speculative --device cuda --layers 8 --batches 1,4 --tokens 64 [--json OUT]
+    python -m ops.bench_speculative --device cuda --layers 8 --batches 1,4 --drafts 1,2,3 --tokens 64 [--json OUT]
     python -m ops.bench_speculative --device cpu --tiny --tokens 8     # smoke run on the tiny model's shapes
 """
 
@@ -34,33 +36,33 @@ ACCEPTANCE = (0.0, 0.5, 0.7, 0.9, 1.0)
 
 
 def forcing_step(truth: dict[tuple[int, ...], list[int]], right: float, vocab: int,
-                 seed: int = 0) -> Callable[[MtpDrafter, StepPlan, StepResult], None]:
-    """An `MtpDrafter.step` that, after the MTP layer drafted, replaces each draft by the right token (the one
+                 seed: int = 0) -> Callable[[MtpDrafter, StepPlan], None]:
+    """An `MtpDrafter.draft` that, after the MTP layer drafted, replaces each draft by the right token (the one
     decoding without drafts gives for that request and position, from `truth`: prompt -> output) with
-    probability `right`, else by a wrong one."""
+    probability `right`, else by a wrong one (drafts past the known answer are dropped)."""
     rng = random.Random(seed)
-    original = MtpDrafter.step
+    original = MtpDrafter.draft
 
-    def step(self: MtpDrafter, plan: StepPlan, result: StepResult) -> None:
-        original(self, plan, result)
+    def draft(self: MtpDrafter, plan: StepPlan) -> None:
+        original(self, plan)
         for span in plan.spans:
             seq = span.seq
             answer = truth.get(tuple(seq.prompt_token_ids), [])
             position = len(seq.output_token_ids)
-            if seq.draft_token is not None and position < len(answer):
-                seq.draft_token = answer[position] if rng.random() < right else (answer[position] + 1) % vocab
+            seq.draft_tokens = tuple(answer[i] if rng.random() < right else (answer[i] + 1) % vocab
+                                     for i in range(position, min(position + len(seq.draft_tokens), len(answer))))
 
-    return step
+    return draft
 
 
 @contextmanager
 def forced_drafts(truth: dict[tuple[int, ...], list[int]], right: float, vocab: int) -> Iterator[None]:
     """`forcing_step` in place within the block."""
-    original, MtpDrafter.step = MtpDrafter.step, forcing_step(truth, right, vocab)
+    original, MtpDrafter.draft = MtpDrafter.draft, forcing_step(truth, right, vocab)
     try:
         yield
     finally:
-        MtpDrafter.step = original
+        MtpDrafter.draft = original
 
 
 def config(args: argparse.Namespace) -> ModelConfig:
@@ -92,8 +94,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     weights = synthetic_weights(cfg, args.format, device, dtype, expert_variety=args.expert_variety)
     options = dict(prefix_cache=False, max_num_seqs=max(args.batches), max_model_len=args.prompt + args.tokens + 16)
     engines = {"plain": LLM.from_weights(cfg, weights, **options),
-               "drafting": LLM.from_weights(cfg, weights, mtp_drafts=True, **options),
-               "verify": LLM.from_weights(cfg, weights, mtp_drafts=True, speculative=True, **options)}
+               "drafting": LLM.from_weights(cfg, weights, mtp_drafts=True, **options)}
+    engines.update({f"k{k}": LLM.from_weights(cfg, weights, speculative_tokens=k, **options) for k in args.drafts})
     g = torch.Generator().manual_seed(0)
     warm = [torch.randint(0, cfg.vocab_size, (args.prompt,), generator=g).tolist() for _ in range(max(args.batches))]
     for llm in engines.values():  # first-run costs (allocator, kernels at these shapes) out of the timings
@@ -108,12 +110,17 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         row = {"batch": batch, "decode_ms_per_step": decode_s / steps * 1e3,
                "decode_tok_s": batch * steps / decode_s, "drafting_ms_per_step": drafting_s / steps * 1e3,
                "drafting_cost": (drafting_s - decode_s) / decode_s}
-        for a in args.acceptance:
-            with forced_drafts(truth, a, cfg.vocab_size):
-                verify_s, got = timed_generate(engines["verify"], prompts, args.tokens, device)
-            if [o.token_ids for o in got] != list(truth.values()):
-                raise SystemExit(f"batch {batch}, acceptance {a}: verified output differs from plain decoding")
-            row[f"tok_s_at_{a}"] = batch * steps / verify_s
+        for k in args.drafts:
+            for a in args.acceptance:
+                with forced_drafts(truth, a, cfg.vocab_size):
+                    verify_s, got = timed_generate(engines[f"k{k}"], prompts, args.tokens, device)
+                if [o.token_ids for o in got] != list(truth.values()):
+                    raise SystemExit(f"batch {batch}, k {k}, acceptance {a}: verified output differs from plain "
+                                     "decoding")
+                row[f"k{k}_tok_s_at_{a}"] = batch * steps / verify_s
+                if a == 0.0:  # every draft rejected: one token a step, so the step's own cost
+                    row[f"k{k}_step_ms"] = verify_s / steps * 1e3
+                    row[f"k{k}_step_cost"] = verify_s / decode_s
         print(" ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()), flush=True)
         results.append(row)
     return {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu", "layers": cfg.num_layers,
@@ -131,6 +138,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--batches", type=lambda s: [int(x) for x in s.split(",")], default=[1, 4])
     parser.add_argument("--tokens", type=int, default=64, help="tokens generated a request")
     parser.add_argument("--prompt", type=int, default=128, help="prompt tokens a request")
+    parser.add_argument("--drafts", type=lambda s: [int(x) for x in s.split(",")], default=[1, 2, 3],
+                        help="draft lengths k to time")
     parser.add_argument("--acceptance", type=lambda s: [float(x) for x in s.split(",")], default=list(ACCEPTANCE))
     parser.add_argument("--expert-variety", type=int, default=8)
     parser.add_argument("--json")

@@ -92,8 +92,9 @@ class Metrics:
                                       "Cached pages and state snapshots evicted from the device", ["kind"], registry=r)
         self.prefix_entries = Gauge("glmflash_prefix_cache_entries", "Cached pages and state snapshots held now",
                                     ["kind", "tier"], registry=r)
-        self.spec_drafts = Gauge("glmflash_spec_draft_tokens", "MTP draft tokens whose position was since sampled, "
-                                 "and of those the ones equal to the sampled token", ["outcome"], registry=r)
+        self.spec_drafts = Gauge("glmflash_spec_draft_tokens", "First MTP drafts (one a request-step) whose "
+                                 "position was since sampled, and of those the ones equal to the sampled token",
+                                 ["outcome"], registry=r)
         self.spec_verified = Gauge("glmflash_spec_verified_drafts", "Drafts run in verify steps, and of those the "
                                    "accepted ones", ["outcome"], registry=r)
         self.spec_mean_length = Gauge("glmflash_spec_mean_accepted_length",

@@ -71,12 +71,13 @@ class Settings(BaseSettings):
                                                         "the rest (default: from both rates measured at load)")
     mtp_drafts: bool = Field(False, validation_alias=_env("MTP_DRAFTS"),
                              description="Load the checkpoint's MTP layer and draft the next token with it after "
-                                         "every step (counted in /metrics); needs GLMFLASH_PREFIX_CACHE off and every "
+                                         "every step, only counting how often it is right (/metrics); needs every "
                                          "expert on the GPU for now")
-    speculative: bool = Field(False, validation_alias=_env("SPECULATIVE"),
-                              description="With GLMFLASH_MTP_DRAFTS: verify each request's draft in its next decode "
-                                          "step (two tokens a step where it is right; greedy output unchanged, sampled "
-                                          "output from the same distribution)")
+    speculative_tokens: int = Field(0, ge=0, le=3, validation_alias=_env("SPECULATIVE_TOKENS"),
+                                    description="Draft this many tokens a step with the MTP layer and verify them in "
+                                                "the next one (speculative decoding: up to this many + 1 tokens a "
+                                                "step; greedy output unchanged, sampled output from the same "
+                                                "distribution); 0: off")
     prefix_cache: bool = Field(True, validation_alias=_env("PREFIX_CACHE"),
                                description="Start each request from the saved state of the longest prompt prefix "
                                            "seen before (shared system prompts, conversation turns, n > 1)")

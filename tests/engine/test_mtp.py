@@ -22,7 +22,7 @@ from engine.checkpoint.prepared import load_prepared, save_prepared
 from engine.config import ModelConfig
 from engine.experts import default_executor
 from engine.model.batch import DecodeMeta, ForwardBatch, SeqSpan
-from engine.model.mtp import MtpCaches, MtpLayer
+from engine.model.mtp import MtpLayer, with_mtp_cache
 from engine.tiny.factory import write_tiny_model
 from tests.engine.conftest import FORMATS, dequantized_copy, load_reference, random_prompt
 from tests.engine.test_bf16 import FACTOR, rel_error
@@ -142,12 +142,16 @@ class Reference:
         return (self.norm(z, "shared_head.norm.weight") @ self.lm_head.T).double()
 
 
-def engine_mtp(snapshot: Path, dtype: torch.dtype, device: str = "cpu") -> tuple[MtpLayer, MtpCaches, ModelConfig]:
+Caches = tuple[RequestSlots, PagedLatents]  # with the MTP layer's DSA after the decoder layers
+
+
+def engine_mtp(snapshot: Path, dtype: torch.dtype, device: str = "cpu") -> tuple[MtpLayer, Caches, ModelConfig]:
     cfg, dev = ModelConfig.from_dir(snapshot), torch.device(device)
     weights = load_weights(snapshot, cfg, dev, dtype, mtp=True)
     layer = MtpLayer(cfg, weights, MTP, default_executor(weights, [MTP], cfg.swiglu_limit, dev))
     pages = -(-(PROMPT_LEN + 8) // PAGE)
-    caches = MtpCaches.like(cfg, RequestSlots(cfg, 2, dev, dtype), PagedLatents(cfg, pages, PAGE, dev, dtype))
+    held = with_mtp_cache(cfg)
+    caches = RequestSlots(held, 2, dev, dtype), PagedLatents(held, pages, PAGE, dev, dtype)
     return layer, caches, cfg
 
 
@@ -158,12 +162,12 @@ def inputs(cfg: ModelConfig, seed: int) -> tuple[torch.Tensor, list[int]]:
     return torch.randn(PROMPT_LEN, cfg.hidden_size, generator=g), random_prompt(PROMPT_LEN, seed)
 
 
-def prefill(layer: MtpLayer, caches: MtpCaches, hidden: torch.Tensor, next_ids: list[int],
+def prefill(layer: MtpLayer, caches: Caches, hidden: torch.Tensor, next_ids: list[int],
             start: int = 0) -> torch.Tensor:
-    pages, device = list(range(caches.cache.num_pages)), caches.cache.latents.device
+    pages, device = list(range(caches[1].num_pages)), caches[1].latents.device
     batch = ForwardBatch(torch.tensor(next_ids[start:], device=device),
                          [SeqSpan(0, len(next_ids) - start, start, 0, pages)])
-    return layer(hidden[start:].to(device), batch, caches)[0].cpu()
+    return layer.logits(layer(hidden[start:].to(device), batch, *caches)).cpu()
 
 
 @pytest.mark.parametrize("fmt", ["bf16", "fp8", "nvfp4-ct"])
@@ -182,9 +186,9 @@ def test_a_decode_step_reads_the_prefills_latents(snapshots):
     whole = prefill(layer, caches, hidden, next_ids)
     layer2, caches2, _ = engine_mtp(snapshots("bf16"), torch.float32)
     prefill(layer2, caches2, hidden[:-1], next_ids[:-1])
-    pages = torch.arange(caches2.cache.num_pages)[None]
+    pages = torch.arange(caches2[1].num_pages)[None]
     meta = DecodeMeta(torch.tensor([0]), torch.tensor([PROMPT_LEN - 1]), pages)
-    last = layer2(hidden[-1:], ForwardBatch(torch.tensor(next_ids[-1:]), [], meta), caches2)[0]
+    last = layer2.logits(layer2(hidden[-1:], ForwardBatch(torch.tensor(next_ids[-1:]), [], meta), *caches2))
     torch.testing.assert_close(last[0], whole[-1], rtol=1e-4, atol=1e-4)
 
 

@@ -28,9 +28,9 @@ def standalone_drafts(snapshot, ids: list[int]) -> list[int]:
     hidden = LLM(snapshot, dtype="float32", prefix_cache=False).layer_outputs(ids)[-1].mean(dim=1)
     layer, caches, _ = engine_mtp(snapshot, torch.float32)
     assert len(ids) - 1 <= PROMPT_LEN + 8  # within the helper's pages
-    pages = list(range(caches.cache.num_pages))
+    pages = list(range(caches[1].num_pages))
     batch = ForwardBatch(torch.tensor(ids[1:]), [SeqSpan(0, len(ids) - 1, 0, 0, pages)])
-    return layer(hidden[:-1], batch, caches)[0].argmax(dim=-1).tolist()
+    return layer.logits(layer(hidden[:-1], batch, *caches)).argmax(dim=-1).tolist()
 
 
 def test_drafts_equal_the_mtp_layer_over_the_whole_history(snapshot):
@@ -44,8 +44,8 @@ def test_drafts_equal_the_mtp_layer_over_the_whole_history(snapshot):
     while llm.core.has_work:
         llm.core.step()
         for seq in seqs:
-            if seq.draft_token is not None:
-                drafts[seq][seq.num_tokens] = seq.draft_token  # its draft of the next position
+            if seq.draft_tokens:
+                drafts[seq][seq.num_tokens] = seq.draft_tokens[0]  # its draft of the next position
     proposed = accepted = 0
     for seq in seqs:
         ids = seq.token_ids
@@ -62,8 +62,8 @@ def test_drafts_equal_the_mtp_layer_over_the_whole_history(snapshot):
 
 def test_drafts_stay_off_where_the_mtp_layer_cannot_run(snapshot, tiny_dir, caplog):
     with caplog.at_level(logging.INFO, logger="glmflash.engine"):
-        assert LLM(snapshot, dtype="float32", mtp_drafts=True).core.drafter is None  # the prefix cache is on
-        assert "event=mtp_drafts on=0 reason=prefix_cache" in caplog.text
+        assert LLM(snapshot, dtype="float32", mtp_drafts=True, moe_vram_budget=0).core.drafter is None
+        assert "event=mtp_drafts on=0 reason=hybrid_offload" in caplog.text
         assert LLM(tiny_dir("bf16"), dtype="float32", prefix_cache=False, mtp_drafts=True).core.drafter is None
         assert "reason=no_mtp_layer" in caplog.text
     assert LLM(snapshot, dtype="float32", prefix_cache=False).core.stats().drafts is None

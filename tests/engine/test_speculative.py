@@ -1,11 +1,14 @@
-"""Speculative decoding with one MTP draft (`speculative=True`): greedy output equals decoding without drafts
-token for token whatever the drafts are (the tiny model's own MTP drafts, and drafts forced right or wrong at
-random, so both the accept and the reject paths run), in batches with chunked prefill, with `max_tokens` and EOS
-ending inside an accepted pair; a rejected draft leaves no trace in the request's state (main model and MTP layer)
-against an engine that never saw it; sampled tokens follow the target distribution (the verification on its own
-over many draws, and the tiny model's tokens over many seeds against their exact distribution)."""
+"""Speculative decoding with k = 1..3 MTP drafts (`speculative_tokens`): greedy output equals decoding without
+drafts token for token whatever the drafts are (the tiny model's own MTP drafts, and drafts forced right or wrong
+at random, so both the accept and the reject paths run), in batches with chunked prefill, with the prefix cache
+on, with a stop token ending inside an accepted run and `max_tokens` cutting the drafts; a rejected draft leaves
+no trace in the request's state (main model and MTP layer) against an engine that never saw it; sampled tokens
+follow the target distribution (the verification on its own over many draws, and the tiny model's tokens over
+many seeds against their exact distribution)."""
 
 from __future__ import annotations
+
+import math
 
 import pytest
 import torch
@@ -18,6 +21,8 @@ from ops.bench_speculative import forcing_step
 from tests.engine.conftest import random_prompt
 
 PROMPTS = [random_prompt(40, 1), random_prompt(23, 2), random_prompt(31, 3)]
+LONG = random_prompt(70, 4)  # past the tiny model's 64-token page: the prefix cache keeps it
+VOCAB = 320
 
 
 @pytest.fixture(scope="module")
@@ -25,26 +30,28 @@ def snapshot(tiny_dir):
     return tiny_dir("bf16", num_nextn_predict_layers=1)
 
 
-def spec_llm(snapshot, **options) -> LLM:
-    return LLM(snapshot, dtype="float32", prefix_cache=False, mtp_drafts=True, speculative=True,
-               **{"max_num_batched_tokens": 16, **options})
+def spec_llm(snapshot, k: int = 1, **options) -> LLM:
+    return LLM(snapshot, dtype="float32", **{"prefix_cache": False, "max_num_batched_tokens": 16,
+                                             "speculative_tokens": k, **options})
 
 
 def force_drafts(monkeypatch, truth: dict[tuple[int, ...], list[int]], right: float) -> None:
-    monkeypatch.setattr(MtpDrafter, "step", forcing_step(truth, right, vocab=320))
+    monkeypatch.setattr(MtpDrafter, "draft", forcing_step(truth, right, vocab=VOCAB))
 
 
-def plain_outputs(snapshot, prompts, params) -> dict[tuple[int, ...], list[int]]:
-    outputs = LLM(snapshot, dtype="float32", prefix_cache=False).generate(prompts, params)
+def plain_outputs(snapshot, prompts, params, **options) -> dict[tuple[int, ...], list[int]]:
+    outputs = LLM(snapshot, dtype="float32", **{"prefix_cache": False, **options}).generate(prompts, params)
     return {tuple(p): o.token_ids for p, o in zip(prompts, outputs)}
 
 
-def test_the_mtp_layers_own_drafts_change_no_token(snapshot):
+@pytest.mark.parametrize("k", [1, 2, 3])
+def test_the_mtp_layers_own_drafts_change_no_token(snapshot, k):
     params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
-    llm = spec_llm(snapshot)
+    llm = spec_llm(snapshot, k)
     got = [o.token_ids for o in llm.generate(PROMPTS, params)]
     assert got == list(plain_outputs(snapshot, PROMPTS, params).values())
-    assert llm.core.stats().drafts.proposed > 0
+    stats = llm.core.stats().drafts
+    assert stats.proposed > 0 and stats.verify_steps > 0 and stats.verified >= stats.verify_steps
 
 
 def run_counting_steps(llm: LLM, prompts: list[list[int]], params: SamplingParams) -> tuple[list[list[int]], int]:
@@ -58,121 +65,229 @@ def run_counting_steps(llm: LLM, prompts: list[list[int]], params: SamplingParam
     return [s.output_token_ids for s in seqs], steps
 
 
+@pytest.mark.parametrize("k", [1, 2, 3])
 @pytest.mark.parametrize("right", [1.0, 0.6, 0.0])
-def test_forced_drafts_change_no_token_and_save_steps_when_right(snapshot, monkeypatch, right):
-    params = SamplingParams(max_tokens=13, temperature=0.0, ignore_eos=True)  # odd: a pair can end at the limit
+def test_forced_drafts_change_no_token_and_save_steps_when_right(snapshot, monkeypatch, right, k):
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)  # 11 after the prefill's: k + 1 cuts
     truth = plain_outputs(snapshot, PROMPTS, params)
     unverified = LLM(snapshot, dtype="float32", prefix_cache=False, mtp_drafts=True, max_num_batched_tokens=16,
                      max_num_seqs=3)
     _, unverified_steps = run_counting_steps(unverified, PROMPTS, params)
     force_drafts(monkeypatch, truth, right)
-    llm = spec_llm(snapshot, max_num_seqs=3)
+    llm = spec_llm(snapshot, k, max_num_seqs=3)
     outputs, steps = run_counting_steps(llm, PROMPTS, params)
     assert outputs == list(truth.values())
     stats = llm.core.stats().drafts
     if right == 1.0:
-        assert stats.accepted == stats.proposed > 0
-        assert steps <= unverified_steps - 5  # two tokens a step once decoding (12 decode steps -> 6)
+        assert stats.verified_accepted == stats.verified > 0
+        assert stats.mean_accepted_length > 1 + 0.5 * k
+        # 11 decode steps become ceil(11 / (k + 1)) for the request that decodes last (one step of slack: the
+        # verify spans take more of the step's token budget while the others still prefill)
+        assert steps <= unverified_steps - (11 - math.ceil(11 / (k + 1))) + 1
     if right == 0.0:
-        assert stats.accepted == 0 and stats.proposed > 0
+        assert stats.verified_accepted == 0 and stats.verified > 0
 
 
-def test_eos_inside_an_accepted_pair_ends_the_request(snapshot, monkeypatch):
-    probe = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
-    answer = plain_outputs(snapshot, PROMPTS[:1], probe)[tuple(PROMPTS[0])]
-    stop_at = answer[3]  # a stop token the 4th output reaches, drafted right
-    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, stop_token_ids=[stop_at])
-    truth = plain_outputs(snapshot, PROMPTS[:1], params)
-    force_drafts(monkeypatch, truth, right=1.0)
-    out = spec_llm(snapshot).generate(PROMPTS[:1], params)[0]
-    assert out.token_ids == truth[tuple(PROMPTS[0])] and out.finish_reason == "stop"
+@pytest.mark.parametrize("k", [1, 3])
+def test_a_stop_token_inside_an_accepted_run_ends_the_request(snapshot, monkeypatch, k):
+    probe = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    answer = plain_outputs(snapshot, [LONG], probe)[tuple(LONG)]
+    stop_at = answer[2]  # reached inside the first verify step's accepted run for k = 3, the second's for k = 1
+    assert stop_at not in answer[:2]
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, stop_token_ids=[stop_at])
+    force_drafts(monkeypatch, {tuple(LONG): answer}, right=1.0)  # drafts run past the stop
+    llm = spec_llm(snapshot, k, prefix_cache=True)
+    out = llm.generate([LONG], params)[0]
+    assert out.token_ids == answer[:3] and out.finish_reason == "stop"
+    # The state the prefix cache kept at the finish is the request's own: a next turn answers as a plain engine.
+    turn = LONG + out.token_ids + random_prompt(5, 9)
+    again = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    monkeypatch.undo()
+    got = llm.generate([turn], again)[0]
+    assert got.num_cached_tokens > 0
+    assert got.token_ids == plain_outputs(snapshot, [turn], again)[tuple(turn)]
 
 
 def slot_state(llm: LLM, seq: Sequence) -> list[torch.Tensor]:
+    """The request's recurrent, short-conv and open indexer-pool state (the MTP layer's pool is the last DSA
+    index): the pool's places its computed positions fill; places past them, and latent pages past them, are
+    rewritten before anything reads them."""
     slots = llm.core.slots
-    out = [slots.recurrent[:, seq.slot].clone(), slots.conv[:, seq.slot].clone(), slots.open_pool[:, seq.slot].clone()]
-    drafter = llm.core.drafter
-    if drafter is not None:
-        out.append(drafter.caches.slots.open_pool[:, seq.slot].clone())
-    return out
+    filled = seq.num_computed % slots.open_pool.shape[2]
+    return [slots.recurrent[:, seq.slot].clone(), slots.conv[:, seq.slot].clone(),
+            slots.open_pool[:, seq.slot, :filled].clone()]
 
 
-def test_a_rejected_draft_leaves_no_trace(snapshot, monkeypatch):
-    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
-    truth = plain_outputs(snapshot, PROMPTS[:1], params)
-    force_drafts(monkeypatch, truth, right=0.0)
-    # Drafts on, never verified: the state after the prefill step, the MTP layer's included.
+def state_after(llm: LLM, seq: Sequence, steps: int) -> list[torch.Tensor]:
+    llm.core.add(seq)
+    for _ in range(steps):
+        llm.core.step()
+    return slot_state(llm, seq)
+
+
+@pytest.mark.parametrize("right_drafts", [0, 1])
+def test_a_rejected_draft_leaves_no_trace(snapshot, monkeypatch, right_drafts):
+    """Two drafts, the first (or the second) wrong: after the verify the state is the prefill's, bit for bit."""
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    answer = plain_outputs(snapshot, PROMPTS[2:], params)[tuple(PROMPTS[2])]
     never = LLM(snapshot, dtype="float32", prefix_cache=False, mtp_drafts=True, max_num_batched_tokens=64)
-    seq = Sequence("a", list(PROMPTS[0]), params)
-    never.core.add(seq)
-    never.core.step()  # the prompt, its first token sampled, a draft made
-    want = slot_state(never, seq)
-    llm = spec_llm(snapshot, max_num_batched_tokens=64)
-    seq = Sequence("b", list(PROMPTS[0]), params)
+    want = state_after(never, Sequence("a", list(PROMPTS[2]), params), steps=1)  # the prompt, its first token
+    assert want[2].shape[1] > 0  # 31 positions: 3 of an indexer pool's 4 places filled
+
+    original = MtpDrafter.draft
+
+    def draft(self, plan):
+        original(self, plan)
+        for span in plan.spans:
+            position = len(span.seq.output_token_ids)
+            if span.seq.draft_tokens and position + right_drafts < len(answer):
+                right = answer[position:position + right_drafts]
+                span.seq.draft_tokens = tuple(right) + ((answer[position + right_drafts] + 1) % VOCAB,)
+
+    monkeypatch.setattr(MtpDrafter, "draft", draft)
+    llm = spec_llm(snapshot, 2, max_num_batched_tokens=64)
+    seq = Sequence("b", list(PROMPTS[2]), params)
     llm.core.add(seq)
     llm.core.step()
-    assert seq.draft_token is not None
+    assert len(seq.draft_tokens) == right_drafts + 1
     computed = seq.num_computed
-    llm.core.step()  # the verify: the (wrong) draft rejected
-    assert seq.num_computed == computed and len(seq.output_token_ids) == 2
+    llm.core.step()  # the verify: a wrong draft rejected
+    assert seq.num_computed == computed and seq.output_token_ids == answer[:2 + right_drafts]
     for got, expected in zip(slot_state(llm, seq), want, strict=True):
         assert torch.equal(got, expected)
+    while llm.core.has_work:
+        llm.core.step()
+    assert seq.output_token_ids == answer
 
 
-# Sampling: a draft is accepted with the probability the row gives it, else the token comes from the rest.
-DRAWS = 20_000  # a frequency's standard deviation is at most 0.0035: 0.015 is over 4 of them
+def test_an_accepted_run_leaves_the_state_of_its_tokens(snapshot, monkeypatch):
+    """Three drafts, all right: after the verify the state is the one decoding them one by one leaves (the same
+    positions, computed as one span instead of three steps: float32 rounding apart)."""
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    truth = plain_outputs(snapshot, PROMPTS[2:], params)
+    never = LLM(snapshot, dtype="float32", prefix_cache=False, mtp_drafts=True, max_num_batched_tokens=64)
+    want = state_after(never, Sequence("a", list(PROMPTS[2]), params), steps=5)  # 5 tokens, 4 of them computed
+    force_drafts(monkeypatch, truth, right=1.0)
+    llm = spec_llm(snapshot, 3, max_num_batched_tokens=64)
+    seq = Sequence("b", list(PROMPTS[2]), params)
+    got = state_after(llm, seq, steps=2)  # the prefill, then one verify of 3 drafts
+    assert len(seq.output_token_ids) == 5 and seq.num_computed == seq.num_tokens - 1
+    for g, w in zip(got, want, strict=True):
+        torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-5)
 
 
-def test_verify_drafts_draws_from_the_rows_distribution():
+@pytest.mark.parametrize("k", [1, 3])
+def test_with_the_prefix_cache_on_turns_and_repeats_answer_as_without(snapshot, monkeypatch, k):
+    """Conversation turns and a repeated prompt (n > 1's shape), drafts forced right at random: the MTP layer's
+    state comes back with each snapshot, and verified drafts change no token."""
+    params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+    plain = LLM(snapshot, dtype="float32", max_num_batched_tokens=16)
+    first = [LONG, PROMPTS[1], LONG]
+    want = [o.token_ids for o in plain.generate(first, params)]
+    turns = [p + out + random_prompt(6, 20 + i) for i, (p, out) in enumerate(zip(first, want))]
+    want_turns = [o.token_ids for o in plain.generate(turns, params)]
+    force_drafts(monkeypatch, {tuple(p): out for p, out in zip(first + turns, want + want_turns)}, right=0.6)
+    llm = spec_llm(snapshot, k, prefix_cache=True)
+    assert [o.token_ids for o in llm.generate(first, params)] == want
+    got_turns = llm.generate(turns, params)
+    assert [o.token_ids for o in got_turns] == want_turns
+    assert got_turns[0].num_cached_tokens > 64 and got_turns[2].num_cached_tokens > 64
+    stats = llm.core.stats().drafts
+    assert 0 < stats.verified_accepted < stats.verified
+
+
+def drafts_made(llm: LLM, monkeypatch, prompt: list[int], params: SamplingParams) -> tuple[list, int]:
+    """The MTP layer's own drafts for `prompt`, step by step, and the prompt tokens the prefix cache gave it."""
+    made: list[tuple[int, ...]] = []
+    original = MtpDrafter.draft
+
+    def draft(self, plan):
+        original(self, plan)
+        made.extend(span.seq.draft_tokens for span in plan.spans if span.seq.draft_tokens)
+
+    with monkeypatch.context() as patch:
+        patch.setattr(MtpDrafter, "draft", draft)
+        out = llm.generate([prompt], params)[0]
+    return made, out.num_cached_tokens
+
+
+def test_a_prefix_hit_brings_the_mtp_layers_state_back(snapshot, monkeypatch):
+    """A turn started from a snapshot drafts what it drafts computed from scratch: the MTP layer's latents and
+    open pool came back with the main model's."""
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    cached = spec_llm(snapshot, 2, prefix_cache=True)
+    answer = cached.generate([LONG], params)[0].token_ids
+    turn = LONG + answer + random_prompt(6, 30)
+    got, hit = drafts_made(cached, monkeypatch, turn, params)
+    want, _ = drafts_made(spec_llm(snapshot, 2), monkeypatch, turn, params)
+    assert hit > 64 and got == want and len(got) > 1
+
+
+# Sampling: a draft is accepted with the probability its row gives it, else the token comes from the rest.
+DRAWS = 20_000
+
+
+def close(freq: torch.Tensor, p: torch.Tensor, n: float) -> bool:
+    """Frequencies over n draws within 4.5 standard deviations (at most 0.5 / sqrt(n) each) of p."""
+    return bool((freq - p).abs().max() < 4.5 * 0.5 / math.sqrt(n))
+
+
+def test_verify_drafts_draws_each_position_from_its_rows_distribution():
     g = torch.Generator().manual_seed(0)
-    row, draft_row = torch.randn(12, generator=g) * 2, torch.randn(12, generator=g) * 2
+    rows = torch.randn(3, 12, generator=g) * 3
     seq = Sequence("s", [1], SamplingParams(temperature=0.8, top_k=6, seed=7))
-    p, q = _probs(row, seq), _probs(draft_row, seq)
-    for draft in (int(p.argmax()), int(p.argmin())):  # a likely draft, and one outside the top 6
-        tokens, after = torch.zeros(12), torch.zeros(12)
+    p = [_probs(row, seq) for row in rows]
+    for drafts in ((int(p[0].argmax()), int(p[1].argmax())), (int(p[0].argmin()), int(p[1].argmax()))):
+        counts = [torch.zeros(12) for _ in range(3)]  # the token at each position, where it was drawn
         for _ in range(DRAWS):
-            token, next_token = verify_drafts(row[None], draft_row[None], [seq], [draft])[0]
-            tokens[token] += 1
-            if next_token is not None:
-                assert token == draft
-                after[next_token] += 1
-        assert (tokens / DRAWS - p).abs().max() < 0.015
-        accepted = after.sum()
-        assert abs(accepted / DRAWS - p[draft]) < 0.015
-        if accepted:
-            assert (after / accepted - q).abs().max() < 0.02
+            tokens = verify_drafts([rows], [seq], [drafts])[0]
+            assert tokens[:-1] == list(drafts[:len(tokens) - 1])  # the accepted drafts, then one drawn
+            for j, token in enumerate(tokens):
+                counts[j][token] += 1
+        assert close(counts[0] / DRAWS, p[0], DRAWS)
+        assert close(counts[1].sum() / DRAWS, p[0][drafts[0]], DRAWS)
+        for j in (1, 2):  # given the drafts before it accepted, each position follows its own row
+            if counts[j].sum():
+                assert close(counts[j] / counts[j].sum(), p[j], counts[j].sum())
+        if counts[1].sum():
+            assert close(counts[2].sum() / counts[1].sum(), p[1][drafts[1]], counts[1].sum())
     greedy = Sequence("g", [1], SamplingParams(temperature=0.0))
-    assert verify_drafts(row[None], draft_row[None], [greedy], [int(row.argmax())]) == [
-        (int(row.argmax()), int(draft_row.argmax()))]
+    best = rows.argmax(dim=-1).tolist()
+    assert verify_drafts([rows], [greedy], [tuple(best[:2])]) == [best]
+    assert verify_drafts([rows], [greedy], [(best[0], (best[1] + 1) % 12)]) == [best[:2]]
 
 
 RUNS = 600
 
 
-def test_sampled_tokens_follow_the_models_distribution(snapshot, monkeypatch):
-    """The token a verify step samples, over many seeds, against its exact distribution given the token before
-    it (drafts forced to each context's likeliest token, so acceptance and rejection both happen often)."""
+@pytest.mark.parametrize("k", [1, 2])
+def test_sampled_tokens_follow_the_models_distribution(snapshot, monkeypatch, k):
+    """The token a verify step samples after the first, over many seeds, against its exact distribution given the
+    token before it (the first draft forced to each context's likeliest token, so acceptance and rejection both
+    happen often)."""
     prompt = PROMPTS[1]
-    params = [SamplingParams(max_tokens=2, temperature=1.0, top_k=4, seed=i, ignore_eos=True) for i in range(RUNS)]
+    params = [SamplingParams(max_tokens=2 + k, temperature=1.0, top_k=4, seed=i, ignore_eos=True)
+              for i in range(RUNS)]
     plain = LLM(snapshot, dtype="float32", prefix_cache=False)
     probe = Sequence("p", prompt, params[0])
     support = _probs(plain.prompt_logits(prompt)[-1], probe).nonzero().flatten().tolist()
     exact = {t: _probs(plain.prompt_logits(prompt + [t])[-1], probe) for t in support}
-    original = MtpDrafter.step
+    original = MtpDrafter.draft
 
-    def step(self, plan, result):
-        original(self, plan, result)
+    def draft(self, plan):
+        original(self, plan)
         for span in plan.spans:
-            if span.seq.draft_token is not None:
-                span.seq.draft_token = int(exact[span.seq.output_token_ids[-1]].argmax())
+            seq = span.seq
+            if len(seq.output_token_ids) == 1 and seq.draft_tokens:
+                seq.draft_tokens = (int(exact[seq.output_token_ids[0]].argmax()),) + seq.draft_tokens[1:]
 
-    monkeypatch.setattr(MtpDrafter, "step", step)
-    llm = spec_llm(snapshot, max_num_seqs=64, max_num_batched_tokens=2048, max_waiting=RUNS)
+    monkeypatch.setattr(MtpDrafter, "draft", draft)
+    llm = spec_llm(snapshot, k, max_num_seqs=64, max_num_batched_tokens=2048, max_waiting=RUNS)
     outputs = llm.generate([prompt] * RUNS, params)
-    seen = torch.bincount(torch.tensor([o.token_ids[1] for o in outputs]), minlength=320).float() / RUNS
+    seen = torch.bincount(torch.tensor([o.token_ids[1] for o in outputs]), minlength=VOCAB).float() / RUNS
     expected = sum(exact[o.token_ids[0]] for o in outputs) / RUNS
     # Sampling noise over these few cells: total variation ~0.03; a draft accepted regardless, or the rest
     # drawn with the draft still in it, moves it by 0.15 or more.
     assert 0.5 * (seen - expected).abs().sum() < 0.07
     stats = llm.core.stats().drafts
-    assert 0 < stats.verified_accepted < stats.verified == RUNS
+    assert stats.verify_steps >= RUNS and 0 < stats.verified_accepted < stats.verified

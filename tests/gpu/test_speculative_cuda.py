@@ -1,6 +1,7 @@
 """The MTP layer and speculative decoding on CUDA in bf16: the layer's logits within 2x what bf16 loses on the CPU
-against the CPU's float32, and greedy output with drafts verified equal to the same engine's without (the
-MTP's own drafts and drafts forced right, so both paths run). Runs only where a GPU is."""
+against the CPU's float32, and greedy output with k = 1 and 3 drafts verified equal to the same engine's
+without, the prefix cache on (the MTP's own drafts, and drafts forced right or right at random, so the accept and
+reject paths run). Runs only where a GPU is."""
 
 from __future__ import annotations
 
@@ -34,13 +35,13 @@ def test_mtp_logits_on_cuda_within_bf16_error(snapshot):
     assert rel_error(got, want) <= FACTOR * rel_error(base, want), (rel_error(got, want), rel_error(base, want))
 
 
-@pytest.mark.parametrize("right", [None, 1.0])
-def test_verified_greedy_output_on_cuda_equals_plain(snapshot, monkeypatch, right):
+@pytest.mark.parametrize("k", [1, 3])
+@pytest.mark.parametrize("right", [None, 1.0, 0.6])
+def test_verified_greedy_output_on_cuda_equals_plain(snapshot, monkeypatch, right, k):
     params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
-    plain = LLM(snapshot, "cuda", "bfloat16", prefix_cache=False).generate(PROMPTS, params)
+    plain = LLM(snapshot, "cuda", "bfloat16").generate(PROMPTS, params)
     if right is not None:
         force_drafts(monkeypatch, {tuple(p): o.token_ids for p, o in zip(PROMPTS, plain)}, right)
-    spec = LLM(snapshot, "cuda", "bfloat16", prefix_cache=False, mtp_drafts=True, speculative=True,
-               max_num_batched_tokens=16)
+    spec = LLM(snapshot, "cuda", "bfloat16", speculative_tokens=k, max_num_batched_tokens=16)
     assert [o.token_ids for o in spec.generate(PROMPTS, params)] == [o.token_ids for o in plain]
     assert spec.core.stats().drafts.verified > 0
