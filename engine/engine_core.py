@@ -106,7 +106,8 @@ class EngineCore:
         self.scheduler, self.runner, self.drafter = parts.scheduler, parts.runner, parts.drafter
         self._by_id: dict[str, Sequence] = {}
         self.grammars = GrammarCompiler(tokenizer, config.vocab_size, config.eos_token_ids) if tokenizer else None
-        self.masks = GrammarMasks(config.vocab_size, options.max_num_seqs, self.model.device)
+        self.masks = GrammarMasks(config.vocab_size, options.max_num_seqs * (options.speculative_tokens + 1),
+                                  self.model.device)
         self.step_times = StepTimes()
         warm_up(self)
 
@@ -195,7 +196,7 @@ class EngineCore:
             return []
         if self.drafter is not None:
             plan = self.drafter.with_drafts(plan)
-        masks = self.masks.start(list(plan.to_sample))  # filled on the CPU while the forward runs
+        masks = self.masks.start(list(plan.to_sample), plan.drafts_in_order)  # on the CPU while the forward runs
         if self.offload is not None:  # here, where no step is in flight: its later layers would read a new share
             self.offload.follow_cpu_rate()
         result = self.runner.run(plan, with_hidden=self.drafter is not None)
@@ -230,7 +231,7 @@ class EngineCore:
         the drafted ones (their draft rows follow), the verdict on their drafts: the tokens after the first."""
         rows = len(plan.to_sample)
         if masks is not None:
-            self.masks.apply(logits[:rows], masks)
+            self.masks.apply(logits, masks)
         drafted = plan.drafts_in_order
         if not drafted:
             return sample_batch(logits[:rows], list(plan.to_sample)), {}

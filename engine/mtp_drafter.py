@@ -56,11 +56,11 @@ class DraftStats:
 
 
 def verifiable(seq: Sequence) -> bool:
-    """A request whose next token depends on its logits row alone (greedy, or temperature / top-k / top-p /
-    min-p sampling): its drafts can be verified from the rows (`engine.sampler.verify_drafts`)."""
+    """A request whose next token depends on its (masked) logits row alone (greedy, or temperature / top-k /
+    top-p / min-p sampling, a grammar or not): its drafts can be verified from the rows
+    (`engine.sampler.verify_drafts`)."""
     p = seq.params
-    return (not p.logits_processors and not p.penalized and p.logprobs is None and p.prompt_logprobs is None
-            and seq.constraint is None)
+    return not p.logits_processors and not p.penalized and p.logprobs is None and p.prompt_logprobs is None
 
 
 def _accepted(seq: Sequence, first: int, drafts: tuple[int, ...]) -> int:

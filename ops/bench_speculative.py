@@ -5,9 +5,10 @@ Random synthetic weights make the MTP layer's own drafts almost never right, so 
 drafts, after the MTP layer made them, by the token decoding without drafts gives (known from a first run) with
 probability `a`, else by a wrong one: the step costs are the real ones (the MTP layer still runs, every verify
 step still runs its drafts' rows), the acceptance (each draft right with probability a) is chosen. Reported per
-batch size: decode ms a step, the drafting's cost (the MTP layer, nothing verified), and for each draft length k the
-step's cost against a decode step (at acceptance 0: every step one token, so drafting k tokens plus the k + 1
-position verify) and tok/s at each acceptance (targets: a k = 1 step at most 1.15x a decode step on a resident
+batch size: decode ms a step (from decode graphs where they are captured, and eager), the drafting's cost (the MTP
+layer, nothing verified, against eager decode: a step that drafts runs eagerly), and for each draft length k the
+step's cost against a decode step, graph and eager (at acceptance 0: every step one token, so drafting k tokens
+plus a verify over the request's tokens and its k drafts) and tok/s at each acceptance (targets: a k = 1 step at most 1.15x a decode step on a resident
 slice, the drafting at most 0.15x).
 
     python -m ops.bench_speculative --device cuda --layers 8 --batches 1,4 --drafts 1,2,3 --tokens 64 [--json OUT]
@@ -94,6 +95,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     weights = synthetic_weights(cfg, args.format, device, dtype, expert_variety=args.expert_variety)
     options = dict(prefix_cache=False, max_num_seqs=max(args.batches), max_model_len=args.prompt + args.tokens + 16)
     engines = {"plain": LLM.from_weights(cfg, weights, **options),
+               "eager": LLM.from_weights(cfg, weights, cuda_graphs=False, **options),
                "drafting": LLM.from_weights(cfg, weights, mtp_drafts=True, **options)}
     engines.update({f"k{k}": LLM.from_weights(cfg, weights, speculative_tokens=k, **options) for k in args.drafts})
     g = torch.Generator().manual_seed(0)
@@ -105,11 +107,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         prompts = [torch.randint(0, cfg.vocab_size, (args.prompt,), generator=g).tolist() for _ in range(batch)]
         decode_s, outputs = timed_generate(engines["plain"], prompts, args.tokens, device)
         truth = {tuple(p): o.token_ids for p, o in zip(prompts, outputs)}
+        eager_s, _ = timed_generate(engines["eager"], prompts, args.tokens, device)
         drafting_s, _ = timed_generate(engines["drafting"], prompts, args.tokens, device)
         steps = args.tokens - 1  # decode steps after the prefill's token, per request
         row = {"batch": batch, "decode_ms_per_step": decode_s / steps * 1e3,
-               "decode_tok_s": batch * steps / decode_s, "drafting_ms_per_step": drafting_s / steps * 1e3,
-               "drafting_cost": (drafting_s - decode_s) / decode_s}
+               "decode_tok_s": batch * steps / decode_s, "eager_decode_ms_per_step": eager_s / steps * 1e3,
+               "drafting_ms_per_step": drafting_s / steps * 1e3, "drafting_cost": (drafting_s - eager_s) / eager_s}
         for k in args.drafts:
             for a in args.acceptance:
                 with forced_drafts(truth, a, cfg.vocab_size):
@@ -121,6 +124,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 if a == 0.0:  # every draft rejected: one token a step, so the step's own cost
                     row[f"k{k}_step_ms"] = verify_s / steps * 1e3
                     row[f"k{k}_step_cost"] = verify_s / decode_s
+                    row[f"k{k}_step_cost_eager"] = verify_s / eager_s
         print(" ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()), flush=True)
         results.append(row)
     return {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu", "layers": cfg.num_layers,

@@ -34,6 +34,11 @@ def pack_mask(allowed: torch.Tensor) -> torch.Tensor:
     return torch.where(packed >= 2 ** 31, packed - 2 ** 32, packed).to(torch.int32)  # two's complement
 
 
+def allows(mask: torch.Tensor, token: int) -> bool:
+    """Whether a packed bitmask allows `token`."""
+    return bool((int(mask[token // 32]) >> (token % 32)) & 1)
+
+
 def token_mask(vocab_size: int, tokens: Iterable[int], allowed: bool) -> torch.Tensor:
     """A bitmask allowing only `tokens` (allowed=True) or everything but them (allowed=False)."""
     bits = torch.full((vocab_size,), not allowed)
@@ -70,7 +75,29 @@ class RequestConstraint:
         """The reasoning phase's mask (None once the matcher computes it)."""
         if not self.in_reasoning:
             return None
-        return self._end_only if self.budget_spent else self._no_stop
+        return self._reasoning_mask(self.reasoning_tokens)
+
+    def _reasoning_mask(self, reasoning_tokens: int) -> torch.Tensor | None:
+        """The reasoning phase's mask after that many reasoning tokens (None: free)."""
+        budget = self.reasoning.budget
+        return self._end_only if budget is not None and reasoning_tokens >= budget else self._no_stop
+
+    def draft_rows(self, drafts: tuple[int, ...]) -> tuple[list[torch.Tensor | None], int | None]:
+        """The masks of a verify's rows: row i masks the token after drafts[:i] were taken. -> (the first rows'
+        fixed reasoning masks, None where free; the row from which the matcher's masks follow, drafts[row:]
+        taken along, or None). Rows after a draft its row disallows are never verified: left out (free)."""
+        fixed: list[torch.Tensor | None] = []
+        in_reasoning, count = self.in_reasoning, self.reasoning_tokens
+        for row in range(len(drafts) + 1):
+            if not in_reasoning:
+                return fixed, row if self.matcher is not None else None
+            mask = self._reasoning_mask(count)
+            fixed.append(mask)
+            if row == len(drafts) or (mask is not None and not allows(mask, drafts[row])):
+                break
+            count += 1
+            in_reasoning = drafts[row] != self.reasoning.end_token_id
+        return fixed, None
 
     def accept(self, token: int) -> None:
         if self.in_reasoning:

@@ -37,30 +37,47 @@ class GrammarMasks:
         self._executor: llguidance.LLExecutor | None = None  # llguidance's thread pool, made on first use
         self._thread = ThreadPoolExecutor(1, thread_name_prefix="glmflash-masks")
 
-    def start(self, seqs: list[Sequence]) -> MaskFill | None:
-        """Begin filling the masks of the rows (one per seq, in logits order) whose next token is constrained."""
-        rows = [i for i, seq in enumerate(seqs) if seq.constraint is not None and seq.constraint.active]
-        if not rows:
+    def start(self, seqs: list[Sequence],
+              drafts: list[tuple[Sequence, tuple[int, ...]]] | None = None) -> MaskFill | None:
+        """Begin filling the masks of the rows (one per seq, in logits order) whose next token is constrained, and
+        of a verify's draft rows (`drafts`: the verifying requests, in the order their rows follow the seqs'):
+        each of those masks the token after the drafts before it were taken."""
+        draft_rows: dict[Sequence, list[int]] = {}
+        row = len(seqs)
+        for seq, made in drafts or ():
+            draft_rows[seq], row = list(range(row, row + len(made))), row + len(made)
+        drafted = dict(drafts or ())
+        blocks = [(seq, drafted.get(seq, ()), [i] + draft_rows.get(seq, [])) for i, seq in enumerate(seqs)
+                  if seq.constraint is not None and (seq.constraint.active or seq in drafted)]
+        if not blocks:
             return None
-        return MaskFill(rows, self._thread.submit(self._fill, [seqs[i] for i in rows]))
+        return MaskFill([row for _, _, rows in blocks for row in rows], self._thread.submit(self._fill, blocks))
 
-    def _fill(self, seqs: list[Sequence]) -> None:
-        matchers = []
-        for index, seq in enumerate(seqs):
-            fixed = seq.constraint.fixed_mask
-            if fixed is not None:
-                self.bitmask[index] = fixed
-            else:
-                matchers.append((seq.constraint.matcher, index))
-        if matchers:
+    def _fill(self, blocks: list[tuple[Sequence, tuple[int, ...], list[int]]]) -> None:
+        plain, along_drafts = [], []  # (matcher, its first bitmask row[, the drafts it takes along])
+        at = 0
+        for seq, drafts, rows in blocks:
+            fixed, matcher_from = seq.constraint.draft_rows(drafts)
+            for i in range(len(rows)):  # free unless a reasoning mask or the matcher below writes it
+                self.bitmask[at + i] = fixed[i] if i < len(fixed) and fixed[i] is not None else -1
+            if matcher_from is not None and drafts[matcher_from:]:
+                along_drafts.append((seq.constraint.matcher, at + matcher_from, list(drafts[matcher_from:])))
+            elif matcher_from is not None:
+                plain.append((seq.constraint.matcher, at + matcher_from))
+            at += len(rows)
+        if plain or along_drafts:
             if self._executor is None:
                 self._executor = llguidance.LLExecutor()
-            rows = self.bitmask[:len(seqs)]  # whole rows of a contiguous int32 tensor in host memory
-            self._executor.unsafe_compute_mask_ptr(matchers, rows.data_ptr(), rows.shape[1] * 4, rows.shape[0])
+            rows = self.bitmask[:at]  # whole rows of a contiguous int32 tensor in host memory
+            if plain:
+                self._executor.unsafe_compute_mask_ptr(plain, rows.data_ptr(), rows.shape[1] * 4, rows.shape[0])
+            if along_drafts:  # each matcher steps along its drafts (while its masks allow them), then back
+                self._executor.unsafe_compute_mask_ptr_with_draft_token(along_drafts, rows.data_ptr(),
+                                                                         rows.shape[1] * 4, rows.shape[0])
 
     @torch.inference_mode()  # the logits are an inference tensor, updated in place
     def apply(self, logits: torch.Tensor, fill: MaskFill) -> None:
-        """Mask `logits` [B, V] in place once the fill is done."""
+        """Mask `logits` [rows, V] (the step's, draft rows included) in place once the fill is done."""
         fill.filled.result()
         count = len(fill.rows)
         words = self.bitmask[:count].to(logits.device, non_blocking=True)

@@ -1,24 +1,30 @@
 """Speculative decoding with k = 1..3 MTP drafts (`speculative_tokens`): greedy output equals decoding without
 drafts token for token whatever the drafts are (the tiny model's own MTP drafts, and drafts forced right or wrong
 at random, so both the accept and the reject paths run), in batches with chunked prefill, with the prefix cache
-on, with a stop token ending inside an accepted run and `max_tokens` cutting the drafts; a rejected draft leaves
+on, with structured output (every verified row masked), with a stop token ending inside an accepted run and
+`max_tokens` cutting the drafts; a rejected draft leaves
 no trace in the request's state (main model and MTP layer) against an engine that never saw it; sampled tokens
 follow the target distribution (the verification on its own over many draws, and the tiny model's tokens over
 many seeds against their exact distribution)."""
 
 from __future__ import annotations
 
+import json
 import math
 
+import jsonschema
 import pytest
 import torch
+from tokenizers import Tokenizer
 
 from engine import LLM, SamplingParams
 from engine.mtp_drafter import MtpDrafter
 from engine.sampler import _probs, verify_drafts
 from engine.sequence import Sequence
+from engine.structured import GrammarSpec, Reasoning
 from ops.bench_speculative import forcing_step
 from tests.engine.conftest import random_prompt
+from tests.engine.test_structured import END_THINK, PERSON
 
 PROMPTS = [random_prompt(40, 1), random_prompt(23, 2), random_prompt(31, 3)]
 LONG = random_prompt(70, 4)  # past the tiny model's 64-token page: the prefix cache keeps it
@@ -221,6 +227,29 @@ def test_a_prefix_hit_brings_the_mtp_layers_state_back(snapshot, monkeypatch):
     got, hit = drafts_made(cached, monkeypatch, turn, params)
     want, _ = drafts_made(spec_llm(snapshot, 2), monkeypatch, turn, params)
     assert hit > 64 and got == want and len(got) > 1
+
+
+@pytest.mark.parametrize("k", [1, 3])
+def test_structured_output_masks_every_verified_row(snapshot, monkeypatch, k):
+    """A JSON schema, and a reasoning budget then a choice: greedy output equals decoding without drafts (drafts
+    right at random, the wrong ones mostly outside the grammar), and sampled output still validates."""
+    prompts = [list(f"prompt {i}".encode()) for i in range(3)]
+    cases = [SamplingParams(max_tokens=60, temperature=0.0, grammar=GrammarSpec.json_schema(PERSON)),
+             SamplingParams(max_tokens=30, temperature=0.0, grammar=GrammarSpec.choice(["yes", "no"]),
+                            reasoning=Reasoning(END_THINK, 8))]
+    for params in cases:
+        truth = plain_outputs(snapshot, prompts, params)
+        with monkeypatch.context() as patch:
+            patch.setattr(MtpDrafter, "draft", forcing_step(truth, 0.6, vocab=VOCAB))
+            llm = spec_llm(snapshot, k)
+            assert [o.token_ids for o in llm.generate(prompts, params)] == list(truth.values())
+        stats = llm.core.stats().drafts
+        assert 0 < stats.verified_accepted < stats.verified
+    sampled = SamplingParams(max_tokens=160, temperature=1.0, seed=11, grammar=GrammarSpec.json_schema(PERSON))
+    tokenizer = Tokenizer.from_file(str(snapshot / "tokenizer.json"))
+    for out in spec_llm(snapshot, k).generate(prompts, sampled):
+        assert out.finish_reason == "stop"
+        jsonschema.validate(json.loads(tokenizer.decode(out.token_ids)), PERSON)
 
 
 # Sampling: a draft is accepted with the probability its row gives it, else the token comes from the rest.

@@ -171,6 +171,51 @@ def test_grammar_rows_after_fixed_rows_get_their_own_masks(compiler, layout):
     assert_rows_masked(logits, original, expected)
 
 
+def library_masks_along(matcher, drafts: list[int]) -> list[np.ndarray]:
+    """llguidance's single-matcher masks before and after each draft, consumed one by one, then rolled back."""
+    out = [reference_mask(matcher)]
+    for token in drafts:
+        assert matcher.consume_token(token)
+        out.append(reference_mask(matcher))
+    matcher.rollback(len(drafts))
+    return out
+
+
+def test_draft_rows_are_masked_along_the_drafts(compiler):
+    """A verify's rows: each masks the token after the drafts before it (the grammar stepped along them and back),
+    through the reasoning phase into the grammar; rows after a draft its row disallows are left free."""
+    ab = ord("a"), ord("b")
+    grammar = Sequence("g", [1], SamplingParams())
+    grammar.constraint = RequestConstraint("g", VOCAB, compiler.matcher(GrammarSpec("regex", "ab[cd]e")), None, EOS)
+    bad = Sequence("x", [1], SamplingParams())  # its second draft is outside the grammar
+    bad.constraint = RequestConstraint("x", VOCAB, compiler.matcher(GrammarSpec("regex", "ab[cd]e")), None, EOS)
+    thinking = Sequence("t", [1], SamplingParams())  # reasoning, its end, then the grammar
+    thinking.constraint = RequestConstraint("t", VOCAB, compiler.matcher(GrammarSpec.choice(["ok"])),
+                                            Reasoning(END_THINK, 4), EOS)
+    spent = Sequence("s", [1], SamplingParams())  # a budget of one: the second row allows only the end
+    spent.constraint = RequestConstraint("s", VOCAB, None, Reasoning(END_THINK, 1), EOS)
+    free = Sequence("f", [1], SamplingParams())
+    seqs = [grammar, free, bad, thinking, spent]
+    drafts = [(grammar, ab), (bad, (ab[0], ord("x"), ord("c"))), (thinking, (ord("z"), END_THINK, ord("o"))),
+              (spent, (ord("z"), ord("y")))]
+    masks = GrammarMasks(VOCAB, 16, torch.device("cpu"))
+    logits = torch.randn(5 + 2 + 3 + 3 + 2, VOCAB, generator=torch.Generator().manual_seed(3))
+    original = logits.clone()
+    pending = masks.start(seqs, drafts)
+    along = library_masks_along(grammar.constraint.matcher, list(ab))
+    no_stop = ~np.isin(np.arange(VOCAB), EOS)
+    expected = {0: along[0], 5: along[1], 6: along[2],  # grammar: its row, then its two draft rows
+                2: along[0], 7: along[1],  # bad: 'x' is not allowed after 'a': the rows after it stay free
+                3: no_stop, 10: no_stop, 11: reference_mask(thinking.constraint.matcher),
+                12: library_masks_along(thinking.constraint.matcher, [ord("o")])[1],
+                13: np.arange(VOCAB) == END_THINK}  # spent: free (no grammar), then only the end: 'y' is not it
+    masks.apply(logits, pending)
+    for row in (4, 8, 9, 14):  # free rows of verifying requests, and rows past a disallowed draft: every logit kept
+        expected[row] = np.ones(VOCAB, dtype=bool)
+    assert_rows_masked(logits, original, expected)
+    assert reference_mask(grammar.constraint.matcher).nonzero()[0].tolist() == [ab[0]]  # stepped back
+
+
 @pytest.fixture(scope="module")
 def llm(tiny_dir) -> LLM:
     return LLM(model=tiny_dir("bf16"), device="cpu", dtype="float32", max_num_seqs=16)

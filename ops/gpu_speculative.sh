@@ -1,0 +1,22 @@
+#!/usr/bin/env bash
+# Speculative decoding on a CUDA machine, in parts that each fit a 10-minute call (from the repository root):
+#   bash ops/gpu_speculative.sh OUT_DIR tests|bench
+# tests: the MTP layer and verified greedy output in bf16 on CUDA (tests/gpu/test_speculative_cuda.py), and the
+#        kernel-manifest starts;
+# bench: the cost table: decode against drafting and k = 1, 2, 3 verify steps on the resident 8-layer slice at
+#        batch 1 and 4, with tok/s at forced acceptance rates (ops/bench_speculative.py).
+# Wheels the machine lacks: see ops/gpu_env.sh.
+set -uo pipefail
+out=${1:?output directory}; part=${2:?tests or bench}
+mkdir -p "$out"
+exec > >(tee -a "$out/run.log") 2>&1  # kept in the output folder even when a caller's time limit cuts the run
+source ops/gpu_env.sh
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__)'
+case "$part" in
+  tests) timeout 560 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_speculative_cuda.py \
+           tests/gpu/test_kernel_manifest_cuda.py 2>&1 | tail -25 ;;
+  bench) timeout 560 python3 -m ops.bench_speculative --device cuda --layers 8 --batches 1,4 --drafts 1,2,3 \
+           --tokens 64 --json "$out/speculative.json" ;;
+  *) echo "unknown part: $part"; exit 2 ;;
+esac
