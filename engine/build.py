@@ -64,23 +64,30 @@ def build_parts(config: ModelConfig, weights: LoadedWeights, options: EngineOpti
                              options.max_waiting)
     scheduler = Scheduler(slots, cache, limits, prefix)
     runner = ModelRunner(model, slots, cache, cache.pages_for(options.max_model_len), _image_embedder(config, weights))
-    drafter = mtp_drafter(config, weights, options, plan, runner) if options.drafts_on else None
+    drafter = mtp_drafter(config, weights, options, runner, offload, fill is not None) if options.drafts_on else None
     return EngineParts(plan, slots, cache, prefix, offload, fill, model, scheduler, runner, drafter)
 
 
-def mtp_drafter(config: ModelConfig, weights: LoadedWeights, options: EngineOptions, plan: MemoryPlan,
-                runner: ModelRunner) -> MtpDrafter | None:
-    """The MTP layer over the caches' last DSA index, where it can run: the checkpoint has it and every expert is
-    resident (its experts are not placed under a budget yet)."""
+def has_mtp_layer(config: ModelConfig, weights: LoadedWeights) -> bool:
+    """Whether the MTP layer was loaded (drafts asked of a checkpoint that has one, every expert read)."""
+    return f"layers.{config.num_layers}.eh_proj" in weights
+
+
+def mtp_drafter(config: ModelConfig, weights: LoadedWeights, options: EngineOptions, runner: ModelRunner,
+                offload: HybridExperts | None, filling: bool) -> MtpDrafter | None:
+    """The MTP layer over the caches' last DSA index, its experts run by the engine's executor (placed with the
+    other layers' under hybrid offload), where it was loaded: the checkpoint has it, and the load was whole (a
+    load that readies before its experts are in does not read it)."""
     index = config.num_layers
-    reason = ("hybrid_offload" if plan.expert_budget is not None else  # its experts were not loaded then
-              "no_mtp_layer" if f"layers.{index}.eh_proj" not in weights else None)
+    reason = None if has_mtp_layer(config, weights) else "experts_filling" if filling else "no_mtp_layer"
     if reason is not None:
         log.info("event=mtp_drafts on=0 reason=%s", reason)
         return None
     device = weights["embed_tokens.weight"].device
-    layer = MtpLayer(config, weights, index, default_executor(weights, [index], config.swiglu_limit, device))
-    log.info("event=mtp_drafts on=1 layer=%d speculative_tokens=%d", index, options.speculative_tokens)
+    experts = offload or default_executor(weights, [index], config.swiglu_limit, device)
+    layer = MtpLayer(config, weights, index, experts)
+    log.info("event=mtp_drafts on=1 layer=%d speculative_tokens=%d experts=%s", index, options.speculative_tokens,
+             "hybrid" if offload is not None else "resident")
     return MtpDrafter(cache_config(config, options), layer, runner, options.speculative_tokens)
 
 
@@ -101,16 +108,19 @@ def _prefix_cache(config: ModelConfig, slots: RequestSlots, cache: PagedLatents,
 
 def _hybrid_experts(config: ModelConfig, weights: LoadedWeights, options: EngineOptions,
                     plan: MemoryPlan) -> HybridExperts | None:
-    """Experts split between device slots and the host bank when the plan gives them a budget."""
+    """Experts split between device slots and the host bank when the plan gives them a budget (the MTP layer's
+    with the others where it was loaded)."""
     if plan.expert_budget is None:
         return None
     device = weights["norm.weight"].device
-    hybrid = HybridExperts.from_weights(weights, config.moe_layers, config.swiglu_limit, device, plan.expert_budget,
+    mtp = options.drafts_on and has_mtp_layer(config, weights)
+    layers = config.moe_layers + ([config.num_layers] if mtp else [])
+    hybrid = HybridExperts.from_weights(weights, layers, config.swiglu_limit, device, plan.expert_budget,
                                         executor_class(device), options.cpu_expert_threads, options.cpu_expert_pin)
     hybrid.split_misses(*choose_split(hybrid, config.num_experts_per_tok, options.pcie_expert_percent,
                                       options.miss_split_file))
     slots = len(hybrid.resident[config.moe_layers[0]])
-    gib_per_slot = hybrid.expert_bytes * len(config.moe_layers) / 2 ** 30  # one expert in every MoE layer
+    gib_per_slot = hybrid.expert_bytes * len(layers) / 2 ** 30  # one expert in every MoE layer
     log.info("event=expert_placement device_slots_per_layer=%d of=%d device_gib=%.2f host_gib=%.2f",
              slots, hybrid.num_experts, gib_per_slot * slots, gib_per_slot * (hybrid.num_experts - slots))
     return hybrid

@@ -86,7 +86,7 @@ def load_checkpoint(files: Path, device: torch.device, dtype: str, options: Engi
         weights, experts = open_weights(files, config, device, DTYPES[dtype], plan.expert_slots, workers, count)
     else:
         weights = load_weights(files, config, device, DTYPES[dtype], plan.expert_slots, workers, count,
-                               mtp=options.drafts_on and plan.expert_budget is None)  # see build.mtp_drafter
+                               mtp=options.drafts_on)
     return LoadedModelWeights(config, weights, plan, experts, read[0])
 
 

@@ -81,6 +81,12 @@ def cache_config(config: ModelConfig, options: EngineOptions) -> ModelConfig:
     return with_mtp_cache(config) if options.drafts_on and config.num_mtp_layers else config
 
 
+def expert_layers(config: ModelConfig, options: EngineOptions) -> int:
+    """MoE layers whose routed experts are placed: the model's, and the MTP layer's where drafts are asked (its
+    experts share the budget like any layer's)."""
+    return len(config.moe_layers) + (config.num_mtp_layers if options.drafts_on else 0)
+
+
 def build_caches(config: ModelConfig, options: EngineOptions, plan: MemoryPlan, device: torch.device,
                  dtype: torch.dtype) -> tuple[RequestSlots, PagedLatents]:
     """The request slots and the latent pages (the requests' and the prefix cache's device pages) the plan sized."""
@@ -115,7 +121,7 @@ def plan_memory(config: ModelConfig, options: EngineOptions, device: torch.devic
     slots = None
     if budget is not None and weights is not None:
         per_expert = max(1, weights.experts // (len(config.moe_layers) * config.n_routed_experts))
-        slots = slots_per_layer(budget, per_expert, len(config.moe_layers), config.n_routed_experts)
+        slots = slots_per_layer(budget, per_expert, expert_layers(config, options), config.n_routed_experts)
     plan = MemoryPlan(request_pages, prefix_device, prefix_host, caches, reserve, budget, slots)
     log.info("event=memory_plan free_gib=%.2f cache_gib=%.2f reserve_gib=%.2f expert_budget_gib=%s "
              "expert_slots_per_layer=%s prefix_snapshots=%d prefix_pages=%d", free_bytes / 2 ** 30,

@@ -31,8 +31,8 @@ class EngineOptions:
     prefix_cache_bytes: int = 4 << 30  # device memory for cached prefixes (snapshots and extra pages)
     prefix_cache_host_bytes: int = 0  # host RAM for prefixes evicted from the device (0: none, evictions drop)
     # Load the checkpoint's MTP layer and run it after every step, drafting the tokens after each sampled one and
-    # counting how often the first draft is right (engine/mtp_drafter.py). Off under hybrid offload: the MTP
-    # layer's experts are not placed yet.
+    # counting how often the first draft is right (engine/mtp_drafter.py); under hybrid offload its experts are
+    # placed with the other layers'.
     mtp_drafts: bool = False
     # Speculative decoding: up to this many MTP drafts verified in each decoding request's next step (0: off; on
     # turns mtp_drafts on): up to k + 1 tokens a step, the same tokens as without (greedy), the same distribution

@@ -71,8 +71,7 @@ class Settings(BaseSettings):
                                                         "the rest (default: from both rates measured at load)")
     mtp_drafts: bool = Field(False, validation_alias=_env("MTP_DRAFTS"),
                              description="Load the checkpoint's MTP layer and draft the next token with it after "
-                                         "every step, only counting how often it is right (/metrics); needs every "
-                                         "expert on the GPU for now")
+                                         "every step, only counting how often it is right (/metrics)")
     speculative_tokens: int = Field(0, ge=0, le=3, validation_alias=_env("SPECULATIVE_TOKENS"),
                                     description="Draft this many tokens a step with the MTP layer and verify them in "
                                                 "the next one (speculative decoding: up to this many + 1 tokens a "

@@ -46,6 +46,16 @@ def test_the_plan_places_experts_before_loading(config):
         plan(config, -1)
 
 
+def test_the_mtp_layers_experts_share_the_budget_when_drafts_are_on(config):
+    mtp = dataclasses.replace(config, num_mtp_layers=1)
+    layers, experts = len(config.moe_layers), 50 * len(config.moe_layers) * config.n_routed_experts
+    assert layers >= 3
+    budget = 4 * layers * 50  # four slots a layer over the model's layers, three once the MTP layer counts
+    drafting = dataclasses.replace(SIZES, moe_vram_budget=budget, speculative_tokens=2)
+    assert plan(mtp, budget).expert_slots == 4
+    assert plan_memory(mtp, drafting, CPU, torch.float32, WeightBytes(1000 + experts, experts)).expert_slots == 3
+
+
 def test_auto_is_what_the_other_weights_the_caches_and_the_reserve_leave(config):
     free = 50 * 2 ** 30
     auto = plan(config, AUTO, free=free)

@@ -62,8 +62,6 @@ def test_drafts_equal_the_mtp_layer_over_the_whole_history(snapshot):
 
 def test_drafts_stay_off_where_the_mtp_layer_cannot_run(snapshot, tiny_dir, caplog):
     with caplog.at_level(logging.INFO, logger="glmflash.engine"):
-        assert LLM(snapshot, dtype="float32", mtp_drafts=True, moe_vram_budget=0).core.drafter is None
-        assert "event=mtp_drafts on=0 reason=hybrid_offload" in caplog.text
         assert LLM(tiny_dir("bf16"), dtype="float32", prefix_cache=False, mtp_drafts=True).core.drafter is None
         assert "reason=no_mtp_layer" in caplog.text
     assert LLM(snapshot, dtype="float32", prefix_cache=False).core.stats().drafts is None

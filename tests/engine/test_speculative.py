@@ -252,6 +252,25 @@ def test_structured_output_masks_every_verified_row(snapshot, monkeypatch, k):
         jsonschema.validate(json.loads(tokenizer.decode(out.token_ids)), PERSON)
 
 
+@pytest.mark.parametrize("k", [1, 3])
+def test_under_hybrid_offload_the_mtp_experts_are_placed_like_any_layers(tiny_dir, monkeypatch, k):
+    """A budget of two experts a layer, the MTP layer's counted (FP8: the budget is read in the checkpoint's
+    bytes): its experts are split between device slots and the host bank like the others', and verified greedy
+    output equals the all-resident engine's."""
+    snapshot = tiny_dir("fp8", num_nextn_predict_layers=1)
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    truth = plain_outputs(snapshot, PROMPTS, params)
+    probe = LLM(snapshot, dtype="float32", moe_vram_budget=0, speculative_tokens=k)
+    per_expert, layers = probe.core.offload.expert_bytes, len(probe.core.offload.layers)
+    assert layers == len(probe.config.moe_layers) + 1 and probe.config.num_layers in probe.core.offload.layers
+    force_drafts(monkeypatch, truth, right=0.6)
+    llm = spec_llm(snapshot, k, moe_vram_budget=2 * per_expert * layers)
+    assert {len(r) for r in llm.core.offload.resident.values()} == {2}
+    assert [o.token_ids for o in llm.generate(PROMPTS, params)] == list(truth.values())
+    assert 0 < llm.core.stats().drafts.verified_accepted < llm.core.stats().drafts.verified
+    assert llm.core.stats().offload.host_pairs > 0
+
+
 # Sampling: a draft is accepted with the probability its row gives it, else the token comes from the rest.
 DRAWS = 20_000
 
