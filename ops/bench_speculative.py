@@ -12,6 +12,7 @@ plus a verify over the request's tokens and its k drafts) and tok/s at each acce
 slice, the drafting at most 0.15x).
 
     python -m ops.bench_speculative --device cuda --layers 8 --batches 1,4 --drafts 1,2,3 --tokens 64 [--json OUT]
+    python -m ops.bench_speculative --device cuda --layers 45 --expert-slots auto --batches 1,4 --drafts 1,2,3
     python -m ops.bench_speculative --device cpu --tiny --tokens 8     # smoke run on the tiny model's shapes
 """
 
@@ -29,8 +30,10 @@ import torch
 from engine import LLM, SamplingParams
 from engine.config import ModelConfig
 from engine.mtp_drafter import MtpDrafter
-from engine.step_plan import StepPlan, StepResult
+from engine.options import EngineOptions
+from engine.step_plan import StepPlan
 from engine.tiny.factory import synthetic_weights, tiny_config
+from ops.bench_decode import auto_slots, weight_bytes
 from ops.bench_engine import slice_text_config, sync
 
 ACCEPTANCE = (0.0, 0.5, 0.7, 0.9, 1.0)
@@ -89,34 +92,68 @@ def timed_generate(llm: LLM, prompts: list[list[int]], tokens: int, device: torc
     return times[1] - times[0], outputs
 
 
+@contextmanager
+def engine_mode(llm: LLM, drafts: int | None, graphs: bool = True) -> Iterator[None]:
+    """One engine run as plain decoding (`drafts` None: no MTP layer), drafting only (0: one draft a step, none
+    verified) or verifying k drafts a step; with its decode graphs or eager (`graphs`). Between runs, so no
+    request is in flight."""
+    core, runner = llm.core, llm.runner
+    drafter, captured = core.drafter, runner.graphs
+    speculative = drafter.k
+    core.drafter = None if drafts is None else drafter
+    drafter.k = speculative if drafts is None else drafts
+    runner.graphs = captured if graphs else None
+    try:
+        yield
+    finally:
+        core.drafter, runner.graphs, drafter.k = drafter, captured, speculative
+
+
+def build_engine(args: argparse.Namespace, cfg: ModelConfig, device: torch.device, dtype: torch.dtype
+                 ) -> tuple[LLM, dict[str, Any]]:
+    """The one engine every mode runs (speculative_tokens: the largest k), resident or under hybrid offload
+    (`--expert-slots`, the MTP layer's experts placed like the others'); and what its placement was."""
+    options = dict(prefix_cache=False, max_num_seqs=max(args.batches), max_model_len=args.prompt + args.tokens + 16,
+                   speculative_tokens=max(args.drafts))
+    slots, placement = None, {}
+    if args.expert_slots is not None:
+        memory = EngineOptions(max_num_batched_tokens=2048, **options)
+        slots = auto_slots(cfg, args.format, device, memory) if args.expert_slots == "auto" else int(args.expert_slots)
+        placement = {"expert_slots_per_layer": slots}
+    weights = synthetic_weights(cfg, args.format, device, dtype, expert_slots=slots, expert_variety=args.expert_variety)
+    budget = None
+    if slots is not None:
+        budget = slots * round(weight_bytes(cfg, weights)[1]) * (len(cfg.moe_layers) + cfg.num_mtp_layers)
+    return LLM.from_weights(cfg, weights, moe_vram_budget=budget, **options), placement
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
     device, dtype = torch.device(args.device), getattr(torch, args.dtype)
     cfg = config(args)
-    weights = synthetic_weights(cfg, args.format, device, dtype, expert_variety=args.expert_variety)
-    options = dict(prefix_cache=False, max_num_seqs=max(args.batches), max_model_len=args.prompt + args.tokens + 16)
-    engines = {"plain": LLM.from_weights(cfg, weights, **options),
-               "eager": LLM.from_weights(cfg, weights, cuda_graphs=False, **options),
-               "drafting": LLM.from_weights(cfg, weights, mtp_drafts=True, **options)}
-    engines.update({f"k{k}": LLM.from_weights(cfg, weights, speculative_tokens=k, **options) for k in args.drafts})
+    llm, placement = build_engine(args, cfg, device, dtype)
     g = torch.Generator().manual_seed(0)
     warm = [torch.randint(0, cfg.vocab_size, (args.prompt,), generator=g).tolist() for _ in range(max(args.batches))]
-    for llm in engines.values():  # first-run costs (allocator, kernels at these shapes) out of the timings
-        llm.generate(warm, SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
+    for drafts in [None, 0, *args.drafts]:  # first-run costs (allocator, kernels at these shapes) out of the timings
+        with engine_mode(llm, drafts, graphs=drafts is None):
+            llm.generate(warm, SamplingParams(max_tokens=args.warm_tokens, temperature=0.0, ignore_eos=True))
     results = []
     for batch in args.batches:
         prompts = [torch.randint(0, cfg.vocab_size, (args.prompt,), generator=g).tolist() for _ in range(batch)]
-        decode_s, outputs = timed_generate(engines["plain"], prompts, args.tokens, device)
+        with engine_mode(llm, None):
+            decode_s, outputs = timed_generate(llm, prompts, args.tokens, device)
+        with engine_mode(llm, None, graphs=False):
+            eager_s, _ = timed_generate(llm, prompts, args.tokens, device)
+        with engine_mode(llm, 0):
+            drafting_s, _ = timed_generate(llm, prompts, args.tokens, device)
         truth = {tuple(p): o.token_ids for p, o in zip(prompts, outputs)}
-        eager_s, _ = timed_generate(engines["eager"], prompts, args.tokens, device)
-        drafting_s, _ = timed_generate(engines["drafting"], prompts, args.tokens, device)
         steps = args.tokens - 1  # decode steps after the prefill's token, per request
         row = {"batch": batch, "decode_ms_per_step": decode_s / steps * 1e3,
                "decode_tok_s": batch * steps / decode_s, "eager_decode_ms_per_step": eager_s / steps * 1e3,
                "drafting_ms_per_step": drafting_s / steps * 1e3, "drafting_cost": (drafting_s - eager_s) / eager_s}
         for k in args.drafts:
             for a in args.acceptance:
-                with forced_drafts(truth, a, cfg.vocab_size):
-                    verify_s, got = timed_generate(engines[f"k{k}"], prompts, args.tokens, device)
+                with engine_mode(llm, k), forced_drafts(truth, a, cfg.vocab_size):
+                    verify_s, got = timed_generate(llm, prompts, args.tokens, device)
                 if [o.token_ids for o in got] != list(truth.values()):
                     raise SystemExit(f"batch {batch}, k {k}, acceptance {a}: verified output differs from plain "
                                      "decoding")
@@ -129,7 +166,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         results.append(row)
     return {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu", "layers": cfg.num_layers,
             "format": args.format, "dtype": args.dtype, "tokens": args.tokens, "prompt": args.prompt,
-            "results": results}
+            **placement, "results": results}
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -146,6 +183,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                         help="draft lengths k to time")
     parser.add_argument("--acceptance", type=lambda s: [float(x) for x in s.split(",")], default=list(ACCEPTANCE))
     parser.add_argument("--expert-variety", type=int, default=8)
+    parser.add_argument("--expert-slots", help="hybrid offload: routed experts a MoE layer keeps on the device "
+                                               "(a number, or auto: what the memory plan leaves)")
+    parser.add_argument("--warm-tokens", type=int, default=4, help="tokens of the warm-up run in each mode")
     parser.add_argument("--json")
     args = parser.parse_args(argv)
     report = run(args)

@@ -1,17 +1,22 @@
-"""ops/bench_speculative.py on the tiny model's shapes: every figure reported for k = 1 and 2, and verified output
-equal to plain decoding at each forced acceptance (the benchmark stops otherwise)."""
+"""ops/bench_speculative.py on the tiny model's shapes, all experts resident and under hybrid offload: every figure
+reported for k = 1 and 2, and verified output equal to plain decoding at each forced acceptance (the benchmark
+stops otherwise)."""
 
 from __future__ import annotations
 
 import json
 
+import pytest
+
 from ops import bench_speculative as bench
 
 
-def test_tiny_run_reports_each_acceptance(tmp_path):
+@pytest.mark.parametrize("hybrid", [[], ["--expert-slots", "2"]])
+def test_tiny_run_reports_each_acceptance(tmp_path, hybrid):
     report = bench.main(["--device", "cpu", "--tiny", "--dtype", "float32", "--format", "bf16", "--tokens", "6",
                          "--prompt", "12", "--batches", "1,2", "--drafts", "1,2", "--acceptance", "0,1", "--json",
-                         str(tmp_path / "r.json")])
+                         str(tmp_path / "r.json"), *hybrid])
+    assert report.get("expert_slots_per_layer") == (2 if hybrid else None)
     assert json.loads((tmp_path / "r.json").read_text()) == report
     assert [row["batch"] for row in report["results"]] == [1, 2]
     keys = {"decode_ms_per_step", "decode_tok_s", "eager_decode_ms_per_step", "drafting_ms_per_step",
