@@ -88,7 +88,8 @@ def mtp_drafter(config: ModelConfig, weights: LoadedWeights, options: EngineOpti
     layer = MtpLayer(config, weights, index, experts)
     log.info("event=mtp_drafts on=1 layer=%d speculative_tokens=%d experts=%s", index, options.speculative_tokens,
              "hybrid" if offload is not None else "resident")
-    return MtpDrafter(cache_config(config, options), layer, runner, options.speculative_tokens)
+    return MtpDrafter(cache_config(config, options), layer, runner, options.speculative_tokens,
+                      options.measured_draft_length)
 
 
 def _image_embedder(config: ModelConfig, weights: LoadedWeights) -> ImageEmbedder | None:

@@ -213,6 +213,7 @@ class EngineCore:
             del self._by_id[seq.request_id]
         if self.drafter is not None:
             self.drafter.draft(plan)
+            self.drafter.timed(plan, time.perf_counter() - plan.started)
         outputs = []
         for seq, (token, logprobs) in zip(plan.to_sample, sampled):
             first = len(seq.output_token_ids) == 1

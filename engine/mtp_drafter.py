@@ -30,6 +30,7 @@ import torch
 
 from engine.cache.state_rows import StateRows
 from engine.config import ModelConfig
+from engine.draft_length import DraftLength
 from engine.model.batch import ForwardBatch
 from engine.model.mtp import MtpLayer
 from engine.model_runner import ModelRunner
@@ -44,6 +45,7 @@ class DraftStats:
     verify_steps: int = 0  # request-steps that verified drafts (speculative)
     verified: int = 0  # draft tokens verified
     verified_accepted: int = 0  # of those, accepted: each gave one more token in its step
+    draft_length: int = 0  # drafts a request gets for its next step (speculative: chosen from measured costs)
 
     @property
     def acceptance(self) -> float | None:
@@ -70,10 +72,15 @@ def _accepted(seq: Sequence, first: int, drafts: tuple[int, ...]) -> int:
 
 
 class MtpDrafter:
-    def __init__(self, config: ModelConfig, layer: MtpLayer, runner: ModelRunner, speculative_tokens: int) -> None:
-        """`config`: the caches' (the MTP layer's DSA included); `speculative_tokens`: drafts verified a step (0:
-        one draft a request, only counted)."""
+    def __init__(self, config: ModelConfig, layer: MtpLayer, runner: ModelRunner, speculative_tokens: int,
+                 measured_length: bool = True) -> None:
+        """`config`: the caches' (the MTP layer's DSA included); `speculative_tokens`: the most drafts verified a
+        step (0: one draft a request, only counted); `measured_length`: each step's number chosen from measured
+        costs (`engine.draft_length`), else always the most."""
         self.layer, self.runner, self.k = layer, runner, speculative_tokens
+        self.length = DraftLength(speculative_tokens) if speculative_tokens and measured_length else None
+        self.k_now = speculative_tokens  # drafts a request gets this step
+        self._decoding = False  # whether every request of the step under way decodes
         self.slots, self.cache = runner.slots, runner.cache
         self.index = layer.mixer.cache_index
         self.stats = DraftStats()
@@ -89,12 +96,14 @@ class MtpDrafter:
         when they are only counted."""
         if not self.k:
             return 1
-        return min(self.k, seq.params.max_tokens - len(seq.output_token_ids) - 1)
+        return min(self.k_now, seq.params.max_tokens - len(seq.output_token_ids) - 1)
 
     def with_drafts(self, plan: StepPlan) -> StepPlan:
         """The plan with its decoding requests' drafts to verify; their states copied first."""
         if not self.k:
             return plan
+        self._decoding = all(span.samples and span.seq.num_computed >= len(span.seq.prompt_token_ids)
+                             for span in plan.spans)
         saving = plan.snapshot_saves.requests if plan.snapshot_saves is not None else ()
         drafts = {span.seq: span.seq.draft_tokens[:self._drafts_wanted(span.seq)] for span in plan.spans
                   if span.samples and span.seq.draft_tokens and span.seq not in saving and verifiable(span.seq)
@@ -137,12 +146,16 @@ class MtpDrafter:
     def draft(self, plan: StepPlan) -> None:
         """After the requests were updated (tokens appended, drafts verified, finishes decided): score the drafts
         they had and draft anew for those that sampled and go on, from the row before their last token."""
-        firsts: list[tuple[Sequence, int]] = []
+        going: list[tuple[Sequence, int]] = []
         for seq, (row, first) in self._sources.items():
             self._score(seq, first, plan.drafts.get(seq))
             seq.draft_tokens = ()
-            if not seq.finished and self._drafts_wanted(seq) > 0:
-                firsts.append((seq, row))
+            if not seq.finished:
+                going.append((seq, row))
+        if self.length is not None:
+            self.k_now = self.length.choose(len(going))
+        self.stats.draft_length = self.k_now if self.k else 1
+        firsts = [(seq, row) for seq, row in going if self._drafts_wanted(seq) > 0]
         if not firsts:
             self._z = None
             return
@@ -160,9 +173,22 @@ class MtpDrafter:
             self.stats.proposed += 1
             self.stats.accepted += seq.token_ids[first] == seq.draft_tokens[0]
         if verified is not None:
+            accepted = _accepted(seq, first, verified)
             self.stats.verify_steps += 1
             self.stats.verified += len(verified)
-            self.stats.verified_accepted += _accepted(seq, first, verified)
+            self.stats.verified_accepted += accepted
+            if self.length is not None:
+                self.length.verdict(len(verified), accepted)
+
+    def timed(self, plan: StepPlan, seconds: float) -> None:
+        """A step's wall time, drafting for the next included, for the draft length's choice: steps where every
+        request decodes (its own tokens again after a rejection included) and all verified the same number of
+        drafts, or none."""
+        lengths = {len(drafts) for drafts in plan.drafts.values()}
+        if self.length is None or not self._decoding or len(lengths) > 1 or (
+                plan.drafts and len(plan.drafts) < len(plan.to_sample)):
+            return
+        self.length.timed(len(plan.to_sample), lengths.pop() if lengths else 0, seconds)
 
     def _chain(self, seqs: list[Sequence], z: torch.Tensor, drafts: list[list[int]]) -> None:
         """Draft 2.. of each request: the MTP layer on its own output z and the draft before, one position on."""

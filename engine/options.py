@@ -38,6 +38,9 @@ class EngineOptions:
     # turns mtp_drafts on): up to k + 1 tokens a step, the same tokens as without (greedy), the same distribution
     # (sampling).
     speculative_tokens: int = 0
+    # With speculative_tokens: each step's number of drafts (0 to speculative_tokens) chosen from the acceptance and
+    # step times measured (engine/draft_length.py); off: always speculative_tokens.
+    measured_draft_length: bool = True
 
     @property
     def drafts_on(self) -> bool:

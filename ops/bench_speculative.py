@@ -101,12 +101,12 @@ def engine_mode(llm: LLM, drafts: int | None, graphs: bool = True) -> Iterator[N
     drafter, captured = core.drafter, runner.graphs
     speculative = drafter.k
     core.drafter = None if drafts is None else drafter
-    drafter.k = speculative if drafts is None else drafts
+    drafter.k = drafter.k_now = speculative if drafts is None else drafts
     runner.graphs = captured if graphs else None
     try:
         yield
     finally:
-        core.drafter, runner.graphs, drafter.k = drafter, captured, speculative
+        core.drafter, runner.graphs, drafter.k, drafter.k_now = drafter, captured, speculative, speculative
 
 
 def build_engine(args: argparse.Namespace, cfg: ModelConfig, device: torch.device, dtype: torch.dtype
@@ -114,7 +114,7 @@ def build_engine(args: argparse.Namespace, cfg: ModelConfig, device: torch.devic
     """The one engine every mode runs (speculative_tokens: the largest k), resident or under hybrid offload
     (`--expert-slots`, the MTP layer's experts placed like the others'); and what its placement was."""
     options = dict(prefix_cache=False, max_num_seqs=max(args.batches), max_model_len=args.prompt + args.tokens + 16,
-                   speculative_tokens=max(args.drafts))
+                   speculative_tokens=max(args.drafts), measured_draft_length=False)
     slots, placement = None, {}
     if args.expert_slots is not None:
         memory = EngineOptions(max_num_batched_tokens=2048, **options)

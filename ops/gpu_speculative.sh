@@ -1,13 +1,14 @@
 #!/usr/bin/env bash
 # Speculative decoding on a CUDA machine, in parts that each fit a 10-minute call (from the repository root):
-#   bash ops/gpu_speculative.sh OUT_DIR tests|bench
+#   bash ops/gpu_speculative.sh OUT_DIR tests|bench|whole
 # tests: the MTP layer and verified greedy output in bf16 on CUDA (tests/gpu/test_speculative_cuda.py), and the
 #        kernel-manifest starts;
 # bench: the cost table: decode against drafting and k = 1, 2, 3 verify steps on the resident 8-layer slice at
-#        batch 1 and 4, with tok/s at forced acceptance rates (ops/bench_speculative.py).
+#        batch 1 and 4, with tok/s at forced acceptance rates (ops/bench_speculative.py);
+# whole: the same for the whole model (45 layers) under hybrid offload, the memory plan's automatic placement.
 # Wheels the machine lacks: see ops/gpu_env.sh.
 set -uo pipefail
-out=${1:?output directory}; part=${2:?tests or bench}
+out=${1:?output directory}; part=${2:?tests, bench or whole}
 mkdir -p "$out"
 exec > >(tee -a "$out/run.log") 2>&1  # kept in the output folder even when a caller's time limit cuts the run
 source ops/gpu_env.sh
@@ -18,5 +19,8 @@ case "$part" in
            tests/gpu/test_kernel_manifest_cuda.py 2>&1 | tail -25 ;;
   bench) timeout 560 python3 -m ops.bench_speculative --device cuda --layers 8 --batches 1,4 --drafts 1,2,3 \
            --tokens 64 --json "$out/speculative.json" ;;
+  whole) python3 setup.py -q build_ext --inplace > "$out/build.log" 2>&1 || { tail -20 "$out/build.log"; exit 1; }
+         timeout 560 python3 -m ops.bench_speculative --device cuda --layers 45 --expert-slots auto --batches 1,4 \
+           --drafts 1,2,3 --acceptance 0,0.5,0.7,0.9 --tokens 48 --warm-tokens 32 --json "$out/speculative_whole.json" ;;
   *) echo "unknown part: $part"; exit 2 ;;
 esac

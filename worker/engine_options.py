@@ -19,4 +19,5 @@ def engine_options(settings: Settings, miss_split_file: Path | None = None,
                          kernels_file=kernels_file, precompile_processes=settings.kernel_precompile_processes,
                          prefix_cache=settings.prefix_cache, prefix_cache_bytes=settings.prefix_cache_bytes,
                          prefix_cache_host_bytes=settings.prefix_cache_host_bytes, mtp_drafts=settings.mtp_drafts,
-                         speculative_tokens=settings.speculative_tokens)
+                         speculative_tokens=settings.speculative_tokens,
+                         measured_draft_length=settings.measured_draft_length)

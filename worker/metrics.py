@@ -97,6 +97,8 @@ class Metrics:
                                  ["outcome"], registry=r)
         self.spec_verified = Gauge("glmflash_spec_verified_drafts", "Drafts run in verify steps, and of those the "
                                    "accepted ones", ["outcome"], registry=r)
+        self.spec_draft_length = Gauge("glmflash_spec_draft_length", "Drafts a request gets for its next step "
+                                       "(with speculative decoding: the length measured costs chose)", registry=r)
         self.spec_mean_length = Gauge("glmflash_spec_mean_accepted_length",
                                       "Tokens a verify step gave a request on average (1 + accepted drafts)",
                                       registry=r)
@@ -139,6 +141,7 @@ class Metrics:
         self.spec_verified.labels("verified").set(drafts.verified)
         self.spec_verified.labels("accepted").set(drafts.verified_accepted)
         self.spec_mean_length.set(drafts.mean_accepted_length or 0.0)
+        self.spec_draft_length.set(drafts.draft_length)
 
     def _observe_transfer(self, host_bytes: int, fetched_bytes: int) -> None:
         """What crossed each path since the previous refresh, over the wall time between the two (the CPU

@@ -77,6 +77,10 @@ class Settings(BaseSettings):
                                                 "the next one (speculative decoding: up to this many + 1 tokens a "
                                                 "step; greedy output unchanged, sampled output from the same "
                                                 "distribution); 0: off")
+    measured_draft_length: bool = Field(True, validation_alias=_env("MEASURED_DRAFT_LENGTH"),
+                                        description="With GLMFLASH_SPECULATIVE_TOKENS: draft 0 to that many tokens "
+                                                    "each step, whichever the measured acceptance and step times "
+                                                    "say gives the most tokens a second (off: always that many)")
     prefix_cache: bool = Field(True, validation_alias=_env("PREFIX_CACHE"),
                                description="Start each request from the saved state of the longest prompt prefix "
                                            "seen before (shared system prompts, conversation turns, n > 1)")

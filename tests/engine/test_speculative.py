@@ -37,8 +37,9 @@ def snapshot(tiny_dir):
 
 
 def spec_llm(snapshot, k: int = 1, **options) -> LLM:
+    """k drafts every step (the measured draft length has its own test)."""
     return LLM(snapshot, dtype="float32", **{"prefix_cache": False, "max_num_batched_tokens": 16,
-                                             "speculative_tokens": k, **options})
+                                             "speculative_tokens": k, "measured_draft_length": False, **options})
 
 
 def force_drafts(monkeypatch, truth: dict[tuple[int, ...], list[int]], right: float) -> None:
@@ -269,6 +270,18 @@ def test_under_hybrid_offload_the_mtp_experts_are_placed_like_any_layers(tiny_di
     assert [o.token_ids for o in llm.generate(PROMPTS, params)] == list(truth.values())
     assert 0 < llm.core.stats().drafts.verified_accepted < llm.core.stats().drafts.verified
     assert llm.core.stats().offload.host_pairs > 0
+
+
+def test_a_measured_draft_length_changes_no_token(snapshot, monkeypatch):
+    """Each step's draft length chosen from measured costs (every k from 3 down to 0 timed first): the same
+    tokens as decoding without drafts."""
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    truth = plain_outputs(snapshot, PROMPTS, params)
+    force_drafts(monkeypatch, truth, right=0.6)
+    llm = spec_llm(snapshot, 3, measured_draft_length=True, max_num_batched_tokens=128)
+    assert [o.token_ids for o in llm.generate(PROMPTS, params)] == list(truth.values())
+    length = llm.core.drafter.length
+    assert {k for (_, k) in length.times} == {0, 1, 2, 3} and sum(length.tried) > 0
 
 
 # Sampling: a draft is accepted with the probability its row gives it, else the token comes from the rest.

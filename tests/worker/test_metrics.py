@@ -42,10 +42,11 @@ def test_draft_counts_and_the_mean_accepted_length():
     metrics = Metrics()
     stats = EngineStats(running=1, waiting=0, slots_used=1, slots_total=4, pages_used=2, pages_total=8,
                         drafts=DraftStats(proposed=10, accepted=6, verify_steps=4, verified=8,
-                                           verified_accepted=6))
+                                           verified_accepted=6, draft_length=2))
     metrics.observe_engine(stats)
     got = {f"{s.name}{s.labels.get('outcome', '')}": s.value
            for family in text_string_to_metric_families(metrics.render().decode()) for s in family.samples}
     assert got["glmflash_spec_draft_tokensproposed"] == 10 and got["glmflash_spec_draft_tokensaccepted"] == 6
     assert got["glmflash_spec_verified_draftsverified"] == 8 and got["glmflash_spec_verified_draftsaccepted"] == 6
     assert got["glmflash_spec_mean_accepted_length"] == 2.5  # 1 + 6 accepted over 4 verify steps
+    assert got["glmflash_spec_draft_length"] == 2
