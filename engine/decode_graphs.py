@@ -1,9 +1,12 @@
-"""Decode steps replayed from CUDA graphs captured once per batch size at load.
+"""Decode and verify steps replayed from CUDA graphs captured once per shape at load.
 
 A decode step launches hundreds of small kernels; replaying a captured graph removes the host
-from the step (no Python, no launch gaps). Each size in `sizes` gets one graph over static
-input tensors; a step of n requests runs the smallest graph that holds n, with the extra rows
-pointed at the scratch slot and scratch page so they never touch a real request's state.
+from the step (no Python, no launch gaps). Each shape (requests, tokens a request) gets one graph
+over static input tensors: one token a request at each size in `sizes` (decode), and with drafts
+verified, 1 + k tokens a request for each k up to the most, at the sizes whose rows fit the largest
+decode's. A step of n requests runs the smallest graph of its tokens a request that holds n, with
+the extra requests' rows pointed at the scratch slot and scratch page so they never touch a real
+request's state.
 """
 
 from __future__ import annotations
@@ -22,59 +25,85 @@ DEFAULT_SIZES = (1, 2, 4, 8, 16)
 
 class DecodeGraphs:
     def __init__(self, model: Glm5NextModel, slots: RequestSlots, cache: PagedLatents, max_pages: int,
-                 sizes: tuple[int, ...] = DEFAULT_SIZES, before_replay: Callable[[int], None] | None = None) -> None:
+                 sizes: tuple[int, ...] = DEFAULT_SIZES, before_replay: Callable[[int], None] | None = None,
+                 per_request: tuple[int, ...] = (1,)) -> None:
         dev = model.device
         self.before_replay = before_replay
-        self.sizes = tuple(sorted(sizes))
-        self.max_batch = self.sizes[-1]
+        self.max_batch = max(sizes)
+        # (requests, tokens a request): a verify's rows stay within the largest decode's
+        self.shapes = sorted({(size, n) for n in per_request for size in sizes if size * n <= self.max_batch}
+                             | {(size, 1) for size in sizes}, key=lambda shape: (shape[1], shape[0]))
         self._scratch = (slots.scratch_slot, cache.scratch_page)
-        self.tokens = torch.zeros(self.max_batch, dtype=torch.long, device=dev)
-        self.slot_ids = torch.full((self.max_batch,), slots.scratch_slot, dtype=torch.long, device=dev)
-        self.positions = torch.zeros(self.max_batch, dtype=torch.long, device=dev)
-        self.page_table = torch.full((self.max_batch, max_pages), cache.scratch_page, dtype=torch.long, device=dev)
-        self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self._logits: dict[int, torch.Tensor] = {}
-        self._rows: dict[int, torch.Tensor] = {}
+        rows = self.max_batch
+        self.tokens = torch.zeros(rows, dtype=torch.long, device=dev)
+        self.slot_ids = torch.full((rows,), slots.scratch_slot, dtype=torch.long, device=dev)
+        self.request_slots = torch.full((rows,), slots.scratch_slot, dtype=torch.long, device=dev)
+        self.positions = torch.zeros(rows, dtype=torch.long, device=dev)
+        self.page_table = torch.full((rows, max_pages), cache.scratch_page, dtype=torch.long, device=dev)
+        self._graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
+        self._outputs: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}  # (logits, hidden)
+        self._rows: dict[tuple[int, int], torch.Tensor] = {}
+        self.replays = {shape: 0 for shape in self.shapes}  # steps each graph ran
         start = time.perf_counter()
         pool = torch.cuda.graph_pool_handle()
-        for size in reversed(self.sizes):  # largest first, so smaller graphs reuse its memory pool
-            self._capture(model, slots, cache, size, pool)
+        for shape in sorted(self.shapes, key=lambda s: -s[0] * s[1]):  # most rows first: the others reuse its pool
+            self._capture(model, slots, cache, shape, pool)
         torch.cuda.synchronize(dev)
         self.capture_s = time.perf_counter() - start
 
-    def _capture(self, model: Glm5NextModel, slots: RequestSlots, cache: PagedLatents, size: int, pool) -> None:
-        meta = DecodeMeta(self.slot_ids[:size], self.positions[:size], self.page_table[:size])
-        batch = ForwardBatch(self.tokens[:size], [], meta)
+    def _meta(self, requests: int, n: int) -> DecodeMeta:
+        rows = requests * n
+        return DecodeMeta(self.slot_ids[:rows], self.positions[:rows], self.page_table[:rows], n,
+                          self.request_slots[:requests] if n > 1 else None)
+
+    def _capture(self, model: Glm5NextModel, slots: RequestSlots, cache: PagedLatents, shape: tuple[int, int],
+                 pool) -> None:
+        size, n = shape
+        batch = ForwardBatch(self.tokens[:size * n], [], self._meta(size, n))
         # The graph reads these rows' memory at every replay: keep the tensor alive as long as the graph.
-        rows = self._rows[size] = torch.arange(size, device=self.tokens.device)
+        rows = self._rows[shape] = torch.arange(size * n, device=self.tokens.device)
         side = torch.cuda.Stream(self.tokens.device)
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):  # compile and autotune outside the capture
             for _ in range(2):
-                model.forward(batch, slots, cache, rows)
+                model.forward(batch, slots, cache, rows, hidden_out=[])
         torch.cuda.current_stream().wait_stream(side)
         graph = torch.cuda.CUDAGraph()
+        hidden: list[torch.Tensor] = []
         # thread_local: CUDA work other threads do meanwhile (a prepared snapshot written after ready, a
         # capture deferred until experts are loaded while requests run) neither breaks nor is broken by it.
         with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
-            self._logits[size] = model.forward(batch, slots, cache, rows)
-        self._graphs[size] = graph
+            logits = model.forward(batch, slots, cache, rows, hidden_out=hidden)
+        self._outputs[shape] = logits, hidden[0]
+        self._graphs[shape] = graph
 
-    def run(self, tokens: torch.Tensor, slot_ids: torch.Tensor, positions: torch.Tensor,
-            page_table: torch.Tensor) -> torch.Tensor:
-        """Inputs on the host ([n], [n], [n], [n, max_pages]) -> fp32 logits [n, vocab] on the device."""
-        n = tokens.shape[0]
-        size = next(s for s in self.sizes if s >= n)
+    def holds(self, requests: int, n: int) -> bool:
+        """Whether a graph runs `requests` requests of `n` tokens each."""
+        return any(m == n and size >= requests for size, m in self.shapes)
+
+    def run(self, tokens: torch.Tensor, slot_ids: torch.Tensor, positions: torch.Tensor, page_table: torch.Tensor,
+            n: int = 1) -> tuple[torch.Tensor, torch.Tensor, DecodeMeta]:
+        """Inputs on the host ([R], [R], [R], [R, max_pages]: `n` rows a request, one after another) -> fp32
+        logits [R, vocab] and the collapsed hidden [R, hidden] on the device, and the step's DecodeMeta (valid
+        until the next replay)."""
+        rows = tokens.shape[0]
+        requests = rows // n
+        size = next(s for s, m in self.shapes if m == n and s >= requests)
         scratch_slot, scratch_page = self._scratch
-        self.tokens[:n].copy_(tokens, non_blocking=True)
-        self.slot_ids[:n].copy_(slot_ids, non_blocking=True)
-        self.positions[:n].copy_(positions, non_blocking=True)
-        self.page_table[:n].copy_(page_table, non_blocking=True)
-        if size > n:
-            self.slot_ids[n:size].fill_(scratch_slot)
-            self.positions[n:size].zero_()
-            self.page_table[n:size].fill_(scratch_page)
+        self.tokens[:rows].copy_(tokens, non_blocking=True)
+        self.slot_ids[:rows].copy_(slot_ids, non_blocking=True)
+        self.positions[:rows].copy_(positions, non_blocking=True)
+        self.page_table[:rows].copy_(page_table, non_blocking=True)
+        if n > 1:
+            self.request_slots[:requests].copy_(slot_ids[::n], non_blocking=True)
+            self.request_slots[requests:size].fill_(scratch_slot)
+        if size > requests:
+            self.slot_ids[rows:size * n].fill_(scratch_slot)
+            self.positions[rows:size * n].zero_()
+            self.page_table[rows:size * n].fill_(scratch_page)
         if self.before_replay is not None:
-            self.before_replay(n)
-        self._graphs[size].replay()
-        return self._logits[size][:n]
+            self.before_replay(rows)
+        self._graphs[(size, n)].replay()
+        self.replays[(size, n)] += 1
+        logits, hidden = self._outputs[(size, n)]
+        return logits[:rows], hidden[:rows], self._meta(requests, n)

@@ -1,8 +1,8 @@
 """Tensors in, logits out: turns a step plan into a ForwardBatch and runs the model; it changes no request.
 
-A step where every request adds one token takes the static decode path (DecodeMeta), replayed
-from a CUDA graph when one was captured for a batch that large; any other step runs eagerly with
-per-request spans, image tokens taking their image's embeddings (`ImageEmbedder`). A request that asks for its prompt's logprobs gets them from the rows of its
+A step where every request adds one token (decode), or every request verifies the same number of drafts after
+it, takes the static path (DecodeMeta), replayed from a CUDA graph when one was captured for that shape; any
+other step runs eagerly with per-request spans, image tokens taking their image's embeddings (`ImageEmbedder`). A request that asks for its prompt's logprobs gets them from the rows of its
 prefill chunks, as they run (in the step's result).
 """
 
@@ -30,29 +30,42 @@ class ModelRunner:
         self.images = images  # None: a model without a vision tower (requests with images are refused)
         self.graphs: DecodeGraphs | None = None
 
-    def capture_graphs(self, sizes: tuple[int, ...], before_replay: Callable[[int], None] | None = None) -> float:
-        """Capture decode graphs at these batch sizes; returns the seconds it took. `before_replay(rows)` is
-        told the rows in use before each replay (host work inside the graph skips the padding rows)."""
-        self.graphs = DecodeGraphs(self.model, self.slots, self.cache, self.max_pages, sizes, before_replay)
+    def capture_graphs(self, sizes: tuple[int, ...], before_replay: Callable[[int], None] | None = None,
+                       per_request: tuple[int, ...] = (1,)) -> float:
+        """Capture decode graphs at these batch sizes, and verify graphs of each `per_request` tokens a request
+        (1 + drafts) whose rows fit; returns the seconds it took. `before_replay(rows)` is told the rows in use
+        before each replay (host work inside the graph skips the padding rows)."""
+        self.graphs = DecodeGraphs(self.model, self.slots, self.cache, self.max_pages, sizes, before_replay,
+                                   per_request)
         return self.graphs.capture_s
 
     def run(self, plan: StepPlan, layer_outputs: list[torch.Tensor] | None = None,
             with_hidden: bool = False) -> StepResult:
-        """Logits for the plan's `to_sample` requests (one row each, in order), or for every token with
-        `all_rows`: a prefill chunk that stops short needs none. Requests in `snapshot_saves` run their prompt's
-        last token as a one-token row, their state saved before it. `with_hidden`: the result carries the batch
-        and every row's collapsed hidden (for the MTP layer; such a step never replays a decode graph)."""
-        if plan.is_decode and layer_outputs is None and not with_hidden:
-            return StepResult(self._decode([span.seq for span in plan.spans]))
-        return self._spans(plan, layer_outputs, with_hidden)
-
-    def _decode(self, seqs: list[Sequence]) -> torch.Tensor:
-        tokens = torch.tensor([seq.token_ids[seq.num_computed] for seq in seqs])
-        return self._decode_step(tokens, *self._decode_rows([(seq, seq.num_computed) for seq in seqs]))
+        """Logits for the plan's `to_sample` requests (one row each, in order) and then its drafts' rows, or for
+        every token with `all_rows`: a prefill chunk that stops short needs none. Requests in `snapshot_saves`
+        run their prompt's last token as a one-token row, their state saved before it. `with_hidden`: the result
+        carries the batch and every row's collapsed hidden (for the MTP layer)."""
+        n = plan.static_tokens if layer_outputs is None else None
+        if n is None:
+            return self._spans(plan, layer_outputs, with_hidden)
+        seqs = [span.seq for span in plan.spans]
+        tokens = torch.tensor([token for seq in seqs for token in (*seq.token_ids[seq.num_computed:],
+                                                                   *plan.drafts.get(seq, ()))])
+        rows = [(seq, seq.num_computed + t) for seq in seqs for t in range(n)]
+        logits, hidden, meta = self._static_step(tokens, *self._decode_rows(rows), n, with_hidden)
+        if n > 1:  # the sampler's order: each request's last known token's row, then its draft rows
+            lasts = [i * n + seq.num_to_compute - 1 for i, seq in enumerate(seqs)]
+            order = lasts + [row for last, seq in zip(lasts, seqs) for row in range(last + 1, last + 1 + len(
+                plan.drafts.get(seq, ())))]
+            logits = logits[torch.tensor(order, device=logits.device)]
+        if not with_hidden:
+            return StepResult(logits)
+        spans = [SeqSpan(i * n, n, seq.num_computed, seq.slot, seq.pages) for i, seq in enumerate(seqs)]
+        return StepResult(logits, batch=ForwardBatch(tokens, spans, meta), hidden=hidden)
 
     def _decode_rows(self, rows: list[tuple[Sequence, int]]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Host tensors (slots, positions, page table padded with the scratch page) of requests adding one
-        token each, at these positions."""
+        """Host tensors (slots, positions, page table padded with the scratch page) of rows of requests' tokens
+        at these positions."""
         seqs = [seq for seq, _ in rows]
         slot_ids = torch.tensor([seq.slot for seq in seqs])
         positions = torch.tensor([position for _, position in rows])
@@ -65,18 +78,25 @@ class ModelRunner:
         """The device tensors of requests adding one token each, at these positions."""
         return self._decode_meta(*self._decode_rows(rows))
 
-    def _decode_meta(self, slot_ids: torch.Tensor, positions: torch.Tensor, page_table: torch.Tensor) -> DecodeMeta:
+    def _decode_meta(self, slot_ids: torch.Tensor, positions: torch.Tensor, page_table: torch.Tensor,
+                     n: int = 1) -> DecodeMeta:
         dev = self.model.device
-        return DecodeMeta(slot_ids.to(dev), positions.to(dev), page_table.to(dev))
+        return DecodeMeta(slot_ids.to(dev), positions.to(dev), page_table.to(dev), n,
+                          slot_ids[::n].to(dev) if n > 1 else None)
 
-    def _decode_step(self, tokens: torch.Tensor, slot_ids: torch.Tensor, positions: torch.Tensor,
-                     page_table: torch.Tensor) -> torch.Tensor:
-        """One decode step from host tensors: replayed from a graph that holds the batch, else eager."""
-        if self.graphs is not None and tokens.shape[0] <= self.graphs.max_batch:
-            return self.graphs.run(tokens, slot_ids, positions, page_table)
+    def _static_step(self, tokens: torch.Tensor, slot_ids: torch.Tensor, positions: torch.Tensor,
+                     page_table: torch.Tensor, n: int = 1, with_hidden: bool = False
+                     ) -> tuple[torch.Tensor, torch.Tensor | None, DecodeMeta]:
+        """One step of `n` tokens a request from host tensors: replayed from a graph that holds the batch, else
+        eager -> (logits of every row, their collapsed hidden, the step's DecodeMeta)."""
+        if self.graphs is not None and self.graphs.holds(tokens.shape[0] // n, n):
+            return self.graphs.run(tokens, slot_ids, positions, page_table, n)
         dev = self.model.device
-        batch = ForwardBatch(tokens.to(dev), [], self._decode_meta(slot_ids, positions, page_table))
-        return self.model.forward(batch, self.slots, self.cache, torch.arange(tokens.shape[0], device=dev))
+        meta = self._decode_meta(slot_ids, positions, page_table, n)
+        hidden: list[torch.Tensor] | None = [] if with_hidden else None
+        logits = self.model.forward(ForwardBatch(tokens.to(dev), [], meta), self.slots, self.cache,
+                                    torch.arange(tokens.shape[0], device=dev), hidden_out=hidden)
+        return logits, hidden[0] if hidden else None, meta
 
     def time_decode(self, steps: int, vocab_size: int, seed: int = 0) -> float:
         """Median seconds of a batch-1 decode step, as requests run it (graph or eager), on the scratch slot
@@ -89,7 +109,7 @@ class ModelRunner:
         for _ in range(steps + 1):
             tokens = torch.randint(vocab_size, (1,), generator=g)
             start = time.perf_counter()
-            self._decode_step(tokens, slot_ids, positions, page_table).cpu()  # waits for the device
+            self._static_step(tokens, slot_ids, positions, page_table)[0].cpu()  # waits for the device
             times.append(time.perf_counter() - start)
         return sorted(times[1:])[steps // 2]
 

@@ -15,7 +15,8 @@ known token gives the next token as without drafts, and each accepted draft's ro
 up to k + 1 tokens for about the price of one step's weight reads. Where a draft is rejected, the positions after
 it have left their traces in the request's recurrent, short-conv and open-pool state: the scheduler restores the
 state copied before the step (`restore`), and the request's tokens run again with the new ones in its next step,
-which verifies new drafts made from the rows that held. Greedy output is the same token for token as without
+which verifies new drafts made from the rows that held: fewer, so that every step keeps k + 1 rows a request, the
+shape the verify graphs were captured at (`engine.decode_graphs`). Greedy output is the same token for token as without
 drafts; sampled output follows the same distribution.
 """
 
@@ -93,10 +94,12 @@ class MtpDrafter:
 
     def _drafts_wanted(self, seq: Sequence) -> int:
         """Drafts to make for `seq`: k, fewer near max_tokens (a step yields at most drafts + 1 tokens), one
-        when they are only counted."""
+        when they are only counted. After a rejection its tokens since run again first: the step keeps k + 1
+        rows a request (the verify graphs' shape) with fewer drafts."""
         if not self.k:
             return 1
-        return min(self.k_now, seq.params.max_tokens - len(seq.output_token_ids) - 1)
+        left = seq.params.max_tokens - len(seq.output_token_ids) - 1
+        return max(0, min(self.k_now + 1 - seq.num_to_compute, left))
 
     def with_drafts(self, plan: StepPlan) -> StepPlan:
         """The plan with its decoding requests' drafts to verify; their states copied first."""
@@ -139,7 +142,7 @@ class MtpDrafter:
                 last = len(known) - 2  # the position whose next token is the last one taken
                 part = next(p for p in own if p.num_computed <= last < p.total)
                 self._sources[seq] = (part.offset + last - part.num_computed, start + span.num_new)
-        batch = ForwardBatch(torch.tensor(tokens, dtype=torch.long, device=main.token_ids.device), main.spans,
+        batch = ForwardBatch(torch.tensor(tokens, dtype=torch.long, device=result.hidden.device), main.spans,
                              main.decode, main.one_token, main.snapshot_saves)
         self._z = self.layer(result.hidden, batch, self.slots, self.cache)
 
@@ -182,13 +185,12 @@ class MtpDrafter:
 
     def timed(self, plan: StepPlan, seconds: float) -> None:
         """A step's wall time, drafting for the next included, for the draft length's choice: steps where every
-        request decodes (its own tokens again after a rejection included) and all verified the same number of
-        drafts, or none."""
-        lengths = {len(drafts) for drafts in plan.drafts.values()}
-        if self.length is None or not self._decoding or len(lengths) > 1 or (
-                plan.drafts and len(plan.drafts) < len(plan.to_sample)):
+        request decodes and runs the same number of rows (1 + k: its token and drafts, or after a rejection its
+        tokens again and fewer drafts), timed as a step of k drafts."""
+        rows = {span.num_new + len(plan.drafts.get(span.seq, ())) for span in plan.spans}
+        if self.length is None or not self._decoding or len(rows) > 1:
             return
-        self.length.timed(len(plan.to_sample), lengths.pop() if lengths else 0, seconds)
+        self.length.timed(len(plan.to_sample), rows.pop() - 1, seconds)
 
     def _chain(self, seqs: list[Sequence], z: torch.Tensor, drafts: list[list[int]]) -> None:
         """Draft 2.. of each request: the MTP layer on its own output z and the draft before, one position on."""

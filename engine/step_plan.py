@@ -27,6 +27,15 @@ class Span:
         return self.seq.num_computed + self.num_new == self.seq.num_tokens
 
 
+MAX_STATIC_TOKENS = 4  # rows a request on the static path: its token and up to 3 drafts
+
+
+def _runs_static(span: Span) -> bool:
+    seq = span.seq
+    return (span.num_new == seq.num_to_compute and (span.num_new == 1 or seq.params.prompt_logprobs is None)
+            and not seq.images_in(seq.num_computed, seq.num_tokens))
+
+
 @dataclass(frozen=True)
 class StepPlan:
     spans: tuple[Span, ...]
@@ -49,12 +58,18 @@ class StepPlan:
         return bool(self.spans)
 
     @property
-    def is_decode(self) -> bool:
-        """Every request adds its one sampled token: the static decode path (a CUDA graph where captured), which
-        reads the embedding table only (a prompt whose last token is an image's, left alone, is no decode)."""
-        return not self.all_rows and not self.drafts and all(
-            span.num_new == 1 == span.seq.num_to_compute
-            and not span.seq.images_in(span.seq.num_computed, span.seq.num_computed + 1) for span in self.spans)
+    def static_tokens(self) -> int | None:
+        """Tokens each request runs on the static path (a CUDA graph where captured): every request runs all its
+        unrun tokens and its drafts, the same number n <= MAX_STATIC_TOKENS for each (decode: n = 1; a verify of
+        k drafts: 1 + k, or after a rejection its tokens run again and fewer drafts); None for any other step.
+        That path reads the embedding table only (an image's tokens are no static step), and no prompt rows."""
+        if self.all_rows or self.snapshot_saves is not None:
+            return None
+        lengths = {span.num_new + len(self.drafts.get(span.seq, ())) for span in self.spans}
+        if len(lengths) > 1 or not all(_runs_static(span) for span in self.spans):
+            return None
+        n = lengths.pop()
+        return n if n <= MAX_STATIC_TOKENS else None
 
     @property
     def drafts_in_order(self) -> list[tuple[Sequence, tuple[int, ...]]]:

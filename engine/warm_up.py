@@ -146,5 +146,8 @@ def _capture_graphs_if_allowed(core: EngineCore) -> None:
         log.info("event=decode_graphs skipped=host_experts_uncompiled")
         return
     sizes = graph_sizes(core.options.max_num_seqs)
-    seconds = core.runner.capture_graphs(sizes, None if core.offload is None else core.offload.use_rows)
-    log.info("event=decode_graphs sizes=%s capture_s=%.2f", ",".join(map(str, sizes)), seconds)
+    drafts = core.drafter.k if core.drafter is not None else 0
+    seconds = core.runner.capture_graphs(sizes, None if core.offload is None else core.offload.use_rows,
+                                         tuple(range(1, drafts + 2)))
+    log.info("event=decode_graphs sizes=%s tokens_per_request=%s capture_s=%.2f", ",".join(map(str, sizes)),
+             ",".join(str(n) for n in range(1, drafts + 2)), seconds)

@@ -34,16 +34,31 @@ class SeqSpan:
 
 @dataclass
 class DecodeMeta:
-    """B requests adding one token each, described by device tensors of static shape [B]: a decode step, or
-    the one-token spans of a mixed step.
+    """B requests adding `per_request` tokens each (one: a decode step, or the one-token spans of a mixed step;
+    more: a verify of the same number of drafts each), described by device tensors of static shape: one row per
+    token, a request's rows one after another.
 
-    The decode path reads only these (never `spans`), so the same step can be captured once in a
+    The static path reads only these (never `spans`), so the same step can be captured once in a
     CUDA graph and replayed with new values copied into the tensors.
     """
 
-    slots: torch.Tensor  # [B] int64 request slots
-    positions: torch.Tensor  # [B] int64 position of the new token (= tokens already cached)
-    page_table: torch.Tensor  # [B, max_pages] int64 page ids, padded with the scratch page
+    slots: torch.Tensor  # [R] int64 request slot of each row
+    positions: torch.Tensor  # [R] int64 position of the row's token (= tokens already cached before it)
+    page_table: torch.Tensor  # [R, max_pages] int64 page ids, padded with the scratch page
+    per_request: int = 1
+    request_slots: torch.Tensor | None = None  # [B] each request's slot (per_request > 1; else `slots`)
+
+    def __post_init__(self) -> None:
+        if self.per_request == 1:
+            self.request_slots = self.slots
+        elif self.request_slots is None:
+            raise ValueError("a multi-token DecodeMeta needs its requests' slots")
+
+    def token(self, t: int) -> "DecodeMeta":
+        """The rows of each request's t-th token (views): the one-token steps that state kept per pool or per
+        token (the indexer's open pool) takes in order."""
+        n = self.per_request
+        return DecodeMeta(self.slots[t::n], self.positions[t::n], self.page_table[t::n])
 
 
 @dataclass

@@ -112,7 +112,12 @@ class Indexer:
 
     def add_decode(self, keys_gates: torch.Tensor, meta: DecodeMeta, open_pool: torch.Tensor, cache: PagedLatents,
                    layer: int) -> None:
-        """Decode step of B requests with static shapes: append each token's key and pool its open pool."""
+        """Decode step of B requests with static shapes: append each token's key and pool its open pool (with
+        several tokens a request, token by token: a later one may start the next pool)."""
+        if meta.per_request > 1:
+            for t in range(meta.per_request):
+                self.add_decode(keys_gates[t::meta.per_request], meta.token(t), open_pool, cache, layer)
+            return
         kp, d = self.cfg.index_kpool, self.cfg.index_head_dim
         pos = meta.positions
         open_pool[meta.slots, pos % kp] = keys_gates

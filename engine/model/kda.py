@@ -8,7 +8,7 @@ from engine.cache import RequestSlots
 from engine.config import ModelConfig
 from engine.kernels import kernel
 from engine.kernels.kda.torch_ref import ConvRows
-from engine.model.batch import ForwardBatch
+from engine.model.batch import DecodeMeta, ForwardBatch
 from engine.model.layers import FusedLinear, linear
 
 
@@ -30,8 +30,14 @@ class KdaMixer:
         qkv, forget_low, gate_low, beta_logits = self.inputs(x)
         forget, gate_out = linear(forget_low, self.f_b), linear(gate_low, self.g_b)
         rec, conv = slots.recurrent[self.state_index], slots.conv[self.state_index]
-        if batch.decode is not None:
-            o = self._decode(qkv, forget, beta_logits, gate_out, rec, conv, batch.decode.slots)
+        meta = batch.decode
+        if meta is not None and meta.per_request == 1:
+            o = self._decode(qkv, forget, beta_logits, gate_out, rec, conv, meta.slots)
+            return linear(o, self.o)
+        if meta is not None:  # a verify: every request's tokens and drafts, as equal spans of static shape
+            o = self._spans(qkv, forget, beta_logits, gate_out, rec, conv, meta.request_slots,
+                            *batch.layout(("verify", self.conv.shape[-1]), lambda: _equal_spans(meta, self.conv)),
+                            meta.per_request)
             return linear(o, self.o)
         o = torch.empty(x.shape[0], self.cfg.linear_dim, dtype=x.dtype, device=x.device)
         if batch.multi_token_spans:  # first: a prompt's last token may be a one-token row of this step
@@ -55,11 +61,25 @@ class KdaMixer:
     def _prefill(self, qkv: torch.Tensor, forget: torch.Tensor, beta_logits: torch.Tensor, gate_out: torch.Tensor,
                  rec: torch.Tensor, conv: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         """Every multi-token span at once: conv, gates, delta rule and gated norm in one op over the ragged batch."""
-        cfg = self.cfg
         rows, slot_ids, cu_seqlens = batch.prefill_layout
         history = self.conv.shape[-1] - 1
         lengths = [batch.spans[i].new for i in batch.multi_token_spans]
         layout = batch.layout((ConvRows, history), lambda: ConvRows.of(lengths, history, qkv.device))
+        return self._spans(qkv[rows], forget[rows], beta_logits[rows], gate_out[rows], rec, conv, slot_ids,
+                           cu_seqlens, layout, max(lengths))
+
+    def _spans(self, qkv: torch.Tensor, forget: torch.Tensor, beta_logits: torch.Tensor, gate_out: torch.Tensor,
+               rec: torch.Tensor, conv: torch.Tensor, slot_ids: torch.Tensor, cu_seqlens: torch.Tensor,
+               conv_rows: ConvRows, longest: int) -> torch.Tensor:
+        cfg = self.cfg
         return kernel("kda_spans", qkv.device.type)(
-            qkv[rows], forget[rows], beta_logits[rows], gate_out[rows], conv, self.conv, rec, slot_ids, cu_seqlens,
-            layout, max(lengths), self.decay_rate, self.dt_bias, self.o_norm, cfg.gate_lower_bound, cfg.rms_norm_eps)
+            qkv, forget, beta_logits, gate_out, conv, self.conv, rec, slot_ids, cu_seqlens, conv_rows, longest,
+            self.decay_rate, self.dt_bias, self.o_norm, cfg.gate_lower_bound, cfg.rms_norm_eps)
+
+
+def _equal_spans(meta: DecodeMeta, conv_weight: torch.Tensor) -> tuple[torch.Tensor, ConvRows]:
+    """(cu_seqlens, conv rows) of B spans of `per_request` tokens: shapes only, so a captured verify reuses them."""
+    n, device = meta.per_request, meta.slots.device
+    requests = meta.slots.shape[0] // n
+    return (torch.arange(0, (requests + 1) * n, n, device=device),
+            ConvRows.of([n] * requests, conv_weight.shape[-1] - 1, device))

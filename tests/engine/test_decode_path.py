@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -11,6 +13,7 @@ from engine.kernels.indexer.torch_ref import index_select
 from engine.model.batch import DecodeMeta, ForwardBatch
 from engine.sampler import sample, sample_batch
 from engine.sequence import Sequence
+from engine.step_plan import StepPlan
 
 
 @pytest.fixture(scope="module")
@@ -79,6 +82,64 @@ def test_mixed_and_decode_batches_equal_each_alone(llm, prompt):
     prompts = [prompt(n, seed=30 + n) for n in (1, 5, 38, 90)]
     together = [o.token_ids for o in llm.generate(prompts, params)]
     assert together == [llm.generate([p], params)[0].token_ids for p in prompts]
+
+
+def request_state(core, seqs: list[Sequence], tokens: int) -> list[torch.Tensor]:
+    """What the requests' next steps read once `tokens` more of theirs are computed: recurrent and conv state,
+    the open pools' filled places, the latents and the complete pools' keys (places and pools still open are
+    rewritten before they are read)."""
+    slots, cache, kpool = core.slots, core.cache, core.slots.open_pool.shape[2]
+    state = []
+    for seq in seqs:
+        total = seq.num_computed + tokens
+        pages = torch.tensor([seq.pages])
+        state += [slots.recurrent[:, seq.slot].clone(), slots.conv[:, seq.slot].clone(),
+                  slots.open_pool[:, seq.slot, :total % kpool].clone(),
+                  cache.latents[:, cache.rows_at(pages, torch.arange(total).unsqueeze(0))[0]].clone(),
+                  cache.pool_keys[:, cache.pool_rows_at(pages, torch.arange(total // kpool).unsqueeze(0))[0]].clone()]
+    return state
+
+
+def caches_state(core) -> list[torch.Tensor]:
+    return [t.clone() for t in (core.slots.recurrent, core.slots.conv, core.slots.open_pool, core.cache.latents,
+                                core.cache.pool_keys)]
+
+
+def put_back(core, state: list[torch.Tensor]) -> None:
+    for live, saved in zip((core.slots.recurrent, core.slots.conv, core.slots.open_pool, core.cache.latents,
+                            core.cache.pool_keys), state):
+        live.copy_(saved)
+
+
+@pytest.mark.parametrize("unrun, drafts", [(1, 1), (1, 3), (2, 1)])
+def test_a_verify_on_the_static_path_equals_the_span_path(llm, prompt, unrun, drafts):
+    """Requests verifying the same number of drafts after their unrun tokens (one, or two: a rejection's
+    tokens run again) run as one static-shape step (the verify graphs' path): its logits rows, and every state
+    it leaves (recurrent, conv, open pools, latents, pooled keys), equal those of the same tokens run as spans;
+    the rows cross an indexer pool's end (kpool 4) in one request."""
+    seqs = [Sequence(f"v{i}", prompt(n, seed=40 + i), SamplingParams(max_tokens=8)) for i, n in enumerate((9, 30))]
+    for seq in seqs:
+        llm.scheduler.add(seq)
+    try:
+        llm.core.teacher_forced_step(llm.scheduler.schedule())  # prefill both
+        for seq in seqs:
+            seq.output_token_ids.extend([7, 9][:unrun])
+        plan = StepPlan.of([(seq, unrun) for seq in seqs])
+        plan = dataclasses.replace(plan, drafts={seq: tuple(range(11, 11 + drafts)) for seq in seqs})
+        assert plan.static_tokens == unrun + drafts
+        core = llm.core
+        before = caches_state(core)
+        static = llm.runner.run(plan).logits
+        after_static = request_state(core, seqs, unrun + drafts)
+        put_back(core, before)
+        spans = llm.runner.run(plan, layer_outputs=[]).logits
+        assert static.shape == spans.shape == (len(seqs) * (1 + drafts), llm.config.vocab_size)
+        torch.testing.assert_close(static, spans, rtol=1e-4, atol=1e-4)
+        for got, want in zip(after_static, request_state(core, seqs, unrun + drafts), strict=True):
+            torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+    finally:
+        for seq in seqs:
+            llm.scheduler.finish(seq)
 
 
 def test_pool_ties_break_toward_earlier_pools_whatever_the_row_width():

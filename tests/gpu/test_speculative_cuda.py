@@ -45,3 +45,19 @@ def test_verified_greedy_output_on_cuda_equals_plain(snapshot, monkeypatch, righ
     spec = LLM(snapshot, "cuda", "bfloat16", speculative_tokens=k, max_num_batched_tokens=16)
     assert [o.token_ids for o in spec.generate(PROMPTS, params)] == [o.token_ids for o in plain]
     assert spec.core.stats().drafts.verified > 0
+
+
+@pytest.mark.parametrize("right", [1.0, 0.6])
+def test_verify_graphs_equal_the_eager_verify(snapshot, monkeypatch, right):
+    """Batches verifying k = 2 drafts each replay the verify graphs (1 + 2 tokens a request, padded to the next
+    size): the same tokens as the same engine without graphs."""
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    plain = LLM(snapshot, "cuda", "bfloat16", cuda_graphs=False).generate(PROMPTS, params)
+    force_drafts(monkeypatch, {tuple(p): o.token_ids for p, o in zip(PROMPTS, plain)}, right)
+    graphs = LLM(snapshot, "cuda", "bfloat16", speculative_tokens=2, max_num_seqs=4)
+    eager = LLM(snapshot, "cuda", "bfloat16", speculative_tokens=2, max_num_seqs=4, cuda_graphs=False)
+    assert {(1, 3), (4, 3)} <= set(graphs.runner.graphs.shapes)
+    for prompts in (PROMPTS[:1], PROMPTS[:3]):
+        assert [o.token_ids for o in graphs.generate(prompts, params)] == \
+            [o.token_ids for o in eager.generate(prompts, params)]
+    assert sum(count for (_, n), count in graphs.runner.graphs.replays.items() if n > 1) > 0
