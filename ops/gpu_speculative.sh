@@ -6,6 +6,7 @@
 # bench: the cost table: decode against drafting and k = 1, 2, 3 verify steps on the resident 8-layer slice at
 #        batch 1 and 4, with tok/s at forced acceptance rates (ops/bench_speculative.py);
 # whole: the same for the whole model (45 layers) under hybrid offload, the memory plan's automatic placement.
+# PART_TIMEOUT (seconds, default 560) bounds the part, so that two parts fit one call.
 # Wheels the machine lacks: see ops/gpu_env.sh.
 set -uo pipefail
 out=${1:?output directory}; part=${2:?tests, bench or whole}
@@ -15,12 +16,12 @@ source ops/gpu_env.sh
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__)'
 case "$part" in
-  tests) timeout 560 python3 -m pytest -q -p no:cacheprovider --tb=short tests/gpu/test_speculative_cuda.py \
+  tests) timeout "${PART_TIMEOUT:-560}" python3 -m pytest -q -p no:cacheprovider --tb=short tests/gpu/test_speculative_cuda.py \
            tests/gpu/test_decode_graphs.py > "$out/tests.log" 2>&1; tail -40 "$out/tests.log" ;;
-  bench) timeout 560 python3 -m ops.bench_speculative --device cuda --layers 8 --batches 1,4 --drafts 1,2,3 \
+  bench) timeout "${PART_TIMEOUT:-560}" python3 -m ops.bench_speculative --device cuda --layers 8 --batches 1,4 --drafts 1,2,3 \
            --tokens 64 --json "$out/speculative.json" ;;
   whole) python3 setup.py -q build_ext --inplace > "$out/build.log" 2>&1 || { tail -20 "$out/build.log"; exit 1; }
-         timeout 560 python3 -m ops.bench_speculative --device cuda --layers 45 --expert-slots auto --batches 1,4 \
+         timeout "${PART_TIMEOUT:-560}" python3 -m ops.bench_speculative --device cuda --layers 45 --expert-slots auto --batches 1,4 \
            --drafts 1,2,3 --acceptance 0,0.5,0.7,0.9 --tokens 48 --warm-tokens 32 --json "$out/speculative_whole.json" ;;
   *) echo "unknown part: $part"; exit 2 ;;
 esac
