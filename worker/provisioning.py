@@ -68,7 +68,8 @@ class BackgroundPrepare:
     """Writes a cold start's prepared snapshot on its own thread while the worker serves.
 
     /ready shows `prepared_snapshot`: writing, written, failed or stopped. A write that does not
-    finish leaves nothing a later start trusts (that start is cold again).
+    finish leaves nothing a later start trusts (that start is cold again); one stopped keeps the pieces it
+    wrote, and the next cold start's write resumes from them.
     """
 
     def __init__(self, job: PreparedWrite, workers: int, clock: StageClock,
@@ -89,8 +90,8 @@ class BackgroundPrepare:
         except Exception as exc:
             self.on_done()
             state = "stopped" if self.cancel.is_set() else "failed"
-            log.warning("event=prepared_snapshot state=%s path=%s error=%s", state, self.job.directory,
-                        _quote(str(exc)))
+            log.warning("event=prepared_snapshot state=%s path=%s next_start=%s error=%s", state, self.job.directory,
+                        "resumes" if state == "stopped" else "rewrites", _quote(str(exc)))
             self.clock.progress(prepared_snapshot=state)
             return
         self.on_done()
@@ -100,10 +101,12 @@ class BackgroundPrepare:
                  self.job.directory, size, seconds, size / seconds / 1e9 if seconds else 0.0, self.workers)
         self.clock.progress(prepared_snapshot="written", prepared_s=round(seconds, 3))
 
-    def stop(self, finish: bool) -> None:
-        """Wait for the write to end; with `finish` False it is abandoned first."""
-        if not finish:
-            self.cancel.set()
+    def stop(self, within_s: float | None) -> None:
+        """Wait for the write to end: all of it (None), or at most `within_s` seconds (what a stop's grace has
+        left), then it is stopped where it is, its pieces kept for the next start to resume."""
+        if self.thread.is_alive():
+            self.thread.join(within_s)
+        self.cancel.set()
         if self.thread.is_alive():
             self.thread.join()
 
@@ -153,7 +156,8 @@ def provision_and_load(settings: Settings, clock: StageClock) -> LoadedModel:
             clock.stage("repair", reason=_quote(str(exc)))
             problems = [str(exc)]
     clock.stage("cold", reason=_quote(problems[0]))
-    discard_prepared(prepared)
+    discard_prepared(prepared, keep_partial=lambda meta: {k: v for k, v in meta.get("source", {}).items()
+                                                          if k != "files"} == wanted)
     identity = _fetch(source, files, settings, clock)
     clock.stage("prepare", path=str(prepared), written="after_ready")
     start = time.perf_counter()

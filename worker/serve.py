@@ -13,6 +13,7 @@ import asyncio
 import logging
 import os
 import signal
+import time
 from pathlib import Path
 from typing import Sequence
 
@@ -97,11 +98,14 @@ async def serve(settings: Settings, stop: asyncio.Event | None = None,
         await stop.wait()
         reason = lifecycle.stop_reason or getattr(stop, "reason", "stopped")
         state.clock.stage("parking" if reason == "idle" else "draining")
+        stopping = time.monotonic()
         aborted = await lifecycle.drain(settings.drain_grace_s, model.engine.abort_all)
         if after_fill is not None and reason == "idle":  # parking keeps the volume: the fill, then the write
             await asyncio.shield(after_fill)
-        if prepare is not None:  # parking keeps the volume: finish, so the next start is fast
-            await asyncio.to_thread(prepare.stop, reason == "idle")
+        if prepare is not None:  # parking keeps the volume: finish, so the next start is fast; a stop: what
+            # the grace has left (the rest is resumed next time)
+            left = max(0.0, settings.drain_grace_s - (time.monotonic() - stopping))
+            await asyncio.to_thread(prepare.stop, None if reason == "idle" else left)
         state.clock.stage("stopped", reason=reason, aborted=aborted)
         watcher.cancel()
         return reason
@@ -115,7 +119,7 @@ async def serve(settings: Settings, stop: asyncio.Event | None = None,
         if fill is not None:
             fill.stop()
         if prepare is not None:
-            await asyncio.to_thread(prepare.stop, False)
+            await asyncio.to_thread(prepare.stop, 0.0)
         if state.model is not None:
             await state.model.engine.shutdown()
         if state.vast:

@@ -60,7 +60,7 @@ def _tensor(weight, field: str) -> torch.Tensor:
 def describe(weights: LoadedWeights) -> dict:
     """JSON-able record of every weight: kind, block size, and each buffer's dtype and shape."""
     records = {}
-    for name, weight in weights.items():
+    for name, weight in sorted(weights.items()):  # by name: a resumed write meets the same layout
         buffers = {}
         for f in _fields(weight):
             part = _tensor(weight.host if isinstance(weight, SplitStack) else weight, f)
@@ -76,10 +76,11 @@ def describe(weights: LoadedWeights) -> dict:
 
 def file_groups(weights: LoadedWeights) -> list[tuple[str, list[tuple[str, object, str]]]]:
     """(file name, [(key, weight, field)]) in load order: everything but routed experts, then one file per
-    MoE layer."""
+    MoE layer; by name within a file, whatever order the load filled the weights in (a resumed write must
+    meet the same layout)."""
     dense: list[tuple[str, object, str]] = []
     experts: dict[str, list[tuple[str, object, str]]] = {}
-    for name, weight in weights.items():
+    for name, weight in sorted(weights.items()):
         items = [(f"{name}#{f}", weight, f) for f in _fields(weight)]
         if is_expert_stack(name):
             layer = int(name.split(".")[1])

@@ -10,20 +10,25 @@ order they should be loaded (the engine puts non-expert weights first).
 
 A snapshot is written into `<directory>.partial` and renamed to `<directory>` only once every
 byte, the plan and the directory are on disk, so a process killed at any point leaves nothing at
-`<directory>` that `check_prepared` accepts.
+`<directory>` that `check_prepared` accepts. The partial write is resumable: it holds what it is
+writing (`layout.json`: the plan without its checksums, the piece size) and a journal of the pieces already on disk
+(each line appended only after the data files were synced), so a write stopped, killed or cut off
+by a worker's stop carries on where it was when the next one writes the same layout, where starting
+over would cost a release-sized snapshot's minutes again each time.
 """
 
 from __future__ import annotations
 
 import errno
 import json
+import logging
 import os
 import queue
 import shutil
 import threading
 import time
 import zlib
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
@@ -40,9 +45,14 @@ class PreparedSnapshotError(ValueError):
         self.file, self.piece = file, piece
 
 
+log = logging.getLogger("glmflash.engine")
+
 ALIGN = 4096
 PIECE_BYTES = 64 << 20
 PLAN_NAME = "plan.json"
+LAYOUT_NAME = "layout.json"  # a partial write's plan without checksums and its piece size: what it writes
+JOURNAL_NAME = "journal"  # a partial write's "key@start crc32" lines, one per piece synced to disk
+JOURNAL_EVERY_S = 1.0  # the data synced and the journal appended at least this often
 
 
 @dataclass
@@ -105,10 +115,49 @@ def partial_dir(directory: Path) -> Path:
     return directory.with_name(directory.name + ".partial")
 
 
-def discard_prepared(directory: Path) -> None:
-    """Remove a prepared snapshot and any unfinished write of one (its space is needed for the next)."""
+def discard_prepared(directory: Path, keep_partial: Callable[[dict], bool] = lambda meta: False) -> None:
+    """Remove a prepared snapshot, and any unfinished write of one (its space is needed for the next) unless
+    `keep_partial` accepts that write's meta: the next write of the same layout resumes it."""
     shutil.rmtree(directory, ignore_errors=True)
-    shutil.rmtree(partial_dir(directory), ignore_errors=True)
+    layout = _partial_layout(partial_dir(directory))
+    if layout is None or not keep_partial(layout.get("plan", {}).get("meta", {})):
+        shutil.rmtree(partial_dir(directory), ignore_errors=True)
+
+
+def _partial_layout(partial: Path) -> dict | None:
+    try:
+        return json.loads((partial / LAYOUT_NAME).read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def _journal(partial: Path) -> dict[str, str]:
+    """The pieces a partial write has on disk: piece key -> crc32. A line cut short by a kill (no newline
+    after it) is not one."""
+    try:
+        text = (partial / JOURNAL_NAME).read_text()
+    except OSError:
+        return {}
+    done = {}
+    for line in text.split("\n")[:-1]:
+        key, _, digest = line.rpartition(" ")
+        if key and len(digest) == 8:
+            done[key] = digest
+    return done
+
+
+def _resume_or_start(partial: Path, layout: str) -> dict[str, str]:
+    """The journal of the partial write at `partial` if it writes this layout; otherwise a fresh partial
+    directory holding the layout, and no pieces done."""
+    if (partial / LAYOUT_NAME).is_file():
+        if (partial / LAYOUT_NAME).read_text() == layout:
+            return _journal(partial)
+        log.info("event=prepared_snapshot state=starting_over path=%s reason=another_layout", partial)
+    shutil.rmtree(partial, ignore_errors=True)
+    partial.mkdir(parents=True)
+    _write_durably(partial / LAYOUT_NAME, layout.encode())
+    _fsync_dir(partial)
+    return {}
 
 
 def invalidate_prepared(directory: Path) -> bool:
@@ -128,15 +177,15 @@ def write_prepared(directory: Path, files: Sequence[tuple[str, Sequence[tuple[st
                    staging: Sequence[Any] = (), stop: threading.Event | None = None) -> PreparedPlan:
     """Write each (file name, [(region key, size)]) file from the bytes `piece` hands over, `workers`
     pieces at a time (filled, hashed and written in parallel); staged and swapped in as the module says.
+    A partial write of the same layout is resumed: its journaled pieces are not asked for again.
 
     `staging`: the caller's buffers (of at least PIECE_BYTES), one per worker, lent to `piece` in turn
     (none given: `piece` gets None).
-    Setting `stop` abandons the write (PreparedSnapshotError); the partial files are removed.
+    Setting `stop` ends the write (PreparedSnapshotError) with the pieces written so far journaled, for the
+    next write to resume; any other failure removes the partial files.
     """
-    stop = stop or threading.Event()
+    stop, halt = stop or threading.Event(), threading.Event()  # asked to stop; stopping after a failure
     partial = partial_dir(directory)
-    shutil.rmtree(partial, ignore_errors=True)
-    partial.mkdir(parents=True)
     plan = PreparedPlan(format_version, engine_version, meta, {}, [])
     for file_name, items in files:
         offset = 0
@@ -145,17 +194,23 @@ def write_prepared(directory: Path, files: Sequence[tuple[str, Sequence[tuple[st
             plan.regions.append(Region(key, file_name, offset, size))
             offset += size
         plan.files[file_name] = offset
+    done = _resume_or_start(partial, json.dumps({"piece_bytes": PIECE_BYTES, "plan": asdict(plan)}))
+    jobs = [(region, start, size) for region in plan.regions for start, size in _pieces(region.size)
+            if _piece_key(region.key, start) not in done]
+    if done:
+        log.info("event=prepared_snapshot state=resuming path=%s pieces_done=%d pieces_left=%d", directory,
+                 len(done), len(jobs))
     fds: dict[str, int] = {}
     try:
         for file_name, size in plan.files.items():
-            fds[file_name] = os.open(partial / file_name, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+            fds[file_name] = os.open(partial / file_name, os.O_WRONLY | os.O_CREAT, 0o644)
             _reserve(fds[file_name], size, partial / file_name)
         free: queue.SimpleQueue[Any] = queue.SimpleQueue()
         for buffer in staging or [None] * workers:
             free.put(buffer)
 
         def write(job: tuple[Region, int, int]) -> str:
-            if stop.is_set():
+            if stop.is_set() or halt.is_set():
                 raise PreparedSnapshotError(f"{directory}: writing stopped")
             region, start, size = job
             buffer = free.get()
@@ -164,31 +219,28 @@ def write_prepared(directory: Path, files: Sequence[tuple[str, Sequence[tuple[st
                 if len(view) != size:
                     raise PreparedSnapshotError(f"prepared region {region.key}: got {len(view)} bytes at {start}, "
                                                 f"expected {size}")
-                done, offset = 0, region.offset + start
-                while done < size:
-                    done += os.pwrite(fds[region.file], view[done:], offset + done)
+                written, offset = 0, region.offset + start
+                while written < size:
+                    written += os.pwrite(fds[region.file], view[written:], offset + written)
                 return _digest(view)
             finally:
                 free.put(buffer)
 
-        jobs = [(region, start, size) for region in plan.regions for start, size in _pieces(region.size)]
         with ThreadPoolExecutor(max(1, workers), thread_name_prefix="glmflash-prepare") as pool:
-            futures = [pool.submit(write, job) for job in jobs]
-            try:
-                digests = [f.result() for f in futures]
-            except BaseException:
-                stop.set()
-                raise
-        it = iter(digests)
+            futures = {pool.submit(write, job): _piece_key(job[0].key, job[1]) for job in jobs}
+            _journal_as_written(partial, futures, fds, done, halt)
         for region in plan.regions:
-            region.hashes = [next(it) for _ in _pieces(region.size)]
+            region.hashes = [done[_piece_key(region.key, start)] for start, _ in _pieces(region.size)]
         for fd in fds.values():
             os.fsync(fd)
         plan.complete = True
         _write_durably(partial / PLAN_NAME, plan.to_json().encode())
+        (partial / JOURNAL_NAME).unlink(missing_ok=True)
+        (partial / LAYOUT_NAME).unlink()
         _fsync_dir(partial)
     except BaseException:
-        shutil.rmtree(partial, ignore_errors=True)
+        if not stop.is_set():
+            shutil.rmtree(partial, ignore_errors=True)
         raise
     finally:
         for fd in fds.values():
@@ -197,6 +249,31 @@ def write_prepared(directory: Path, files: Sequence[tuple[str, Sequence[tuple[st
     os.replace(partial, directory)
     _fsync_dir(directory.parent)
     return plan
+
+
+def _journal_as_written(partial: Path, futures: dict[Future, str], fds: dict[str, int], done: dict[str, str],
+                        halt: threading.Event) -> None:
+    """Wait for the pieces' writes; at least every JOURNAL_EVERY_S, the data files synced and then the pieces
+    finished before it appended to the journal (into `done` too). A failure (a stop included) halts the rest:
+    the ones under way finish and are journaled, then it is raised."""
+    pending = set(futures)
+    failure: BaseException | None = None
+    with open(partial / JOURNAL_NAME, "a") as journal:
+        while pending:
+            finished, pending = wait(pending, timeout=JOURNAL_EVERY_S, return_when=FIRST_EXCEPTION)
+            ok = [f for f in finished if f.exception() is None]
+            failure = failure or next((f.exception() for f in finished if f.exception() is not None), None)
+            if failure is not None:
+                halt.set()
+            if ok:
+                for fd in fds.values():
+                    os.fdatasync(fd)
+                journal.write("".join(f"{futures[f]} {f.result()}\n" for f in ok))
+                journal.flush()
+                os.fsync(journal.fileno())
+                done.update((futures[f], f.result()) for f in ok)
+    if failure is not None:
+        raise failure
 
 
 def _reserve(fd: int, size: int, path: Path) -> None:

@@ -22,7 +22,7 @@ from engine.config import ModelConfig
 from engine.sampling_params import SamplingParams
 from engine.sequence import Sequence
 from engine.checkpoint.prepared import FORMAT_VERSION, engine_version, load_prepared
-from engine.checkpoint.prepared_store import PLAN_NAME, check_prepared, partial_dir, read_plan
+from engine.checkpoint.prepared_store import JOURNAL_NAME, PLAN_NAME, check_prepared, partial_dir, read_plan
 from engine.tiny.factory import write_tiny_model
 from provision.stages import StageClock
 from server_helpers import free_port
@@ -301,14 +301,14 @@ def test_idle_timeout_parks_and_reports(tmp_path):
     loop.call_soon_threadsafe(loop.stop)
 
 
-# The CLI with the prepared snapshot written in 4 KiB pieces, each a few ms late: a write that lasts seconds.
+# The CLI with each piece of the prepared snapshot (one a weight, at the tiny model's sizes) checksummed 30 ms
+# late: a write that lasts seconds.
 SLOW_PREPARE = """
 import sys, time
 import engine.checkpoint.prepared_store as store
-store.PIECE_BYTES = 4096
 digest = store._digest
 def late(view):
-    time.sleep(0.005)
+    time.sleep(0.03)
     return digest(view)
 store._digest = late
 from worker.cli import main
@@ -320,9 +320,71 @@ def _prepared_state(url: str) -> str | None:
     return requests.get(f"{url}/ready", timeout=5).json().get("prepared_snapshot")
 
 
+def _wait_journaled(url: str, partial: Path, timeout: float = 60) -> None:
+    """Until the background write has journaled pieces (it is still writing)."""
+    deadline = time.monotonic() + timeout
+    while not ((partial / JOURNAL_NAME).is_file() and (partial / JOURNAL_NAME).read_text().count("\n") > 0):
+        state = _prepared_state(url)
+        assert time.monotonic() < deadline and state == "writing", state
+        time.sleep(0.02)
+
+
+def _models_home(tmp_path: Path, url: str, timeout: float = 60) -> Path:
+    """The model's cache home, made by the background write (which may not have begun yet)."""
+    models = tmp_path / "cache" / "models"
+    deadline = time.monotonic() + timeout
+    while not (models.is_dir() and any(models.iterdir())):
+        assert time.monotonic() < deadline and _prepared_state(url) == "writing"
+        time.sleep(0.02)
+    return next(models.iterdir())
+
+
+def test_a_stop_during_the_background_prepare_finishes_it_within_the_grace_or_leaves_it_to_resume(tmp_path):
+    """SIGTERM while the prepared snapshot is written after ready: with a grace too short the write stops where
+    it is (nothing trusted, its pieces kept); the next start is cold, resumes the write from those pieces and,
+    stopped at once with a long grace, finishes it before it exits; the start after that is a fast_resume."""
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    started: list[subprocess.Popen] = []
+
+    def boot(code: str | None = None, grace: str = "60") -> subprocess.Popen:
+        started.append(_boot_process(tmp_path, port, code=code, GLMFLASH_DRAIN_GRACE_S=grace))
+        _wait_ready(started[-1], url)
+        return started[-1]
+
+    def stopped(proc: subprocess.Popen) -> str:
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=120) == 0
+        return proc.stdout.read()
+
+    try:
+        proc = boot(SLOW_PREPARE, grace="0.5")
+        prepared = _models_home(tmp_path, url) / "prepared"
+        _wait_journaled(url, partial_dir(prepared))
+        first = stopped(proc)
+        assert "event=prepared_snapshot state=stopped" in first and "next_start=resumes" in first, first
+        assert check_prepared(prepared, FORMAT_VERSION, engine_version()) != [] and partial_dir(prepared).is_dir()
+
+        proc = boot(SLOW_PREPARE)
+        assert _prepared_state(url) == "writing"
+        second = stopped(proc)
+        assert "PROVISION_STAGE=cold" in second and "event=prepared_snapshot state=resuming" in second, second
+        assert "event=prepared_snapshot state=written" in second and not partial_dir(prepared).exists()
+        assert check_prepared(prepared, FORMAT_VERSION, engine_version()) == []
+
+        third = stopped(boot())
+        assert "PROVISION_STAGE=fast_resume" in third and "PROVISION_STAGE=cold" not in third, third
+    finally:
+        for proc in started:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+
+
 def test_kill_9_during_the_background_prepare_leaves_nothing_trusted(tmp_path):
     """A worker killed (SIGKILL) while it writes its prepared snapshot after ready: the next start does not
-    trust the half-written files, starts cold, serves, writes the snapshot whole; the one after is a fast_resume."""
+    trust the half-written files, starts cold, serves, resumes the write from its journal and ends it whole;
+    the one after is a fast_resume."""
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     started: list[subprocess.Popen] = []
@@ -334,17 +396,9 @@ def test_kill_9_during_the_background_prepare_leaves_nothing_trusted(tmp_path):
 
     try:
         proc = boot(SLOW_PREPARE)
-        models = tmp_path / "cache" / "models"  # made by the background write, which may not have begun yet
-        deadline = time.monotonic() + 60
-        while not (models.is_dir() and any(models.iterdir())):
-            assert time.monotonic() < deadline and _prepared_state(url) == "writing"
-            time.sleep(0.02)
-        home = next(models.iterdir())
-        prepared, partial = home / "prepared", partial_dir(home / "prepared")
-        while not (partial.is_dir() and sum(p.stat().st_blocks for p in partial.iterdir()) > 0):
-            state = _prepared_state(url)
-            assert time.monotonic() < deadline and state == "writing", state
-            time.sleep(0.02)
+        prepared = _models_home(tmp_path, url) / "prepared"
+        partial = partial_dir(prepared)
+        _wait_journaled(url, partial)
         os.kill(proc.pid, signal.SIGKILL)
         proc.wait(timeout=30)
         first = proc.stdout.read()
@@ -360,6 +414,7 @@ def test_kill_9_during_the_background_prepare_leaves_nothing_trusted(tmp_path):
         assert proc.wait(timeout=30) == 0
         second = proc.stdout.read()
         assert "PROVISION_STAGE=cold" in second and "plan.json: missing" in second, second
+        assert "event=prepared_snapshot state=resuming" in second  # from the pieces the killed write journaled
         assert "event=prepared_snapshot state=written" in second and not partial.exists()
         assert check_prepared(prepared, FORMAT_VERSION, engine_version()) == []
 

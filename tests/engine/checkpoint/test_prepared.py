@@ -176,31 +176,73 @@ def test_pieces_lent_staging_buffers_round_trip(tmp_path, monkeypatch):
     assert all(bytes(back[k]) == v.numpy().tobytes() for k, v in data.items())
 
 
-def test_an_unfinished_write_leaves_nothing_a_start_would_trust(tiny_dir, tmp_path):
-    """A write that stops half-way (asked to, or failing) leaves neither the snapshot nor its partial files;
-    a complete older snapshot at the same place is only replaced once the new one is whole."""
+FILES = [("dense.bin", [(f"k{i}", 100_000) for i in range(20)])]
+
+
+def piece_bytes(key: str, start: int, size: int) -> bytes:
+    """Bytes of a piece that depend on its region and place (a resumed write must put each where it was)."""
+    seed = int(key[1:]) * 7919 + start
+    return bytes((seed + i) % 251 for i in range(size))
+
+
+def recording_source(asked: list[str], stop=None, stop_after: int = 0):
+    def piece(key, start, size, buffer):
+        asked.append(key)
+        if stop is not None and len(asked) == stop_after:
+            stop.set()
+        return memoryview(piece_bytes(key, start, size))
+    return piece
+
+
+def assert_whole(directory: Path) -> None:
+    """The snapshot validates and every region reads back as written."""
+    from engine.checkpoint.prepared_store import read_regions
+
+    assert check_prepared(directory, FORMAT_VERSION, engine_version()) == []
+    plan = read_plan(directory)
+    back = {r.key: bytearray(r.size) for r in plan.regions}
+    read_regions(directory, plan, {k: memoryview(b) for k, b in back.items()}, workers=2)
+    assert all(bytes(back[r.key]) == piece_bytes(r.key, 0, r.size) for r in plan.regions)
+
+
+def test_a_stopped_write_leaves_nothing_trusted_and_the_next_resumes_it(tmp_path):
+    """A write asked to stop keeps its partial files and journal, which no start trusts; the next write of the
+    same layout asks only for the pieces not on disk yet and ends whole; one of another layout starts over."""
     import threading
 
+    from engine.checkpoint.prepared_store import partial_dir, write_prepared
+
+    stop, asked = threading.Event(), []
+    with pytest.raises(PreparedSnapshotError, match="writing stopped"):
+        write_prepared(tmp_path / "p", FILES, recording_source(asked, stop, 3), FORMAT_VERSION, engine_version(),
+                       {}, workers=1, stop=stop)
+    assert asked == ["k0", "k1", "k2"] and not (tmp_path / "p").exists() and partial_dir(tmp_path / "p").is_dir()
+    assert check_prepared(tmp_path / "p", FORMAT_VERSION, engine_version()) != []
+
+    again: list[str] = []
+    write_prepared(tmp_path / "p", FILES, recording_source(again), FORMAT_VERSION, engine_version(), {}, workers=2)
+    assert sorted(again) == sorted(f"k{i}" for i in range(3, 20)) and not partial_dir(tmp_path / "p").exists()
+    assert_whole(tmp_path / "p")
+
+    stop, asked = threading.Event(), []
+    with pytest.raises(PreparedSnapshotError, match="writing stopped"):
+        write_prepared(tmp_path / "q", FILES, recording_source(asked, stop, 3), FORMAT_VERSION, engine_version(),
+                       {"source": "a"}, workers=1, stop=stop)
+    other: list[str] = []
+    write_prepared(tmp_path / "q", FILES, recording_source(other), FORMAT_VERSION, engine_version(),
+                   {"source": "b"}, workers=2)
+    assert len(other) == 20
+    assert_whole(tmp_path / "q")
+
+
+def test_a_failed_write_leaves_no_partial_and_the_old_snapshot_until_a_new_one_is_whole(tiny_dir, tmp_path):
+    """A write that fails (no space) removes its partial files; a complete older snapshot at the same place is
+    only replaced once the new one is whole."""
     import engine.checkpoint.prepared_store as store
     from engine.checkpoint.prepared_store import partial_dir, write_prepared
 
     snapshot = tiny_dir("nvfp4-ct")
     weights = load_weights(snapshot, ModelConfig.from_dir(snapshot), "cpu", torch.bfloat16)
-    stop = threading.Event()
-    written = []
-
-    def stop_after_three(key, start, size, buffer):
-        written.append(key)
-        if len(written) == 3:
-            stop.set()
-        return memoryview(bytes(size))
-
-    files = [("dense.bin", [(f"k{i}", 100_000) for i in range(20)])]
-    with pytest.raises(PreparedSnapshotError, match="writing stopped"):
-        write_prepared(tmp_path / "p", files, stop_after_three, FORMAT_VERSION, engine_version(), {}, workers=1,
-                       stop=stop)
-    assert len(written) == 3 and not (tmp_path / "p").exists() and not partial_dir(tmp_path / "p").exists()
-
     save_prepared(weights, tmp_path / "p")
     before = read_plan(tmp_path / "p")
 
@@ -208,10 +250,54 @@ def test_an_unfinished_write_leaves_nothing_a_start_would_trust(tiny_dir, tmp_pa
         raise OSError(28, "No space left on device")
 
     with pytest.raises(OSError):
-        write_prepared(tmp_path / "p", files, failing, FORMAT_VERSION, engine_version(), {}, workers=2)
+        write_prepared(tmp_path / "p", FILES, failing, FORMAT_VERSION, engine_version(), {}, workers=2)
     assert read_plan(tmp_path / "p") == before and not partial_dir(tmp_path / "p").exists()
     assert check_prepared(tmp_path / "p", FORMAT_VERSION, engine_version()) == []
     assert store.PLAN_NAME in {p.name for p in (tmp_path / "p").iterdir()}
+
+
+KILLED_WRITE = """
+import sys, time
+from pathlib import Path
+from engine.checkpoint.prepared import FORMAT_VERSION, engine_version
+import engine.checkpoint.prepared_store as store
+from tests.engine.checkpoint.test_prepared import FILES, piece_bytes
+store.JOURNAL_EVERY_S = 0.05
+def slow(key, start, size, buffer):
+    time.sleep(0.2)
+    return memoryview(piece_bytes(key, start, size))
+store.write_prepared(Path(sys.argv[1]), FILES, slow, FORMAT_VERSION, engine_version(), {}, workers=2)
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="SIGKILL of a child process")
+def test_a_write_killed_mid_way_validates_nowhere_and_resumes_from_its_journal(tmp_path):
+    """kill -9 while pieces are being written: nothing at the snapshot's place validates; the journal (a line
+    cut short by the kill included) lets the next write resume, and the snapshot it ends with is whole."""
+    import signal
+    import time
+
+    from engine.checkpoint.prepared_store import JOURNAL_NAME, partial_dir, write_prepared
+
+    directory = tmp_path / "p"
+    journal = partial_dir(directory) / JOURNAL_NAME
+    child = subprocess.Popen([sys.executable, "-c", KILLED_WRITE, str(directory)],
+                             cwd=Path(__file__).parents[3])
+    deadline = time.monotonic() + 60
+    while not (journal.is_file() and journal.read_text().count("\n") >= 4):
+        assert time.monotonic() < deadline and child.poll() is None
+        time.sleep(0.01)
+    child.send_signal(signal.SIGKILL)
+    child.wait(timeout=30)
+    assert check_prepared(directory, FORMAT_VERSION, engine_version()) != []
+    on_disk = journal.read_text().count("\n")
+    assert 4 <= on_disk < 20
+    with open(journal, "a") as f:
+        f.write("k19@0 0bad")  # a line the kill cut short
+    asked: list[str] = []
+    write_prepared(directory, FILES, recording_source(asked), FORMAT_VERSION, engine_version(), {}, workers=2)
+    assert len(asked) == 20 - on_disk and "k19" in asked
+    assert_whole(directory)
 
 
 LOAD_MEMORY_SCRIPT = """
