@@ -3,8 +3,8 @@
 A decode step launches hundreds of small kernels; replaying a captured graph removes the host
 from the step (no Python, no launch gaps). Each shape (requests, tokens a request) gets one graph
 over static input tensors: one token a request at each size in `sizes` (decode), and with drafts
-verified, 1 + k tokens a request for each k up to the most, at the sizes whose rows fit the largest
-decode's. A step of n requests runs the smallest graph of its tokens a request that holds n, with
+verified, 1 + k tokens a request for each k up to the most, at the sizes whose rows fit VERIFY_ROWS (or
+the largest decode's). A step of n requests runs the smallest graph of its tokens a request that holds n, with
 the extra requests' rows pointed at the scratch slot and scratch page so they never touch a real
 request's state.
 """
@@ -21,6 +21,9 @@ from engine.model.batch import DecodeMeta, ForwardBatch
 from engine.model.glm5_next import Glm5NextModel
 
 DEFAULT_SIZES = (1, 2, 4, 8, 16)
+# The most rows of a verify graph: 128 routed pairs at top-8, what hybrid offload's graph-safe path takes
+# (`engine.kernels.experts.DECODE_MAX_PAIRS`), unless the decode graphs already hold more.
+VERIFY_ROWS = 16
 
 
 class DecodeGraphs:
@@ -30,11 +33,11 @@ class DecodeGraphs:
         dev = model.device
         self.before_replay = before_replay
         self.max_batch = max(sizes)
-        # (requests, tokens a request): a verify's rows stay within the largest decode's
-        self.shapes = sorted({(size, n) for n in per_request for size in sizes if size * n <= self.max_batch}
+        rows = max(self.max_batch, VERIFY_ROWS)
+        # (requests, tokens a request)
+        self.shapes = sorted({(size, n) for n in per_request for size in sizes if size * n <= rows}
                              | {(size, 1) for size in sizes}, key=lambda shape: (shape[1], shape[0]))
         self._scratch = (slots.scratch_slot, cache.scratch_page)
-        rows = self.max_batch
         self.tokens = torch.zeros(rows, dtype=torch.long, device=dev)
         self.slot_ids = torch.full((rows,), slots.scratch_slot, dtype=torch.long, device=dev)
         self.request_slots = torch.full((rows,), slots.scratch_slot, dtype=torch.long, device=dev)

@@ -131,12 +131,13 @@ class PreparedWrite:
         self.names = list(self.weights)
         self.expert_stacks = {n: w for n, w in self.weights.items() if is_expert_stack(n)}
 
-    def write(self, workers: int, stop: threading.Event | None = None) -> PreparedPlan:
+    def write(self, workers: int, stop: threading.Event | None = None,
+              pace: Callable[[int], None] | None = None) -> PreparedPlan:
         final = {n: self.weights[n] if n in self.weights else self.expert_stacks.get(n) for n in self.names}
         gone = [n for n, w in final.items() if w is None]
         if gone:
             raise PreparedSnapshotError(f"weights {gone[:3]} left the engine before the prepared snapshot was written")
         try:
-            return save_prepared(final, self.directory, self.meta, workers, stop)
+            return save_prepared(final, self.directory, self.meta, workers, stop, pace)
         finally:
             self.expert_stacks = {}

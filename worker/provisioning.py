@@ -40,6 +40,7 @@ from provision.errors import ProvisionError
 from provision.sources import LocalSource, Source, SourceInfo, source_for
 from provision.stages import StageClock
 from worker.engine_options import engine_options
+from worker.prepare_pace import ServingFirst
 from worker.settings import Settings
 
 log = logging.getLogger("glmflash.provision")
@@ -73,10 +74,13 @@ class BackgroundPrepare:
     """
 
     def __init__(self, job: PreparedWrite, workers: int, clock: StageClock,
-                 on_done: Callable[[], None] = lambda: None) -> None:
-        """on_done: called once the write has ended, whatever its outcome."""
+                 on_done: Callable[[], None] = lambda: None, busy: Callable[[], bool] = lambda: False,
+                 busy_bytes_per_s: float = 0.0) -> None:
+        """on_done: called once the write has ended, whatever its outcome; `busy()`: whether requests run, when
+        the write yields to them (`worker.prepare_pace`)."""
         self.job, self.workers, self.clock, self.on_done = job, workers, clock, on_done
         self.cancel = threading.Event()
+        self.pace = ServingFirst(busy, busy_bytes_per_s, self.cancel.wait)
         self.thread = threading.Thread(target=self._run, name="glmflash-prepare", daemon=True)
 
     def start(self) -> None:
@@ -86,7 +90,7 @@ class BackgroundPrepare:
     def _run(self) -> None:
         start = time.perf_counter()
         try:
-            plan = self.job.write(self.workers, self.cancel)
+            plan = self.job.write(self.workers, self.cancel, self.pace)
         except Exception as exc:
             self.on_done()
             state = "stopped" if self.cancel.is_set() else "failed"
@@ -97,8 +101,9 @@ class BackgroundPrepare:
         self.on_done()
         seconds = time.perf_counter() - start
         size = sum(plan.files.values())
-        log.info("event=prepared_snapshot state=written path=%s bytes=%d seconds=%.2f gb_s=%.3f workers=%d",
-                 self.job.directory, size, seconds, size / seconds / 1e9 if seconds else 0.0, self.workers)
+        log.info("event=prepared_snapshot state=written path=%s bytes=%d seconds=%.2f gb_s=%.3f workers=%d "
+                 "yielded_s=%.2f", self.job.directory, size, seconds, size / seconds / 1e9 if seconds else 0.0,
+                 self.workers, self.pace.paced_s)
         self.clock.progress(prepared_snapshot="written", prepared_s=round(seconds, 3))
 
     def stop(self, within_s: float | None) -> None:

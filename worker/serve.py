@@ -82,7 +82,9 @@ async def serve(settings: Settings, stop: asyncio.Event | None = None,
             max_perf = await (_vast_max_perf(settings, model) if fill is None else _partial_max_perf(settings, model))
         if loaded.prepare is not None:  # a cold start: the next one reads this back (fast_resume)
             prepare = BackgroundPrepare(loaded.prepare, cpu_workers(settings), state.clock,
-                                        on_done=lambda: _release_swaps(model))
+                                        on_done=lambda: _release_swaps(model),
+                                        busy=lambda: model.engine.num_requests > 0,
+                                        busy_bytes_per_s=settings.prepare_busy_mb_s * 1e6)
         state.clock.stage("ready", url=f"{url}/v1", model=model.name,
                           **({"prepared_snapshot": "writing" if fill is None else "after_experts"}
                              if prepare is not None else {}),

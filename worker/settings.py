@@ -120,6 +120,11 @@ class Settings(BaseSettings):
                                         description="Endpoint of an S3-compatible store (MinIO, R2, ...)")
     download_workers: int = Field(8, ge=1, validation_alias=_env("DOWNLOAD_WORKERS"),
                                   description="Parallel downloads / ranged GETs")
+    prepare_busy_mb_s: float = Field(
+        200.0, ge=0, validation_alias=_env("PREPARE_BUSY_MB_S"),
+        description="The prepared snapshot's write after ready, while requests run: at most this many MB/s, one "
+                    "piece at a time, its threads at the lowest CPU priority (0: it waits until no request runs); "
+                    "idle, it writes at the disk's rate")
     kernel_precompile_processes: int | None = Field(
         None, ge=0, validation_alias=_env("KERNEL_PRECOMPILE_PROCESSES"),
         description="Child processes compiling the shipped GPU kernels the volume's cache lacks while the weights "

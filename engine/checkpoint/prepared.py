@@ -181,13 +181,13 @@ def prepared_sizes(meta: dict) -> WeightBytes:
 
 
 def save_prepared(weights: LoadedWeights, directory: Path, extra_meta: dict | None = None, workers: int = 8,
-                  stop: threading.Event | None = None) -> PreparedPlan:
+                  stop: threading.Event | None = None, pace: Callable[[int], None] | None = None) -> PreparedPlan:
     """Write the weights as a prepared snapshot, `workers` pieces at a time: host buffers are written from
     their own memory, GPU buffers (and a piece across a split expert stack's two parts) through one
     pinned PIECE_BYTES staging buffer per worker.
 
     `extra_meta` is stored with the layout (the provisioning layer records what it was prepared for);
-    setting `stop` abandons the write (see `write_prepared`).
+    setting `stop` ends the write and `pace` slows it (see `write_prepared`).
     """
     groups = file_groups(weights)
     parts = {key: _byte_parts(weight, f) for _, items in groups for key, weight, f in items}
@@ -213,7 +213,8 @@ def save_prepared(weights: LoadedWeights, directory: Path, extra_meta: dict | No
 
     files = [(name, [(key, sum(t.numel() for t in parts[key])) for key, _, _ in items]) for name, items in groups]
     meta = {**describe(weights), **(extra_meta or {})}
-    return write_prepared(directory, files, piece, FORMAT_VERSION, engine_version(), meta, workers, staging, stop)
+    return write_prepared(directory, files, piece, FORMAT_VERSION, engine_version(), meta, workers, staging, stop,
+                          pace)
 
 
 def load_prepared(directory: Path, device: torch.device | str = "cpu", workers: int = 8,

@@ -174,7 +174,8 @@ def invalidate_prepared(directory: Path) -> bool:
 
 def write_prepared(directory: Path, files: Sequence[tuple[str, Sequence[tuple[str, int]]]], piece: PieceSource,
                    format_version: int, engine_version: str, meta: dict, workers: int = 8,
-                   staging: Sequence[Any] = (), stop: threading.Event | None = None) -> PreparedPlan:
+                   staging: Sequence[Any] = (), stop: threading.Event | None = None,
+                   pace: Callable[[int], None] | None = None) -> PreparedPlan:
     """Write each (file name, [(region key, size)]) file from the bytes `piece` hands over, `workers`
     pieces at a time (filled, hashed and written in parallel); staged and swapped in as the module says.
     A partial write of the same layout is resumed: its journaled pieces are not asked for again.
@@ -182,7 +183,9 @@ def write_prepared(directory: Path, files: Sequence[tuple[str, Sequence[tuple[st
     `staging`: the caller's buffers (of at least PIECE_BYTES), one per worker, lent to `piece` in turn
     (none given: `piece` gets None).
     Setting `stop` ends the write (PreparedSnapshotError) with the pieces written so far journaled, for the
-    next write to resume; any other failure removes the partial files.
+    next write to resume; any other failure removes the partial files. `pace(size)` is called on the writing
+    thread before each piece (a caller's way to slow the write down). Written pages leave the page cache as
+    they are synced: the write must not evict what serving reads.
     """
     stop, halt = stop or threading.Event(), threading.Event()  # asked to stop; stopping after a failure
     partial = partial_dir(directory)
@@ -213,6 +216,8 @@ def write_prepared(directory: Path, files: Sequence[tuple[str, Sequence[tuple[st
             if stop.is_set() or halt.is_set():
                 raise PreparedSnapshotError(f"{directory}: writing stopped")
             region, start, size = job
+            if pace is not None:
+                pace(size)
             buffer = free.get()
             try:
                 view = piece(region.key, start, size, buffer).cast("B")
@@ -268,6 +273,7 @@ def _journal_as_written(partial: Path, futures: dict[Future, str], fds: dict[str
             if ok:
                 for fd in fds.values():
                     os.fdatasync(fd)
+                    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)  # clean now: the cache is serving's
                 journal.write("".join(f"{futures[f]} {f.result()}\n" for f in ok))
                 journal.flush()
                 os.fsync(journal.fileno())

@@ -369,7 +369,8 @@ def test_a_stop_during_the_background_prepare_finishes_it_within_the_grace_or_le
         assert _prepared_state(url) == "writing"
         second = stopped(proc)
         assert "PROVISION_STAGE=cold" in second and "event=prepared_snapshot state=resuming" in second, second
-        assert "event=prepared_snapshot state=written" in second and not partial_dir(prepared).exists()
+        assert "event=prepared_snapshot state=written" in second and "yielded_s=" in second
+        assert not partial_dir(prepared).exists()
         assert check_prepared(prepared, FORMAT_VERSION, engine_version()) == []
 
         third = stopped(boot())
