@@ -95,6 +95,35 @@ def test_forced_drafts_change_no_token_and_save_steps_when_right(snapshot, monke
         assert stats.verified_accepted == 0 and stats.verified > 0
 
 
+@pytest.mark.parametrize("right", [0.0, 0.6])
+def test_after_a_rejection_a_step_keeps_its_k_plus_1_rows_on_the_static_path(snapshot, monkeypatch, right):
+    """Rejections restore a request and run its tokens again: it gets fewer drafts, so once every request
+    decodes, each step runs k + 1 rows a request (the verify graphs' shape), whatever was accepted before."""
+    params = SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True)
+    truth = plain_outputs(snapshot, PROMPTS, params)
+    force_drafts(monkeypatch, truth, right)
+    llm = spec_llm(snapshot, 2, max_num_seqs=3)
+    seqs = [Sequence(str(i), list(p), params) for i, p in enumerate(PROMPTS)]
+    for seq in seqs:
+        llm.core.add(seq)
+    shapes, run = [], llm.runner.run
+
+    def counting(plan, *args, **kwargs):
+        if all(span.seq.num_computed >= len(span.seq.prompt_token_ids) for span in plan.spans) and \
+                len(plan.spans) == len(seqs):
+            shapes.append((plan.static_tokens, {len(plan.drafts.get(span.seq, ())) for span in plan.spans}))
+        return run(plan, *args, **kwargs)
+
+    monkeypatch.setattr(llm.runner, "run", counting)
+    while llm.core.has_work:
+        llm.core.step()
+    assert [s.output_token_ids for s in seqs] == list(truth.values())
+    assert llm.core.stats().drafts.verified > llm.core.stats().drafts.verified_accepted  # rejections happened
+    steady = shapes[:-2]  # the last steps near max_tokens draft fewer
+    assert len(steady) >= 3 and all(tokens == 3 for tokens, _ in steady), shapes
+    assert any(drafts != {2} for _, drafts in steady), shapes  # some with fewer drafts after a rejection
+
+
 @pytest.mark.parametrize("k", [1, 3])
 def test_a_stop_token_inside_an_accepted_run_ends_the_request(snapshot, monkeypatch, k):
     probe = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
