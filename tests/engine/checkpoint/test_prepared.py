@@ -235,6 +235,22 @@ def test_a_stopped_write_leaves_nothing_trusted_and_the_next_resumes_it(tmp_path
     assert_whole(tmp_path / "q")
 
 
+def test_a_cold_start_keeps_only_a_partial_write_it_can_resume(tmp_path):
+    """`discard_prepared` removes the snapshot, and the partial write unless its meta passes `keep_partial` (the
+    provisioning layer's check: the same source)."""
+    import threading
+
+    from engine.checkpoint.prepared_store import discard_prepared, partial_dir, write_prepared
+
+    for source, kept in (("a", True), ("b", False)):
+        directory, stop = tmp_path / source, threading.Event()
+        with pytest.raises(PreparedSnapshotError, match="writing stopped"):
+            write_prepared(directory, FILES, recording_source([], stop, 2), FORMAT_VERSION, engine_version(),
+                           {"source": source}, workers=1, stop=stop)
+        discard_prepared(directory, keep_partial=lambda meta: meta.get("source") == "a")
+        assert partial_dir(directory).is_dir() == kept
+
+
 def test_a_failed_write_leaves_no_partial_and_the_old_snapshot_until_a_new_one_is_whole(tiny_dir, tmp_path):
     """A write that fails (no space) removes its partial files; a complete older snapshot at the same place is
     only replaced once the new one is whole."""
