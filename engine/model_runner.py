@@ -2,8 +2,9 @@
 
 A step where every request adds one token (decode), or every request verifies the same number of drafts after
 it, takes the static path (DecodeMeta), replayed from a CUDA graph when one was captured for that shape; any
-other step runs eagerly with per-request spans, image tokens taking their image's embeddings (`ImageEmbedder`). A request that asks for its prompt's logprobs gets them from the rows of its
-prefill chunks, as they run (in the step's result).
+other step runs eagerly with per-request spans, image tokens taking their image's embeddings (`ImageEmbedder`).
+A request that asks for its prompt's logprobs gets them from the rows of its prefill chunks, as they run (in the
+step's result).
 """
 
 from __future__ import annotations
