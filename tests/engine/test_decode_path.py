@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
+from contextlib import contextmanager
+from typing import Iterator
 
 import pytest
 import torch
@@ -41,15 +43,40 @@ def test_decode_steps_equal_teacher_forced_prefill(llm, prompt):
     assert ((ours - full).abs().amax(-1) / full.abs().amax(-1)).max() < 1e-4
 
 
-def test_padding_rows_on_scratch_state_change_nothing(llm, prompt):
-    """A captured batch pads with the scratch slot and page: the real rows' logits stay the same."""
-    seqs = [Sequence(f"p{i}", prompt(n, seed=20 + i), SamplingParams(max_tokens=4)) for i, n in enumerate((9, 40))]
+def _caches(core) -> tuple[torch.Tensor, ...]:
+    return (core.slots.recurrent, core.slots.conv, core.slots.open_pool, core.cache.latents, core.cache.pool_keys)
+
+
+def caches_state(core) -> list[torch.Tensor]:
+    return [t.clone() for t in _caches(core)]
+
+
+def put_back(core, state: list[torch.Tensor]) -> None:
+    for live, saved in zip(_caches(core), state):
+        live.copy_(saved)
+
+
+@contextmanager
+def prefilled(llm, prompt, name: str, lengths: tuple[int, ...], seed: int, outputs: list[int]) -> Iterator[list]:
+    """Requests with prompts of these lengths, prefilled in one step, each then given `outputs` (not yet
+    computed); they leave the scheduler at the end."""
+    seqs = [Sequence(f"{name}{i}", prompt(n, seed=seed + i), SamplingParams(max_tokens=8))
+            for i, n in enumerate(lengths)]
     for seq in seqs:
         llm.scheduler.add(seq)
     try:
-        llm.core.teacher_forced_step(llm.scheduler.schedule())  # prefill both
+        llm.core.teacher_forced_step(llm.scheduler.schedule())  # prefill them all
         for seq in seqs:
-            seq.output_token_ids.append(7)
+            seq.output_token_ids.extend(outputs)
+        yield seqs
+    finally:
+        for seq in seqs:
+            llm.scheduler.finish(seq)
+
+
+def test_padding_rows_on_scratch_state_change_nothing(llm, prompt):
+    """A captured batch pads with the scratch slot and page: the real rows' logits stay the same."""
+    with prefilled(llm, prompt, "p", (9, 40), seed=20, outputs=[7]) as seqs:
         core, dev = llm.core, llm.model.device
         max_pages = llm.runner.max_pages
 
@@ -61,20 +88,14 @@ def test_padding_rows_on_scratch_state_change_nothing(llm, prompt):
                 table[row, :len(s.pages)] = torch.tensor(s.pages)
             tokens = torch.tensor([7] * len(slots), device=dev)
             meta = DecodeMeta(torch.tensor(slots, device=dev), torch.tensor(positions, device=dev), table.to(dev))
-            state = (core.slots.recurrent.clone(), core.slots.conv.clone(), core.slots.open_pool.clone(),
-                     core.cache.latents.clone(), core.cache.pool_keys.clone())
+            state = caches_state(core)
             logits = llm.model.forward(ForwardBatch(tokens, [], meta), core.slots, core.cache,
                                        torch.arange(len(seqs), device=dev))
-            for live, saved in zip((core.slots.recurrent, core.slots.conv, core.slots.open_pool,
-                                    core.cache.latents, core.cache.pool_keys), state):
-                live.copy_(saved)  # undo, so the next call sees the same state
+            put_back(core, state)  # undo, so the next call sees the same state
             return logits
 
         alone, padded = step(pad=0), step(pad=3)
         assert (padded - alone).abs().max() / alone.abs().max() < 1e-5  # matmul rounding differs with M
-    finally:
-        for seq in seqs:
-            llm.scheduler.finish(seq)
 
 
 def test_mixed_and_decode_batches_equal_each_alone(llm, prompt):
@@ -100,30 +121,13 @@ def request_state(core, seqs: list[Sequence], tokens: int) -> list[torch.Tensor]
     return state
 
 
-def caches_state(core) -> list[torch.Tensor]:
-    return [t.clone() for t in (core.slots.recurrent, core.slots.conv, core.slots.open_pool, core.cache.latents,
-                                core.cache.pool_keys)]
-
-
-def put_back(core, state: list[torch.Tensor]) -> None:
-    for live, saved in zip((core.slots.recurrent, core.slots.conv, core.slots.open_pool, core.cache.latents,
-                            core.cache.pool_keys), state):
-        live.copy_(saved)
-
-
 @pytest.mark.parametrize("unrun, drafts", [(1, 1), (1, 3), (2, 1)])
 def test_a_verify_on_the_static_path_equals_the_span_path(llm, prompt, unrun, drafts):
     """Requests verifying the same number of drafts after their unrun tokens (one, or two: a rejection's
     tokens run again) run as one static-shape step (the verify graphs' path): its logits rows, and every state
     it leaves (recurrent, conv, open pools, latents, pooled keys), equal those of the same tokens run as spans;
     the rows cross an indexer pool's end (kpool 4) in one request."""
-    seqs = [Sequence(f"v{i}", prompt(n, seed=40 + i), SamplingParams(max_tokens=8)) for i, n in enumerate((9, 30))]
-    for seq in seqs:
-        llm.scheduler.add(seq)
-    try:
-        llm.core.teacher_forced_step(llm.scheduler.schedule())  # prefill both
-        for seq in seqs:
-            seq.output_token_ids.extend([7, 9][:unrun])
+    with prefilled(llm, prompt, "v", (9, 30), seed=40, outputs=[7, 9][:unrun]) as seqs:
         plan = StepPlan.of([(seq, unrun) for seq in seqs])
         plan = dataclasses.replace(plan, drafts={seq: tuple(range(11, 11 + drafts)) for seq in seqs})
         assert plan.static_tokens == unrun + drafts
@@ -137,9 +141,6 @@ def test_a_verify_on_the_static_path_equals_the_span_path(llm, prompt, unrun, dr
         torch.testing.assert_close(static, spans, rtol=1e-4, atol=1e-4)
         for got, want in zip(after_static, request_state(core, seqs, unrun + drafts), strict=True):
             torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
-    finally:
-        for seq in seqs:
-            llm.scheduler.finish(seq)
 
 
 def test_pool_ties_break_toward_earlier_pools_whatever_the_row_width():

@@ -339,64 +339,70 @@ def _models_home(tmp_path: Path, url: str, timeout: float = 60) -> Path:
     return next(models.iterdir())
 
 
+class _Workers:
+    """`glmflash boot` processes one after another on one port and cache directory; any still running at the
+    end is killed."""
+
+    def __init__(self, tmp_path: Path) -> None:
+        self.tmp_path, self.port = tmp_path, free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.started: list[subprocess.Popen] = []
+
+    def __enter__(self) -> "_Workers":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for proc in self.started:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+
+    def boot(self, code: str | None = None, **env: str) -> subprocess.Popen:
+        """A worker started and ready (`code`: see `_boot_process`)."""
+        self.started.append(_boot_process(self.tmp_path, self.port, code=code, **env))
+        _wait_ready(self.started[-1], self.url)
+        return self.started[-1]
+
+    @staticmethod
+    def stopped(proc: subprocess.Popen, timeout: float = 120) -> str:
+        """SIGTERM: the worker exits 0 -> what it printed."""
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=timeout) == 0
+        return proc.stdout.read()
+
+
 def test_a_stop_during_the_background_prepare_finishes_it_within_the_grace_or_leaves_it_to_resume(tmp_path):
     """SIGTERM while the prepared snapshot is written after ready: with a grace too short the write stops where
     it is (nothing trusted, its pieces kept); the next start is cold, resumes the write from those pieces and,
     stopped at once with a long grace, finishes it before it exits; the start after that is a fast_resume."""
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
-    started: list[subprocess.Popen] = []
-
-    def boot(code: str | None = None, grace: str = "60") -> subprocess.Popen:
-        started.append(_boot_process(tmp_path, port, code=code, GLMFLASH_DRAIN_GRACE_S=grace))
-        _wait_ready(started[-1], url)
-        return started[-1]
-
-    def stopped(proc: subprocess.Popen) -> str:
-        proc.send_signal(signal.SIGTERM)
-        assert proc.wait(timeout=120) == 0
-        return proc.stdout.read()
-
-    try:
-        proc = boot(SLOW_PREPARE, grace="0.5")
+    with _Workers(tmp_path) as workers:
+        url = workers.url
+        proc = workers.boot(SLOW_PREPARE, GLMFLASH_DRAIN_GRACE_S="0.5")
         prepared = _models_home(tmp_path, url) / "prepared"
         _wait_journaled(url, partial_dir(prepared))
-        first = stopped(proc)
+        first = workers.stopped(proc)
         assert "event=prepared_snapshot state=stopped" in first and "next_start=resumes" in first, first
         assert check_prepared(prepared, FORMAT_VERSION, engine_version()) != [] and partial_dir(prepared).is_dir()
 
-        proc = boot(SLOW_PREPARE)
+        proc = workers.boot(SLOW_PREPARE, GLMFLASH_DRAIN_GRACE_S="60")
         assert _prepared_state(url) == "writing"
-        second = stopped(proc)
+        second = workers.stopped(proc)
         assert "PROVISION_STAGE=cold" in second and "event=prepared_snapshot state=resuming" in second, second
         assert "event=prepared_snapshot state=written" in second and "yielded_s=" in second
         assert not partial_dir(prepared).exists()
         assert check_prepared(prepared, FORMAT_VERSION, engine_version()) == []
 
-        third = stopped(boot())
+        third = workers.stopped(workers.boot(GLMFLASH_DRAIN_GRACE_S="60"))
         assert "PROVISION_STAGE=fast_resume" in third and "PROVISION_STAGE=cold" not in third, third
-    finally:
-        for proc in started:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
 
 
 def test_kill_9_during_the_background_prepare_leaves_nothing_trusted(tmp_path):
     """A worker killed (SIGKILL) while it writes its prepared snapshot after ready: the next start does not
     trust the half-written files, starts cold, serves, resumes the write from its journal and ends it whole;
     the one after is a fast_resume."""
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
-    started: list[subprocess.Popen] = []
-
-    def boot(code: str | None = None) -> subprocess.Popen:
-        started.append(_boot_process(tmp_path, port, code=code))
-        _wait_ready(started[-1], url)
-        return started[-1]
-
-    try:
-        proc = boot(SLOW_PREPARE)
+    with _Workers(tmp_path) as workers:
+        url = workers.url
+        proc = workers.boot(SLOW_PREPARE)
         prepared = _models_home(tmp_path, url) / "prepared"
         partial = partial_dir(prepared)
         _wait_journaled(url, partial)
@@ -406,27 +412,18 @@ def test_kill_9_during_the_background_prepare_leaves_nothing_trusted(tmp_path):
         assert "PROVISION_STAGE=ready" in first and "state=written" not in first, first
         assert check_prepared(prepared, FORMAT_VERSION, engine_version()) != []
 
-        proc = boot()
+        proc = workers.boot()
         deadline = time.monotonic() + 60
         while (state := _prepared_state(url)) != "written":
             assert time.monotonic() < deadline and state == "writing", state
             time.sleep(0.05)
-        proc.send_signal(signal.SIGTERM)
-        assert proc.wait(timeout=30) == 0
-        second = proc.stdout.read()
+        second = workers.stopped(proc, timeout=30)
         assert "PROVISION_STAGE=cold" in second and "plan.json: missing" in second, second
         assert "event=prepared_snapshot state=resuming" in second  # from the pieces the killed write journaled
         assert "event=prepared_snapshot state=written" in second and not partial.exists()
         assert check_prepared(prepared, FORMAT_VERSION, engine_version()) == []
 
-        proc = boot()
+        proc = workers.boot()
         assert _prepared_state(url) is None  # nothing to write after a fast resume
-        proc.send_signal(signal.SIGTERM)
-        assert proc.wait(timeout=30) == 0
-        third = proc.stdout.read()
+        third = workers.stopped(proc, timeout=30)
         assert "PROVISION_STAGE=fast_resume" in third and "PROVISION_STAGE=cold" not in third, third
-    finally:
-        for proc in started:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
