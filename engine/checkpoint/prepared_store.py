@@ -149,10 +149,12 @@ def _journal(partial: Path) -> dict[str, str]:
 def _resume_or_start(partial: Path, layout: str) -> dict[str, str]:
     """The journal of the partial write at `partial` if it writes this layout; otherwise a fresh partial
     directory holding the layout, and no pieces done."""
-    if (partial / LAYOUT_NAME).is_file():
+    try:
         if (partial / LAYOUT_NAME).read_text() == layout:
             return _journal(partial)
         log.info("event=prepared_snapshot state=starting_over path=%s reason=another_layout", partial)
+    except OSError:
+        pass  # no partial write, or one from before partial writes kept their layout
     shutil.rmtree(partial, ignore_errors=True)
     partial.mkdir(parents=True)
     _write_durably(partial / LAYOUT_NAME, layout.encode())
