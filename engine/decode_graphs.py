@@ -45,7 +45,9 @@ class DecodeGraphs:
         self.page_table = torch.full((rows, max_pages), cache.scratch_page, dtype=torch.long, device=dev)
         self._graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
         self._outputs: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}  # (logits, hidden)
-        self._rows: dict[tuple[int, int], torch.Tensor] = {}
+        # Each graph's batch (its layouts: a verify's span bounds) and rows: the graph reads their memory at
+        # every replay, so they live as long as it does.
+        self._inputs: dict[tuple[int, int], tuple[ForwardBatch, torch.Tensor]] = {}
         self.replays = {shape: 0 for shape in self.shapes}  # steps each graph ran
         start = time.perf_counter()
         pool = torch.cuda.graph_pool_handle()
@@ -63,8 +65,8 @@ class DecodeGraphs:
                  pool) -> None:
         size, n = shape
         batch = ForwardBatch(self.tokens[:size * n], [], self._meta(size, n))
-        # The graph reads these rows' memory at every replay: keep the tensor alive as long as the graph.
-        rows = self._rows[shape] = torch.arange(size * n, device=self.tokens.device)
+        rows = torch.arange(size * n, device=self.tokens.device)
+        self._inputs[shape] = batch, rows
         side = torch.cuda.Stream(self.tokens.device)
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):  # compile and autotune outside the capture
