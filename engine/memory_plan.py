@@ -92,7 +92,7 @@ def build_caches(config: ModelConfig, options: EngineOptions, plan: MemoryPlan, 
     """The request slots and the latent pages (the requests' and the prefix cache's device pages) the plan sized."""
     held = cache_config(config, options)
     return (RequestSlots(held, options.max_num_seqs, device, dtype),
-            PagedLatents(held, plan.latent_pages, options.page_size, device, dtype))
+            PagedLatents(held, plan.latent_pages, options.page_size, device, dtype, options.fp8_latents))
 
 
 def plan_memory(config: ModelConfig, options: EngineOptions, device: torch.device, dtype: torch.dtype,
@@ -105,14 +105,14 @@ def plan_memory(config: ModelConfig, options: EngineOptions, device: torch.devic
     held = cache_config(config, options)
 
     def tier(budget: int) -> TierSize:
-        return TierSize.of(budget, held, options.page_size, dtype, request_pages) if options.prefix_cache \
-            else TierSize(0, 0)
+        return TierSize.of(budget, held, options.page_size, dtype, request_pages, options.fp8_latents) \
+            if options.prefix_cache else TierSize(0, 0)
 
     prefix_device, prefix_host = tier(options.prefix_cache_bytes), tier(options.prefix_cache_host_bytes)
     reserve = reserve_bytes(options.max_num_batched_tokens, options.max_model_len)
     plan = MemoryPlan(request_pages, prefix_device, prefix_host, 0, reserve, None, None)
     meta = build_caches(config, options, plan, torch.device("meta"), dtype)
-    caches = prefix_device.snapshots * state_bytes(held, options.page_size, dtype) + sum(
+    caches = prefix_device.snapshots * state_bytes(held, options.page_size, dtype, options.fp8_latents) + sum(
         t.numel() * t.element_size() for cache in meta for t in vars(cache).values() if isinstance(t, torch.Tensor))
     if free_bytes is None:
         free_bytes = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else 0

@@ -90,7 +90,7 @@ class MtpDrafter:
         if speculative_tokens:  # each verifying slot's state from before its step, the MTP layer's included
             cache = self.cache
             self.saved = StateRows(config, self.slots.num_slots + 1, cache.page_size, cache.latents.device,
-                                   cache.latents.dtype)
+                                   cache.dtype, fp8=cache.fp8)
 
     def _drafts_wanted(self, seq: Sequence) -> int:
         """Drafts to make for `seq`: k, fewer near max_tokens (a step yields at most drafts + 1 tokens), one

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
 
 
 @dataclass(frozen=True)
@@ -14,6 +15,10 @@ class EngineOptions:
     max_num_batched_tokens: int = 2048
     max_waiting: int = 256
     page_size: int = 64
+    # The DSA latent cache (latents and the indexer's pooled keys; as vLLM's kv_cache_dtype): "auto" in the
+    # activations' dtype, "fp8" in e4m3 with an fp32 scale per 128 elements: about half the bytes a token, so
+    # about twice the context in the same memory (engine/cache/paged_latents.py).
+    kv_cache_dtype: Literal["auto", "fp8"] = "auto"
     cuda_graphs: bool = True  # capture decode steps at load (CUDA with the Triton kernels only)
     # Bytes of device memory for routed experts, the rest in host RAM; "auto": what the other weights and the
     # caches leave; None: every expert resident where the weights fit (engine/memory_plan.py decides).
@@ -41,6 +46,14 @@ class EngineOptions:
     # With speculative_tokens: each step's number of drafts (0 to speculative_tokens) chosen from the acceptance and
     # step times measured (engine/draft_length.py); off: always speculative_tokens.
     measured_draft_length: bool = True
+
+    def __post_init__(self) -> None:
+        if self.kv_cache_dtype not in ("auto", "fp8"):
+            raise ValueError(f"kv_cache_dtype must be 'auto' or 'fp8', got {self.kv_cache_dtype!r}")
+
+    @property
+    def fp8_latents(self) -> bool:
+        return self.kv_cache_dtype == "fp8"
 
     @property
     def drafts_on(self) -> bool:

@@ -13,6 +13,7 @@ import torch.nn.functional as F
 
 FP8_BLOCK: tuple[int, int] = (128, 128)
 NVFP4_GROUP = 16
+FP8_CACHE_GROUP = 128  # elements of a cached vector per fp32 scale (a 512-wide latent: 4 scales, as vLLM's fp8_ds_mla)
 
 _FP8_MAX = 448.0
 _E2M1_MAX = 6.0
@@ -95,6 +96,22 @@ def quantize_fp8_block(
     scale_inv = torch.where(scale_inv > 0, scale_inv, torch.ones_like(scale_inv))  # all-zero block
     q = (w / _expand_blocks(scale_inv, block, rows, cols)).clamp(-_FP8_MAX, _FP8_MAX)
     return q.to(torch.float8_e4m3fn), scale_inv
+
+
+def quantize_fp8_groups(x: torch.Tensor, group: int = FP8_CACHE_GROUP) -> tuple[torch.Tensor, torch.Tensor]:
+    """[..., D] float -> (float8_e4m3fn [..., D], scale fp32 [..., D / group]); each group's amax maps to 448.
+    Vectors written to a cache one at a time: a token's scales never depend on another token."""
+    groups = x.float().unflatten(-1, (-1, group))
+    scale = groups.abs().amax(dim=-1, keepdim=True) / _FP8_MAX
+    scale = torch.where(scale > 0, scale, torch.ones_like(scale))  # an all-zero group
+    codes = (groups / scale).clamp(-_FP8_MAX, _FP8_MAX).to(torch.float8_e4m3fn)
+    return codes.flatten(-2), scale.squeeze(-1)
+
+
+def dequantize_fp8_groups(codes: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The inverse of `quantize_fp8_groups`: codes [..., D], scale [..., D / group] -> [..., D] in `dtype`."""
+    groups = codes.float().unflatten(-1, (scale.shape[-1], -1))
+    return (groups * scale.float().unsqueeze(-1)).flatten(-2).to(dtype)
 
 
 def quantize_nvfp4(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

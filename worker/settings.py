@@ -49,6 +49,10 @@ class Settings(BaseSettings):
                                description="Longest prompt + completion, in tokens")
     max_num_batched_tokens: int = Field(2048, ge=1, validation_alias=_env("MAX_NUM_BATCHED_TOKENS"),
                                         description="Tokens per forward step (decodes + prefill chunks)")
+    kv_cache_dtype: Literal["auto", "fp8"] = Field(
+        "auto", validation_alias=_env("KV_CACHE_DTYPE"),
+        description="The DSA latent cache: auto (the activations' dtype) or fp8 (e4m3 with a scale per 128 values: "
+                    "about half the memory a token, so about twice the context; logits within a few percent)")
     moe_vram_budget_gib: float | None = Field(None, ge=0, validation_alias=_env("MOE_VRAM_BUDGET_GIB"),
                                               description="GPU memory for routed experts, in GiB; the rest stay in "
                                                           "host RAM and run on the CPU (unset: every expert on the GPU "

@@ -55,10 +55,10 @@ class TierSize:
 
     @classmethod
     def of(cls, budget_bytes: int, cfg: ModelConfig, page_size: int, dtype: torch.dtype,
-           max_pages: int) -> "TierSize":
+           max_pages: int, fp8: bool = False) -> "TierSize":
         """What `budget_bytes` holds: PAGES_PER_SNAPSHOT pages per snapshot, at most `max_pages` pages, the
-        rest of the budget in snapshots."""
-        page, state = page_bytes(cfg, page_size, dtype), state_bytes(cfg, page_size, dtype)
+        rest of the budget in snapshots (pages in fp8 with `fp8`)."""
+        page, state = page_bytes(cfg, page_size, dtype, fp8), state_bytes(cfg, page_size, dtype, fp8)
         pages = min(PAGES_PER_SNAPSHOT * (budget_bytes // (state + PAGES_PER_SNAPSHOT * page)), max_pages)
         return cls(max(budget_bytes - pages * page, 0) // state, pages)
 
@@ -145,11 +145,11 @@ class PrefixCache:
     def __init__(self, cfg: ModelConfig, slots: RequestSlots, cache: PagedLatents, device_snapshots: int,
                  host: TierSize = TierSize(0, 0)) -> None:
         self.slots, self.cache, self.page_size = slots, cache, cache.page_size
-        dev, dtype = cache.latents.device, cache.latents.dtype
+        dev, dtype, fp8 = cache.latents.device, cache.dtype, cache.fp8
         pin = dev.type == "cuda"
-        self.states = StateRows(cfg, device_snapshots, self.page_size, dev, dtype)
-        self.host_states = StateRows(cfg, host.snapshots, self.page_size, torch.device("cpu"), dtype, pin)
-        self.host_pages = PageRows(cfg, host.pages, self.page_size, torch.device("cpu"), dtype, pin)
+        self.states = StateRows(cfg, device_snapshots, self.page_size, dev, dtype, fp8=fp8)
+        self.host_states = StateRows(cfg, host.snapshots, self.page_size, torch.device("cpu"), dtype, pin, fp8)
+        self.host_pages = PageRows(cfg, host.pages, self.page_size, torch.device("cpu"), dtype, pin, fp8)
         self._states, self._host_states = _Rows(device_snapshots), _Rows(host.snapshots)
         self._pages, self._host_pages = _Rows(0), _Rows(host.pages)  # device pages come from the page pool
         self.root = Block((), None, 0)

@@ -13,7 +13,7 @@ from typing import Hashable
 
 import torch
 
-from engine.cache.paged_latents import PagedLatents
+from engine.cache.paged_latents import PagedLatents, page_parts
 from engine.cache.slots import RequestSlots
 from engine.config import ModelConfig
 
@@ -22,11 +22,6 @@ def _empty(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device, pin
     # Empty, not zeroed: a row is always written whole before it is read, and on the host untouched
     # rows cost no memory until used.
     return torch.empty(shape, dtype=dtype, device=device, pin_memory=pin)
-
-
-def _page_shapes(cfg: ModelConfig, page_size: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    n_dsa = len(cfg.dsa_layers)
-    return (n_dsa, page_size, cfg.kv_lora_rank), (n_dsa, page_size // cfg.index_kpool, cfg.index_head_dim)
 
 
 def _state_shapes(cfg: ModelConfig) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]:
@@ -42,48 +37,51 @@ def _numel(shape: tuple[int, ...]) -> int:
     return out
 
 
-def page_bytes(cfg: ModelConfig, page_size: int, dtype: torch.dtype) -> int:
-    """Bytes of one cache page."""
-    return sum(_numel(s) for s in _page_shapes(cfg, page_size)) * dtype.itemsize
+def page_bytes(cfg: ModelConfig, page_size: int, dtype: torch.dtype, fp8: bool = False) -> int:
+    """Bytes of one cache page (in fp8: codes and scales)."""
+    return sum(_numel(shape) * part_dtype.itemsize for shape, part_dtype in page_parts(cfg, page_size, dtype,
+                                                                                         fp8).values())
 
 
-def state_bytes(cfg: ModelConfig, page_size: int, dtype: torch.dtype) -> int:
+def state_bytes(cfg: ModelConfig, page_size: int, dtype: torch.dtype, fp8: bool = False) -> int:
     """Bytes of one saved state, its page included (the recurrent state is fp32)."""
     recurrent, conv, open_pool = _state_shapes(cfg)
     return (_numel(recurrent) * 4 + (_numel(conv) + _numel(open_pool)) * dtype.itemsize
-            + page_bytes(cfg, page_size, dtype))
+            + page_bytes(cfg, page_size, dtype, fp8))
 
 
 class PageRows:
+    """Copies of whole cache pages, a row each: every tensor of a page (`PagedLatents.page_views`)."""
+
     def __init__(self, cfg: ModelConfig, rows: int, page_size: int, device: torch.device, dtype: torch.dtype,
-                 pin: bool = False) -> None:
-        latents, pool_keys = _page_shapes(cfg, page_size)
+                 pin: bool = False, fp8: bool = False) -> None:
         self.rows = rows
-        self.latents = _empty((rows, *latents), dtype, device, pin)
-        self.pool_keys = _empty((rows, *pool_keys), dtype, device, pin)
+        self.parts = {name: _empty((rows, *shape), part_dtype, device, pin)
+                      for name, (shape, part_dtype) in page_parts(cfg, page_size, dtype, fp8).items()}
+        self.latents = self.parts["latents"]
 
     def save(self, row: int, cache: PagedLatents, page: int) -> None:
-        self.latents[row].copy_(cache.page_latents(page), non_blocking=True)
-        self.pool_keys[row].copy_(cache.page_pool_keys(page), non_blocking=True)
+        for name, view in cache.page_views(page).items():
+            self.parts[name][row].copy_(view, non_blocking=True)
 
     def load(self, row: int, cache: PagedLatents, page: int) -> None:
-        cache.page_latents(page).copy_(self.latents[row], non_blocking=True)
-        cache.page_pool_keys(page).copy_(self.pool_keys[row], non_blocking=True)
+        for name, view in cache.page_views(page).items():
+            view.copy_(self.parts[name][row], non_blocking=True)
 
     def copy_row(self, row: int, dst: "PageRows", dst_row: int) -> None:
-        dst.latents[dst_row].copy_(self.latents[row], non_blocking=True)
-        dst.pool_keys[dst_row].copy_(self.pool_keys[row], non_blocking=True)
+        for name, part in self.parts.items():
+            dst.parts[name][dst_row].copy_(part[row], non_blocking=True)
 
 
 class StateRows:
     def __init__(self, cfg: ModelConfig, rows: int, page_size: int, device: torch.device, dtype: torch.dtype,
-                 pin: bool = False) -> None:
+                 pin: bool = False, fp8: bool = False) -> None:
         recurrent, conv, open_pool = _state_shapes(cfg)
         self.rows = rows
         self.recurrent = _empty((rows, *recurrent), torch.float32, device, pin)
         self.conv = _empty((rows, *conv), dtype, device, pin)
         self.open_pool = _empty((rows, *open_pool), dtype, device, pin)
-        self.page = PageRows(cfg, rows, page_size, device, dtype, pin)
+        self.page = PageRows(cfg, rows, page_size, device, dtype, pin, fp8)
 
     def save(self, row: int, slots: RequestSlots, slot: int, cache: PagedLatents, page: int | None) -> None:
         """Slot state -> row; `page` (the page holding the position's first tokens) too when given."""

@@ -107,7 +107,7 @@ class Indexer:
         if rows.pool_targets.numel():
             groups = sources[rows.pool_members]
             pooled = kernel("index_pool", keys_gates.device.type)(groups[..., :d], groups[..., d:], self.ape)
-            cache.pool_keys[layer, rows.pool_targets] = pooled
+            cache.write_pool_keys(layer, rows.pool_targets, pooled)
         open_pool[rows.open_slots, rows.open_places] = sources[rows.open_sources]
 
     def add_decode(self, keys_gates: torch.Tensor, meta: DecodeMeta, open_pool: torch.Tensor, cache: PagedLatents,
@@ -124,15 +124,16 @@ class Indexer:
         groups = open_pool[meta.slots]
         pooled = kernel("index_pool", keys_gates.device.type)(groups[..., :d], groups[..., d:], self.ape)
         # Written at every step: a pool becomes visible only once complete, and its last token rewrites it.
-        cache.pool_keys[layer, cache.pool_rows_at(meta.page_table, (pos // kp).unsqueeze(1)).squeeze(1)] = pooled
+        cache.write_pool_keys(layer, cache.pool_rows_at(meta.page_table, (pos // kp).unsqueeze(1)).squeeze(1), pooled)
 
     def select(self, q: torch.Tensor, weights: torch.Tensor, page_table: torch.Tensor, seqs: torch.Tensor | None,
                positions: torch.Tensor, n_pools: int, cache: PagedLatents, layer: int) -> torch.Tensor:
         """Pool ids [T, W] for queries at `positions` of the sequences `seqs` (rows of page_table; None: one row
         per query), among the first `n_pools` pools of their rows that are complete before them."""
-        return kernel("index_select", q.device.type)(q, weights, cache.pool_keys[layer], page_table, seqs,
-                                                     positions, n_pools, cache.per_page_pools, self.cfg.index_kpool,
-                                                     self.cfg.index_select_pools)
+        keys, scales = cache.layer_pool_keys(layer)
+        return kernel("index_select", q.device.type)(q, weights, keys, page_table, seqs, positions, n_pools,
+                                                     cache.per_page_pools, self.cfg.index_kpool,
+                                                     self.cfg.index_select_pools, key_scales=scales)
 
 
 class DsaMixer:
@@ -172,7 +173,7 @@ class DsaMixer:
                        ikg: torch.Tensor, meta: DecodeMeta, open_pool: torch.Tensor,
                        cache: PagedLatents) -> torch.Tensor:
         layer = self.cache_index
-        cache.latents[layer, cache.rows_at(meta.page_table, meta.positions.unsqueeze(1)).squeeze(1)] = latent
+        cache.write_latents(layer, cache.rows_at(meta.page_table, meta.positions.unsqueeze(1)).squeeze(1), latent)
         self.indexer.add_decode(ikg, meta, open_pool, cache, layer)
         every_pool = meta.page_table.shape[1] * cache.per_page_pools
         pool_ids = self.indexer.select(iq, iw, meta.page_table, None, meta.positions, every_pool, cache, layer)
@@ -187,7 +188,7 @@ class DsaMixer:
             prefill, slot_ids = batch.prefill_layout[:2]
             multi = [batch.spans[i] for i in batch.multi_token_spans]
             rows = batch.layout(SpanRows, lambda: SpanRows.of(multi, cache, cfg.index_kpool, q_abs.device))
-            cache.latents[layer, rows.latents] = latent[prefill]
+            cache.write_latents(layer, rows.latents, latent[prefill])
             self.indexer.add_tokens(ikg[prefill], rows, slot_ids, open_pool, cache, layer)
             pool_ids = self.indexer.select(iq[prefill], iw[prefill], rows.page_table, rows.seqs, rows.positions,
                                            rows.n_pools, cache, layer)
@@ -204,6 +205,7 @@ class DsaMixer:
     def _attend(self, q_abs: torch.Tensor, pool_ids: torch.Tensor, positions: torch.Tensor,
                 page_table: torch.Tensor, seqs: torch.Tensor | None, cache: PagedLatents) -> torch.Tensor:
         cfg = self.cfg
+        latents, scales = cache.layer_latents(self.cache_index)
         return kernel("sparse_mla", q_abs.device.type)(
-            q_abs, cache.latents[self.cache_index], pool_ids, positions, page_table, seqs, cache.page_size,
-            cfg.index_kpool, cfg.qk_nope_head_dim ** -0.5, cfg.index_always_select_tail)
+            q_abs, latents, pool_ids, positions, page_table, seqs, cache.page_size, cfg.index_kpool,
+            cfg.qk_nope_head_dim ** -0.5, cfg.index_always_select_tail, latent_scales=scales)

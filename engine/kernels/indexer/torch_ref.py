@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from engine.kernels.dispatch import register
+from engine.quant import dequantize_fp8_groups
 
 QUERY_BLOCK = 256  # queries whose gathered pool keys are held at once: [block, pools, d]
 
@@ -38,12 +39,13 @@ def top_pools(scores: torch.Tensor, visible: torch.Tensor, select: int) -> torch
 @register("index_select", "torch")
 def index_select(q: torch.Tensor, weights: torch.Tensor, pool_keys: torch.Tensor, page_table: torch.Tensor,
                  seqs: torch.Tensor | None, positions: torch.Tensor, n_pools: int, per_page: int, kpool: int,
-                 select: int) -> torch.Tensor:
+                 select: int, key_scales: torch.Tensor | None = None) -> torch.Tensor:
     """Top pools per query, over the paged pooled-key cache.
 
     q [T, Hi, d]; weights [T, Hi] fp32; pool_keys [rows, d] (one layer's cache); page_table [S, pages]; seqs [T]
     the page-table row of each query (None: row i for query i); positions [T]; n_pools: the pools each row
-    scores (at most pages x per_page; a query sees the complete ones up to its position).
+    scores (at most pages x per_page; a query sees the complete ones up to its position); key_scales [rows, G]
+    fp32 where the cache is fp8 (`engine.quant.quantize_fp8_groups`).
     Returns pool ids [T, min(select, n_pools)], -1 where the query sees fewer pools than that.
     """
     tables = page_table if seqs is None else page_table[seqs]
@@ -53,5 +55,7 @@ def index_select(q: torch.Tensor, weights: torch.Tensor, pool_keys: torch.Tensor
         sl = slice(b0, b0 + QUERY_BLOCK)
         pools = every_pool.expand(tables[sl].shape[0], -1)
         rows = tables[sl].gather(1, pools // per_page) * per_page + pools % per_page
-        scores[sl] = pool_scores(q[sl], weights[sl], pool_keys[rows])
+        keys = pool_keys[rows] if key_scales is None else \
+            dequantize_fp8_groups(pool_keys[rows], key_scales[rows], q.dtype)
+        scores[sl] = pool_scores(q[sl], weights[sl], keys)
     return top_pools(scores, (positions + 1) // kpool, select)

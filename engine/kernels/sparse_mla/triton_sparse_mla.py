@@ -22,10 +22,11 @@ _SHAPES_RUN: set[tuple[int, int]] = set()  # (heads, kpool) of the layers run so
 # Per-step counts, widths and index views (sliced at any offset from one packed copy): one build for all steps.
 @triton.jit(do_not_specialize=["T", "W", "L", "chunk", "stride_pool", "stride_table"],
             do_not_specialize_on_alignment=["pool_ptr", "pos_ptr", "table_ptr", "seq_ptr"])
-def _sparse_mla_kernel(q_ptr, lat_ptr, pool_ptr, pos_ptr, table_ptr, seq_ptr, out_ptr, m_ptr, l_ptr,
+def _sparse_mla_kernel(q_ptr, lat_ptr, lat_scale_ptr, pool_ptr, pos_ptr, table_ptr, seq_ptr, out_ptr, m_ptr, l_ptr,
                        T, H, W, L, chunk, page_size, stride_qt, stride_qh, stride_pool, stride_table, scale,
                        R: tl.constexpr, KPOOL: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
-                       HAS_SEQS: tl.constexpr, SPLIT: tl.constexpr, DOT_F32: tl.constexpr):
+                       HAS_SEQS: tl.constexpr, SPLIT: tl.constexpr, DOT_F32: tl.constexpr,
+                       SCALE_GROUPS: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
     heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     split = tl.program_id(2)
@@ -54,6 +55,10 @@ def _sparse_mla_kernel(q_ptr, lat_ptr, pool_ptr, pos_ptr, table_ptr, seq_ptr, ou
         page = tl.load(table_ptr + seq * stride_table + token // page_size, mask=valid, other=0)
         row = page * page_size + token % page_size
         k = tl.load(lat_ptr + row[:, None] * R + cols[None, :], mask=valid[:, None], other=0.0)
+        if SCALE_GROUPS:  # an fp8 cache: each row's groups of R // SCALE_GROUPS elements times their scale
+            k_scale = tl.load(lat_scale_ptr + row[:, None] * SCALE_GROUPS + cols[None, :] // (R // SCALE_GROUPS),
+                              mask=valid[:, None], other=0.0)
+            k = (k.to(tl.float32) * k_scale).to(q.dtype)
         if DOT_F32:  # fp32 activations (tf32 would lose ~3 digits) and the interpreter (no 16-bit tl.dot)
             k = k.to(tl.float32)
             s = tl.dot(q.to(tl.float32), tl.trans(k), input_precision="ieee") * scale
@@ -122,8 +127,9 @@ def _builds(tokens: int) -> tuple:
 @register("sparse_mla", "triton")
 def sparse_mla(q_latent: torch.Tensor, latents: torch.Tensor, pool_ids: torch.Tensor, positions: torch.Tensor,
                page_table: torch.Tensor, seqs: torch.Tensor | None, page_size: int, kpool: int, scale: float,
-               with_tail: bool) -> torch.Tensor:
-    """As the torch reference (engine.kernels.sparse_mla.torch_ref.sparse_mla), scores in fp32."""
+               with_tail: bool, latent_scales: torch.Tensor | None = None) -> torch.Tensor:
+    """As the torch reference (engine.kernels.sparse_mla.torch_ref.sparse_mla), scores in fp32; an fp8 cache's
+    rows dequantized to the activations' dtype as they are read."""
     t, h, r = q_latent.shape
     # Written as contiguous [T, H, R] (empty_like would keep the strides of a permuted einsum output).
     out = torch.empty(t, h, r, dtype=q_latent.dtype, device=q_latent.device)
@@ -140,8 +146,10 @@ def sparse_mla(q_latent: torch.Tensor, latents: torch.Tensor, pool_ids: torch.Te
     chunk = triton.cdiv(triton.cdiv(keys, splits), BLOCK_N) * BLOCK_N
     splits = max(1, triton.cdiv(keys, chunk))
     meta = dict(R=r, KPOOL=kpool, BLOCK_H=block_h, BLOCK_N=BLOCK_N, HAS_SEQS=seqs is not None,
-                DOT_F32=not (q_latent.is_cuda and q_latent.dtype in (torch.bfloat16, torch.float16)), num_warps=8 if r >= 256 else 4)
-    args = (q_latent, latents, pool_ids, positions, page_table, positions if seqs is None else seqs)
+                DOT_F32=not (q_latent.is_cuda and q_latent.dtype in (torch.bfloat16, torch.float16)),
+                SCALE_GROUPS=0 if latent_scales is None else latent_scales.shape[-1], num_warps=8 if r >= 256 else 4)
+    args = (q_latent, latents, latents if latent_scales is None else latent_scales, pool_ids, positions, page_table,
+            positions if seqs is None else seqs)
     shape = (t, h, w, keys, chunk, page_size, q_latent.stride(0), q_latent.stride(1), pool_ids.stride(0),
              page_table.stride(0), scale)
     if splits == 1:

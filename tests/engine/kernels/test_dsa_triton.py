@@ -11,6 +11,7 @@ from engine.kernels.indexer import torch_ref as indexer_ref
 from engine.kernels.indexer import triton_indexer
 from engine.kernels.sparse_mla import torch_ref as mla_ref
 from engine.kernels.sparse_mla import triton_sparse_mla
+from engine.quant import quantize_fp8_groups
 from tests.engine.kernels.sm90 import assert_compiles_for_sm90
 
 KPOOL, PAGE = 4, 8
@@ -87,6 +88,43 @@ def test_sparse_mla_matches_reference(dtype, as_decode, with_tail, heads, select
         torch.testing.assert_close(got.float(), want.float(), rtol=2e-2, atol=2e-2)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("as_decode", [False, True])
+def test_index_select_over_an_fp8_cache_matches_reference(dtype, as_decode):
+    """Pooled keys in e4m3 with a scale per 16 elements (two a key): the kernel dequantizes as it reads, scoring
+    exactly as the reference over the dequantized keys, which are not the unquantized keys' choice everywhere."""
+    lengths = [3, 37, 70, 12]
+    _, pool_keys, table, seqs, positions, _, iq, iw = paged_case(lengths, dtype, 4, 64, 8, seed=1)
+    codes, scales = quantize_fp8_groups(pool_keys, 16)
+    if as_decode:
+        table, seqs, n_pools = table[seqs], None, table.shape[1] * PAGE // KPOOL
+    else:
+        n_pools = max(lengths) // KPOOL
+    args = (iq, iw, codes, table, seqs, positions, n_pools, PAGE // KPOOL, KPOOL, 6)
+    got = triton_indexer.index_select(*args, key_scales=scales)
+    want = indexer_ref.index_select(*args, key_scales=scales)
+    assert torch.equal(got, want)
+    dequantized = (codes.float().unflatten(-1, (2, 16)) * scales.unsqueeze(-1)).flatten(-2).to(dtype)
+    assert torch.equal(want, indexer_ref.index_select(iq, iw, dequantized, *args[3:]))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("as_decode", [False, True])
+def test_sparse_mla_over_an_fp8_cache_matches_reference(dtype, as_decode):
+    """Latents in e4m3 with a scale per 16 of their 64 elements: the kernel against the reference over the same
+    codes, and the reference against itself over the dequantized latents (the scales applied per group)."""
+    q_latent, latents, pool_ids, positions, table, seqs = reference_inputs(dtype, 4, 8, 3, as_decode)
+    codes, scales = quantize_fp8_groups(latents, 16)
+    args = (q_latent, codes, pool_ids, positions, table, seqs, PAGE, KPOOL, 0.125, True)
+    got = triton_sparse_mla.sparse_mla(*args, latent_scales=scales)
+    want = mla_ref.sparse_mla(*args, latent_scales=scales)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(got.float(), want.float(), rtol=tol, atol=tol)
+    dequantized = (codes.float().unflatten(-1, (4, 16)) * scales.unsqueeze(-1)).flatten(-2).to(dtype)
+    assert torch.equal(want, mla_ref.sparse_mla(q_latent, dequantized, *args[2:]))
+    assert not torch.equal(want, mla_ref.sparse_mla(q_latent, latents, *args[2:]))  # the codes are not the values
+
+
 def test_sparse_mla_split_and_whole_agree(monkeypatch):
     """Few queries spread their selected tokens over programs and combine; many queries run each whole."""
     q_latent, latents, pool_ids, positions, table, seqs = reference_inputs(torch.float32, 4, 8, 7, False)
@@ -103,15 +141,17 @@ import itertools
 from engine.kernels.indexer.triton_indexer import _pool_scores_kernel
 from engine.kernels.sparse_mla.triton_sparse_mla import _combine_kernel, _sparse_mla_kernel
 
-index = dict(q_ptr="*bf16", lat_ptr="*bf16", pool_ptr="*i64", pos_ptr="*i64", table_ptr="*i64", seq_ptr="*i64")
-for seqs, split in itertools.product((True, False), repeat=2):
+index = dict(q_ptr="*bf16", pool_ptr="*i64", pos_ptr="*i64", table_ptr="*i64", seq_ptr="*i64")
+for seqs, split, fp8 in itertools.product((True, False), repeat=3):  # fp8: the cache in e4m3 with fp32 scales
     out = "*fp32" if split else "*bf16"
-    compile_for_sm90(_sparse_mla_kernel, {**index, "out_ptr": out, "m_ptr": "*fp32", "l_ptr": "*fp32"},
-                     dict(R=512, KPOOL=4, BLOCK_H=32, BLOCK_N=32, HAS_SEQS=seqs, SPLIT=split, DOT_F32=False), 8,
-                     dict(scale="fp32"))
-    compile_for_sm90(_pool_scores_kernel, {**index, "w_ptr": "*fp32", "keys_ptr": "*bf16", "out_ptr": "*fp32"},
-                     dict(D=128, KPOOL=4, BLOCK_HI=32, BLOCK_P=64, HAS_SEQS=seqs, DOT_F32=False), 4,
-                     dict(scale="fp32"))
+    cache = dict(lat_ptr="*fp8e4nv", lat_scale_ptr="*fp32") if fp8 else dict(lat_ptr="*bf16", lat_scale_ptr="*bf16")
+    compile_for_sm90(_sparse_mla_kernel, {**index, **cache, "out_ptr": out, "m_ptr": "*fp32", "l_ptr": "*fp32"},
+                     dict(R=512, KPOOL=4, BLOCK_H=32, BLOCK_N=32, HAS_SEQS=seqs, SPLIT=split, DOT_F32=False,
+                          SCALE_GROUPS=4 if fp8 else 0), 8, dict(scale="fp32"))
+    keys = dict(keys_ptr="*fp8e4nv", key_scale_ptr="*fp32") if fp8 else dict(keys_ptr="*bf16", key_scale_ptr="*bf16")
+    compile_for_sm90(_pool_scores_kernel, {**index, **keys, "w_ptr": "*fp32", "out_ptr": "*fp32"},
+                     dict(D=128, KPOOL=4, BLOCK_HI=32, BLOCK_P=64, HAS_SEQS=seqs, DOT_F32=False,
+                          SCALE_GROUPS=1 if fp8 else 0), 4, dict(scale="fp32"))
 compile_for_sm90(_combine_kernel, {"part_ptr": "*fp32", "m_ptr": "*fp32", "l_ptr": "*fp32", "out_ptr": "*bf16"},
                  dict(R=512, SPLITS=32), 4)
 print("compiled")
