@@ -87,14 +87,19 @@ def test_the_reserve_grows_with_the_largest_step():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_the_caches_it_counts_are_the_ones_the_engine_allocates(config, dtype):
-    made = plan_memory(config, SIZES, CPU, dtype)
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8"])
+def test_the_caches_it_counts_are_the_ones_the_engine_allocates(config, dtype, kv_cache_dtype):
+    sizes = dataclasses.replace(SIZES, kv_cache_dtype=kv_cache_dtype)
+    made = plan_memory(config, sizes, CPU, dtype)
     assert made.prefix_device.snapshots > 0 and made.prefix_device.pages > 0
-    slots, latents = build_caches(config, SIZES, made, CPU, dtype)
+    slots, latents = build_caches(config, sizes, made, CPU, dtype)
     allocated = sum(t.numel() * t.element_size() for cache in (slots, latents) for t in vars(cache).values()
                     if isinstance(t, torch.Tensor))
     assert latents.num_pages == made.request_pages + made.prefix_device.pages
-    assert made.cache_bytes == allocated + made.prefix_device.snapshots * state_bytes(config, SIZES.page_size, dtype)
+    fp8 = kv_cache_dtype == "fp8"
+    assert latents.latents.dtype == (torch.float8_e4m3fn if fp8 else dtype)
+    assert made.cache_bytes == allocated + made.prefix_device.snapshots * state_bytes(config, SIZES.page_size, dtype,
+                                                                                      fp8)
 
 
 def test_the_offline_llm_and_the_server_make_the_same_plan(tiny_dir):

@@ -223,12 +223,13 @@ def test_least_recently_used_pages_are_evicted_when_the_pool_runs_short(tiny_dir
     no_leaks(engine)
 
 
-def test_host_tier_takes_evictions_and_serves_hits(tiny_dir, prompt):
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8"])
+def test_host_tier_takes_evictions_and_serves_hits(tiny_dir, prompt, kv_cache_dtype):
     snapshot = tiny_dir("nvfp4-ct")
     one = snapshot_bytes(snapshot)
-    engine = core(snapshot, max_num_seqs=1, max_model_len=4 * PAGE, prefix_cache_bytes=one,
-                  prefix_cache_host_bytes=64 * one)
-    plain = core(snapshot, max_num_seqs=1, max_model_len=4 * PAGE, prefix_cache=False)
+    sizes = dict(max_num_seqs=1, max_model_len=4 * PAGE, kv_cache_dtype=kv_cache_dtype)
+    engine = core(snapshot, prefix_cache_bytes=one, prefix_cache_host_bytes=64 * one, **sizes)
+    plain = core(snapshot, prefix_cache=False, **sizes)
     a, b = prompt(36, seed=15), prompt(40, seed=16)
     turns = [a, b, a[:35] + [9, 9], b[:39] + [8, 8, 8]]
     assert run_each(engine, turns, greedy(6)) == run_each(plain, turns, greedy(6))
