@@ -16,7 +16,7 @@ import torch
 
 from engine.cache import PagedLatents, RequestSlots
 from engine.cache.prefix_cache import TierSize
-from engine.cache.state_rows import state_bytes
+from engine.cache.state_rows import page_bytes, state_bytes
 from engine.config import ModelConfig
 from engine.model.mtp import with_mtp_cache
 from engine.options import EngineOptions
@@ -54,6 +54,10 @@ class MemoryPlan:
     expert_budget: int | None  # device bytes for routed experts; None: every expert resident
     expert_slots: int | None  # routed experts per MoE layer the loaders put on the device; None: all, or the
     # weights are in memory already (the engine places them under expert_budget)
+    context_token_bytes: int = 0  # latent cache bytes a token of context takes (every DSA layer's)
+    most_context_tokens: int | None = None  # tokens of context (all requests together) the device's free memory
+    # holds beside the other weights, the reserve and the KDA slots, every routed expert in host RAM; None: not
+    # measured (a CPU)
 
     @property
     def latent_pages(self) -> int:
@@ -116,18 +120,40 @@ def plan_memory(config: ModelConfig, options: EngineOptions, device: torch.devic
         t.numel() * t.element_size() for cache in meta for t in vars(cache).values() if isinstance(t, torch.Tensor))
     if free_bytes is None:
         free_bytes = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else 0
+    token_bytes = page_bytes(held, options.page_size, dtype, options.fp8_latents) // options.page_size
+    most_tokens = _most_context_tokens(plan.latent_pages * options.page_size, token_bytes, caches, reserve, weights,
+                                       free_bytes)
     budget = _expert_budget(options.moe_vram_budget, device, weights, caches, reserve, free_bytes) \
         if config.moe_layers else None
     slots = None
     if budget is not None and weights is not None:
         per_expert = max(1, weights.experts // (len(config.moe_layers) * config.n_routed_experts))
         slots = slots_per_layer(budget, per_expert, expert_layers(config, options), config.n_routed_experts)
-    plan = MemoryPlan(request_pages, prefix_device, prefix_host, caches, reserve, budget, slots)
+    plan = MemoryPlan(request_pages, prefix_device, prefix_host, caches, reserve, budget, slots, token_bytes,
+                      most_tokens)
     log.info("event=memory_plan free_gib=%.2f cache_gib=%.2f reserve_gib=%.2f expert_budget_gib=%s "
-             "expert_slots_per_layer=%s prefix_snapshots=%d prefix_pages=%d", free_bytes / 2 ** 30,
-             caches / 2 ** 30, reserve / 2 ** 30, "none" if budget is None else f"{budget / 2 ** 30:.2f}",
-             "all" if slots is None else slots, prefix_device.snapshots, prefix_device.pages)
+             "expert_slots_per_layer=%s prefix_snapshots=%d prefix_pages=%d kv_cache_dtype=%s context_token_bytes=%d "
+             "most_context_tokens=%s", free_bytes / 2 ** 30, caches / 2 ** 30, reserve / 2 ** 30,
+             "none" if budget is None else f"{budget / 2 ** 30:.2f}", "all" if slots is None else slots,
+             prefix_device.snapshots, prefix_device.pages, options.kv_cache_dtype, token_bytes,
+             "unmeasured" if most_tokens is None else most_tokens)
+    if most_tokens is not None and plan.latent_pages * options.page_size > most_tokens:
+        raise ValueError(f"max_model_len {options.max_model_len} x max_num_seqs {options.max_num_seqs} tokens of "
+                         f"context (and {prefix_device.pages * options.page_size} for the prefix cache) do not fit "
+                         f"the device: {free_bytes / 2 ** 30:.1f} GiB free holds at most {most_tokens} ({token_bytes} "
+                         f"bytes a token with kv_cache_dtype={options.kv_cache_dtype}"
+                         f"{'' if options.fp8_latents else '; fp8 takes about half'}) beside the other weights")
     return plan
+
+
+def _most_context_tokens(cached_tokens: int, token_bytes: int, caches: int, reserve: int,
+                         weights: WeightBytes | None, free: int) -> int | None:
+    """Tokens of latent cache the free memory holds once the non-expert weights, the reserve and the caches other
+    than the latent pages (`cached_tokens` of them) are placed; None where there is no device measure."""
+    if not free:
+        return None
+    others = 0 if weights is None else weights.total - weights.experts
+    return max(0, free - reserve - others - (caches - cached_tokens * token_bytes)) // token_bytes
 
 
 def _expert_budget(requested: int | str | None, device: torch.device, weights: WeightBytes | None, caches: int,

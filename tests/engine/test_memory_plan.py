@@ -61,7 +61,11 @@ def test_auto_is_what_the_other_weights_the_caches_and_the_reserve_leave(config)
     auto = plan(config, AUTO, free=free)
     others = 1000
     assert auto.expert_budget == free - auto.reserve_bytes - others - auto.cache_bytes
-    assert plan(config, AUTO, free=auto.reserve_bytes).expert_budget == 0  # never below nothing
+    tight = auto.reserve_bytes + others + auto.cache_bytes
+    assert plan(config, AUTO, free=tight).expert_budget == 0  # the caches fit, and nothing is left
+    latent_tokens = auto.latent_pages * SIZES.page_size
+    with pytest.raises(ValueError, match=rf"max_model_len 256 x max_num_seqs 2 .* at most {latent_tokens - 1} \("):
+        plan(config, AUTO, free=tight - 1)  # a token short: the plan says how much context fits
     in_memory = plan_memory(config, dataclasses.replace(SIZES, moe_vram_budget=AUTO), CPU, torch.float32, None, free)
     assert in_memory.expert_budget == free - in_memory.reserve_bytes - in_memory.cache_bytes
     assert in_memory.expert_slots is None  # the engine places the stacks already in memory under the budget

@@ -32,6 +32,22 @@ def test_selection_and_attention_match_the_torch_path(name):
     assert error <= 1.5 * ref_error and error < 2e-2 * exact.abs().max(), (error, ref_error)
 
 
+@pytest.mark.parametrize("name", ["decode 16", "spans"])
+def test_over_an_fp8_cache_selection_and_attention_match_the_torch_path(name):
+    """The same codes and scales through both paths; against the unquantized cache the fp8 rounding moves the
+    output by a few percent of its size at most."""
+    spans, decode = CASES[name]
+    c, plain = release_case(spans, decode, seed=len(name), fp8=True), release_case(spans, decode, seed=len(name))
+    got, want = select("triton", c), select("torch", c)
+    same = [len(set(a.tolist()) & set(b.tolist())) / max(1, (b >= 0).sum().item()) for a, b in zip(got, want)]
+    assert min(same) > 0.99 and torch.equal(got < 0, want < 0)
+    out, ref = attend("triton", c, want), attend("torch", c, want)
+    torch.testing.assert_close(out.float(), ref.float(), rtol=2e-2, atol=2e-2 * ref.abs().max().item())
+    unquantized = attend("torch", {**plain, "q_latent": plain["q_latent"].float(),
+                                   "latents": plain["latents"].float()}, want)
+    assert (out.float() - unquantized).abs().max() < 0.1 * unquantized.abs().max()
+
+
 def test_decode_step_replays_in_a_graph():
     c = release_case([(700 + 300 * i, 1) for i in range(4)], True, seed=3)
     pool_ids = select("triton", c)
