@@ -26,20 +26,13 @@ def pool_scores(q: torch.Tensor, weights: torch.Tensor, pool_keys: torch.Tensor)
 
 def top_pools(scores: torch.Tensor, visible: torch.Tensor, select: int) -> torch.Tensor:
     """Pool ids [T, min(select, P)] of the highest scores [T, P] among each query's `visible` first pools,
-    -1 where it sees fewer than that.
-
-    Pools whose heads all clip to zero tie exactly; ties break toward the earlier pool (a stable descending sort's
-    order), so the choice never depends on how many pools the row holds (decode scans a fixed-width row). Each
-    score's fp32 bits become an order-keeping integer in the high half of an int64 key whose low half ranks the
-    earlier pool higher: a top-k over distinct keys, with no full sort of a long context's pools."""
-    n = scores.shape[-1]
-    width = min(select, n)
-    pools = torch.arange(n, device=scores.device)
-    ok = pools < visible.unsqueeze(-1)
-    # + 0.0 makes -0.0 (a zero score times a negative head weight) +0.0, which a sort takes as equal.
-    bits = (scores.float().masked_fill(~ok, torch.finfo(torch.float32).min) + 0.0).view(torch.int32)
-    ordered = (bits ^ ((bits >> 31) & 0x7FFFFFFF)).to(torch.int64)  # negative floats: their other bits flipped
-    chosen = ((ordered << 32) | (n - 1 - pools)).topk(width, dim=-1).indices
+    -1 where it sees fewer than that."""
+    width = min(select, scores.shape[-1])
+    ok = torch.arange(scores.shape[-1], device=scores.device) < visible.unsqueeze(-1)
+    scores = scores.masked_fill(~ok, torch.finfo(scores.dtype).min)
+    # Pools whose heads all clip to zero tie exactly; a stable sort breaks ties toward the earlier pool,
+    # so the choice never depends on how many pools the row holds (decode scans a fixed-width row).
+    chosen = scores.sort(dim=-1, descending=True, stable=True).indices[..., :width]
     return chosen.masked_fill(~ok.gather(-1, chosen), -1)
 
 

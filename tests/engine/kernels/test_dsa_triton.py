@@ -55,24 +55,6 @@ def test_index_select_matches_reference(dtype, as_decode):
     assert (got[positions < KPOOL - 1] == -1).all() and (got >= 0).any()
 
 
-def test_top_pools_choose_as_a_stable_descending_sort():
-    """Many exact ties (zeros, -0.0 among them, and whole numbers), negative scores, rows seeing few pools: the
-    chosen pools and their order are a stable descending sort's."""
-    g = torch.Generator().manual_seed(5)
-    for pools in (1, 7, 300, 2500):
-        scores = torch.randn(9, pools, generator=g)
-        scores = torch.where(torch.rand(9, pools, generator=g) < 0.3, scores.round(), scores)
-        scores[torch.rand(9, pools, generator=g) < 0.4] = 0.0
-        scores[torch.rand(9, pools, generator=g) < 0.2] = -0.0
-        visible = torch.randint(0, pools + 1, (9,), generator=g)
-        for select in (1, 6, 512):
-            width = min(select, pools)
-            seen = torch.arange(pools) < visible.unsqueeze(-1)
-            order = scores.masked_fill(~seen, float("-inf")).sort(dim=-1, descending=True, stable=True).indices
-            want = order[:, :width].masked_fill(~seen.gather(-1, order[:, :width]), -1)
-            assert torch.equal(indexer_ref.top_pools(scores, visible, select), want)
-
-
 def reference_inputs(dtype: torch.dtype, heads: int, select: int, seed: int, as_decode: bool):
     lengths = [3, 37, 70, 12]
     latents, pool_keys, table, seqs, positions, q_latent, iq, iw = paged_case(lengths, dtype, heads, 64, select,
