@@ -56,9 +56,11 @@ def _sparse_mla_kernel(q_ptr, lat_ptr, lat_scale_ptr, pool_ptr, pos_ptr, table_p
         row = page * page_size + token % page_size
         k = tl.load(lat_ptr + row[:, None] * R + cols[None, :], mask=valid[:, None], other=0.0)
         if SCALE_GROUPS:  # an fp8 cache: each row's groups of R // SCALE_GROUPS elements times their scale
-            k_scale = tl.load(lat_scale_ptr + row[:, None] * SCALE_GROUPS + cols[None, :] // (R // SCALE_GROUPS),
-                              mask=valid[:, None], other=0.0)
-            k = (k.to(tl.float32) * k_scale).to(q.dtype)
+            groups = tl.arange(0, SCALE_GROUPS)
+            k_scale = tl.load(lat_scale_ptr + row[:, None] * SCALE_GROUPS + groups[None, :], mask=valid[:, None],
+                              other=0.0)  # [BLOCK_N, SCALE_GROUPS]: one load a group, not one an element
+            k = tl.reshape(tl.reshape(k.to(tl.float32), [BLOCK_N, SCALE_GROUPS, R // SCALE_GROUPS])
+                           * k_scale[:, :, None], [BLOCK_N, R]).to(q.dtype)
         if DOT_F32:  # fp32 activations (tf32 would lose ~3 digits) and the interpreter (no 16-bit tl.dot)
             k = k.to(tl.float32)
             s = tl.dot(q.to(tl.float32), tl.trans(k), input_precision="ieee") * scale
