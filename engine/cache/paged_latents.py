@@ -98,19 +98,11 @@ class PagedLatents:
 
     def write_latents(self, layer: int, rows: torch.Tensor, latents: torch.Tensor) -> None:
         """Latents [n, kv_lora_rank] of the tokens at cache rows `rows` [n]."""
-        if self.fp8:
-            self.latents[layer, rows], self.latent_scales[layer, rows] = quantize_fp8_groups(
-                latents, latents.shape[-1] // self.latent_scales.shape[-1])
-        else:
-            self.latents[layer, rows] = latents
+        _write(self.latents, self.latent_scales, layer, rows, latents)
 
     def write_pool_keys(self, layer: int, rows: torch.Tensor, keys: torch.Tensor) -> None:
         """Pooled keys [n, index_head_dim] of the pools at pooled-key rows `rows` [n]."""
-        if self.fp8:
-            self.pool_keys[layer, rows], self.pool_key_scales[layer, rows] = quantize_fp8_groups(
-                keys, keys.shape[-1] // self.pool_key_scales.shape[-1])
-        else:
-            self.pool_keys[layer, rows] = keys
+        _write(self.pool_keys, self.pool_key_scales, layer, rows, keys)
 
     def layer_latents(self, layer: int) -> tuple[torch.Tensor, torch.Tensor | None]:
         """One layer's latents [rows, kv_lora_rank] as the kernels read them, with their scales (None unscaled)."""
@@ -128,3 +120,12 @@ class PagedLatents:
         """Flat row of each pool, batched: page_table [B, pages], pools [B, n] -> [B, n]."""
         per_page = self.per_page_pools
         return page_table.gather(1, pools // per_page) * per_page + pools % per_page
+
+
+def _write(values: torch.Tensor, scales: torch.Tensor | None, layer: int, rows: torch.Tensor,
+           new: torch.Tensor) -> None:
+    """`new` [n, width] into `values` at (layer, rows): as they are, or quantized with their scales (fp8)."""
+    if scales is None:
+        values[layer, rows] = new
+    else:
+        values[layer, rows], scales[layer, rows] = quantize_fp8_groups(new, new.shape[-1] // scales.shape[-1])
