@@ -12,7 +12,7 @@ request's state.
 from __future__ import annotations
 
 import time
-from typing import Callable
+from typing import Callable, TypeVar
 
 import torch
 
@@ -20,10 +20,81 @@ from engine.cache import PagedLatents, RequestSlots
 from engine.model.batch import DecodeMeta, ForwardBatch
 from engine.model.glm5_next import Glm5NextModel
 
+T = TypeVar("T")
+Shape = tuple[int, int]  # (requests, tokens a request)
+
 DEFAULT_SIZES = (1, 2, 4, 8, 16)
 # The most rows of a verify graph: 128 routed pairs at top-8, what hybrid offload's graph-safe path takes
 # (`engine.kernels.experts.DECODE_MAX_PAIRS`), unless the decode graphs already hold more.
 VERIFY_ROWS = 16
+
+
+def graph_shapes(sizes: tuple[int, ...], per_request: tuple[int, ...]) -> list[Shape]:
+    """Decode shapes at every size, and verify shapes (n > 1 tokens a request) whose rows fit, fewest tokens a
+    request first, then fewest requests: the first that holds a step is the smallest."""
+    rows = max(max(sizes), VERIFY_ROWS)
+    return sorted({(size, n) for n in per_request for size in sizes if size * n <= rows} | {(size, 1) for size in sizes},
+                  key=lambda shape: (shape[1], shape[0]))
+
+
+def smallest_holding(shapes: list[Shape], requests: int, n: int) -> Shape | None:
+    """The smallest shape of `n` tokens a request that holds `requests` requests."""
+    return next(((size, m) for size, m in shapes if m == n and size >= requests), None)
+
+
+class StaticRows:
+    """The input tensors a captured step reads at every replay: each row's token, slot, position and page table,
+    and each request's slot, sized for the most rows; a replay copies its rows in and points the padding rows
+    of the graph's shape at the scratch slot and page."""
+
+    def __init__(self, rows: int, max_pages: int, scratch_slot: int, scratch_page: int, device: torch.device) -> None:
+        self.scratch_slot, self.scratch_page = scratch_slot, scratch_page
+        self.tokens = torch.zeros(rows, dtype=torch.long, device=device)
+        self.slot_ids = torch.full((rows,), scratch_slot, dtype=torch.long, device=device)
+        self.request_slots = torch.full((rows,), scratch_slot, dtype=torch.long, device=device)
+        self.positions = torch.zeros(rows, dtype=torch.long, device=device)
+        self.page_table = torch.full((rows, max_pages), scratch_page, dtype=torch.long, device=device)
+
+    def meta(self, requests: int, n: int) -> DecodeMeta:
+        rows = requests * n
+        return DecodeMeta(self.slot_ids[:rows], self.positions[:rows], self.page_table[:rows], n,
+                          self.request_slots[:requests] if n > 1 else None)
+
+    def fill(self, shape: Shape, tokens: torch.Tensor, slot_ids: torch.Tensor, positions: torch.Tensor,
+             page_table: torch.Tensor) -> None:
+        """Rows of `n` tokens a request (host or device tensors: [R], [R], [R], [R, max_pages]) into
+        the first rows; the rest of `shape`'s rows to the scratch slot and page."""
+        size, n = shape
+        rows = tokens.shape[0]
+        requests = rows // n
+        self.tokens[:rows].copy_(tokens, non_blocking=True)
+        self.slot_ids[:rows].copy_(slot_ids, non_blocking=True)
+        self.positions[:rows].copy_(positions, non_blocking=True)
+        self.page_table[:rows].copy_(page_table, non_blocking=True)
+        if n > 1:
+            self.request_slots[:requests].copy_(slot_ids[::n], non_blocking=True)
+            self.request_slots[requests:size].fill_(self.scratch_slot)
+        if size > requests:
+            self.slot_ids[rows:size * n].fill_(self.scratch_slot)
+            self.positions[rows:size * n].zero_()
+            self.page_table[rows:size * n].fill_(self.scratch_page)
+
+
+def capture(step: Callable[[], T], pool, device: torch.device) -> tuple[torch.cuda.CUDAGraph, T]:
+    """`step` captured in a CUDA graph (in `pool`) -> the graph and the step's outputs, which each replay rewrites.
+    Run twice first on a side stream, so compiling and autotuning happen outside the capture."""
+    side = torch.cuda.Stream(device)
+    side.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            step()
+    torch.cuda.current_stream(device).wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    # thread_local: CUDA work other threads do meanwhile (a prepared snapshot written after ready, a
+    # capture deferred until experts are loaded while requests run) neither breaks nor is broken by it.
+    with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
+        outputs = step()
+    return graph, outputs
 
 
 class DecodeGraphs:
@@ -33,58 +104,38 @@ class DecodeGraphs:
         dev = model.device
         self.before_replay = before_replay
         self.max_batch = max(sizes)
-        rows = max(self.max_batch, VERIFY_ROWS)
-        # (requests, tokens a request)
-        self.shapes = sorted({(size, n) for n in per_request for size in sizes if size * n <= rows}
-                             | {(size, 1) for size in sizes}, key=lambda shape: (shape[1], shape[0]))
-        self._scratch = (slots.scratch_slot, cache.scratch_page)
-        self.tokens = torch.zeros(rows, dtype=torch.long, device=dev)
-        self.slot_ids = torch.full((rows,), slots.scratch_slot, dtype=torch.long, device=dev)
-        self.request_slots = torch.full((rows,), slots.scratch_slot, dtype=torch.long, device=dev)
-        self.positions = torch.zeros(rows, dtype=torch.long, device=dev)
-        self.page_table = torch.full((rows, max_pages), cache.scratch_page, dtype=torch.long, device=dev)
-        self._graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
-        self._outputs: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}  # (logits, hidden)
+        self.shapes = graph_shapes(sizes, per_request)
+        self.inputs = StaticRows(max(size * n for size, n in self.shapes), max_pages, slots.scratch_slot,
+                                 cache.scratch_page, dev)
+        self._graphs: dict[Shape, torch.cuda.CUDAGraph] = {}
+        self._outputs: dict[Shape, tuple[torch.Tensor, torch.Tensor]] = {}  # (logits, hidden)
         # Each graph's batch (its layouts: a verify's span bounds) and rows: the graph reads their memory at
         # every replay, so they live as long as it does.
-        self._inputs: dict[tuple[int, int], tuple[ForwardBatch, torch.Tensor]] = {}
+        self._inputs: dict[Shape, tuple[ForwardBatch, torch.Tensor]] = {}
         self.replays = {shape: 0 for shape in self.shapes}  # steps each graph ran
         start = time.perf_counter()
-        pool = torch.cuda.graph_pool_handle()
+        self.pool = torch.cuda.graph_pool_handle()  # shared by every graph: they run one at a time
         for shape in sorted(self.shapes, key=lambda s: -s[0] * s[1]):  # most rows first: the others reuse its pool
-            self._capture(model, slots, cache, shape, pool)
+            self._capture(model, slots, cache, shape)
         torch.cuda.synchronize(dev)
         self.capture_s = time.perf_counter() - start
 
-    def _meta(self, requests: int, n: int) -> DecodeMeta:
-        rows = requests * n
-        return DecodeMeta(self.slot_ids[:rows], self.positions[:rows], self.page_table[:rows], n,
-                          self.request_slots[:requests] if n > 1 else None)
-
-    def _capture(self, model: Glm5NextModel, slots: RequestSlots, cache: PagedLatents, shape: tuple[int, int],
-                 pool) -> None:
+    def _capture(self, model: Glm5NextModel, slots: RequestSlots, cache: PagedLatents, shape: Shape) -> None:
         size, n = shape
-        batch = ForwardBatch(self.tokens[:size * n], [], self._meta(size, n))
-        rows = torch.arange(size * n, device=self.tokens.device)
+        batch = ForwardBatch(self.inputs.tokens[:size * n], [], self.inputs.meta(size, n))
+        rows = torch.arange(size * n, device=self.inputs.tokens.device)
         self._inputs[shape] = batch, rows
-        side = torch.cuda.Stream(self.tokens.device)
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):  # compile and autotune outside the capture
-            for _ in range(2):
-                model.forward(batch, slots, cache, rows, hidden_out=[])
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        hidden: list[torch.Tensor] = []
-        # thread_local: CUDA work other threads do meanwhile (a prepared snapshot written after ready, a
-        # capture deferred until experts are loaded while requests run) neither breaks nor is broken by it.
-        with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
+
+        def step() -> tuple[torch.Tensor, torch.Tensor]:
+            hidden: list[torch.Tensor] = []
             logits = model.forward(batch, slots, cache, rows, hidden_out=hidden)
-        self._outputs[shape] = logits, hidden[0]
-        self._graphs[shape] = graph
+            return logits, hidden[0]
+
+        self._graphs[shape], self._outputs[shape] = capture(step, self.pool, self.inputs.tokens.device)
 
     def holds(self, requests: int, n: int) -> bool:
         """Whether a graph runs `requests` requests of `n` tokens each."""
-        return any(m == n and size >= requests for size, m in self.shapes)
+        return smallest_holding(self.shapes, requests, n) is not None
 
     def run(self, tokens: torch.Tensor, slot_ids: torch.Tensor, positions: torch.Tensor, page_table: torch.Tensor,
             n: int = 1) -> tuple[torch.Tensor, torch.Tensor, DecodeMeta]:
@@ -92,23 +143,11 @@ class DecodeGraphs:
         logits [R, vocab] and the collapsed hidden [R, hidden] on the device, and the step's DecodeMeta (valid
         until the next replay)."""
         rows = tokens.shape[0]
-        requests = rows // n
-        size = next(s for s, m in self.shapes if m == n and s >= requests)
-        scratch_slot, scratch_page = self._scratch
-        self.tokens[:rows].copy_(tokens, non_blocking=True)
-        self.slot_ids[:rows].copy_(slot_ids, non_blocking=True)
-        self.positions[:rows].copy_(positions, non_blocking=True)
-        self.page_table[:rows].copy_(page_table, non_blocking=True)
-        if n > 1:
-            self.request_slots[:requests].copy_(slot_ids[::n], non_blocking=True)
-            self.request_slots[requests:size].fill_(scratch_slot)
-        if size > requests:
-            self.slot_ids[rows:size * n].fill_(scratch_slot)
-            self.positions[rows:size * n].zero_()
-            self.page_table[rows:size * n].fill_(scratch_page)
+        shape = smallest_holding(self.shapes, rows // n, n)
+        self.inputs.fill(shape, tokens, slot_ids, positions, page_table)
         if self.before_replay is not None:
             self.before_replay(rows)
-        self._graphs[(size, n)].replay()
-        self.replays[(size, n)] += 1
-        logits, hidden = self._outputs[(size, n)]
-        return logits[:rows], hidden[:rows], self._meta(requests, n)
+        self._graphs[shape].replay()
+        self.replays[shape] += 1
+        logits, hidden = self._outputs[shape]
+        return logits[:rows], hidden[:rows], self.inputs.meta(rows // n, n)

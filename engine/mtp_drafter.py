@@ -7,7 +7,8 @@ model's collapsed hidden at each position, the token after it: a prompt token, o
 it. Then (`draft`) each request that sampled and goes on gets its drafts from the row before its last token: the
 first from that row, each further one from the MTP layer run again on its own output and the draft before
 (a chain of one-token steps at the positions after; its open indexer pool is put back afterwards, and the latents
-it wrote there are rewritten before anything reads them).
+it wrote there are rewritten before anything reads them). Where the main model's step replays a CUDA graph, the
+MTP layer's follow and chain steps replay theirs (`engine.mtp_graphs`), each row's draft taken inside the graph.
 
 With k > 0, a request's next step runs its tokens and then its drafts as one span (the verify): the row of its last
 known token gives the next token as without drafts, and each accepted draft's row one more
@@ -25,16 +26,18 @@ from __future__ import annotations
 import dataclasses
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Iterator
+from typing import Callable, Iterator
 
 import torch
 
 from engine.cache.state_rows import StateRows
 from engine.config import ModelConfig
+from engine.decode_graphs import DecodeGraphs
 from engine.draft_length import DraftLength
 from engine.model.batch import ForwardBatch
 from engine.model.mtp import MtpLayer
 from engine.model_runner import ModelRunner
+from engine.mtp_graphs import MtpGraphs
 from engine.sequence import Sequence
 from engine.step_plan import StepPlan, StepResult
 
@@ -87,6 +90,8 @@ class MtpDrafter:
         self.stats = DraftStats()
         self._sources: dict[Sequence, tuple[int, int]] = {}  # request -> (its draft's row, its first new position)
         self._z: torch.Tensor | None = None  # the MTP layer's output over the step's rows, `follow` to `draft`
+        self._drafted: torch.Tensor | None = None  # and each row's draft, where a graph made them
+        self.graphs: MtpGraphs | None = None  # captured with the main model's (`capture_graphs`)
         if speculative_tokens:  # each verifying slot's state from before its step, the MTP layer's included
             cache = self.cache
             self.saved = StateRows(config, self.slots.num_slots + 1, cache.page_size, cache.latents.device,
@@ -144,7 +149,28 @@ class MtpDrafter:
                 self._sources[seq] = (part.offset + last - part.num_computed, start + span.num_new)
         batch = ForwardBatch(torch.tensor(tokens, dtype=torch.long, device=result.hidden.device), main.spans,
                              main.decode, main.one_token, main.snapshot_saves)
-        self._z = self.layer(result.hidden, batch, self.slots, self.cache)
+        self._z, self._drafted = self._layer(result.hidden, batch)
+
+    def capture_graphs(self, graphs: DecodeGraphs, before_replay: Callable[[int], None] | None = None) -> float:
+        """Graphs of the MTP layer at the main model's graphs' shapes (the follow of a decode or verify step, and
+        the chain's one-token steps); returns the seconds it took."""
+        self.graphs = MtpGraphs(self.layer, self.slots, self.cache, self.runner.max_pages, graphs.shapes,
+                                graphs.pool, before_replay)
+        return self.graphs.capture_s
+
+    def _layer(self, hidden: torch.Tensor, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The MTP layer over the batch's rows -> its output z, and each row's greedy draft where a graph ran it
+        (a static step of a captured shape), else None (`_drafts` takes them from the rows wanted)."""
+        meta = batch.decode
+        if self.graphs is not None and meta is not None and self.graphs.holds(meta):
+            return self.graphs.run(hidden, batch.token_ids, meta)
+        return self.layer(hidden, batch, self.slots, self.cache), None
+
+    def _drafts(self, z: torch.Tensor, drafted: torch.Tensor | None, rows: torch.Tensor | None = None) -> torch.Tensor:
+        """Greedy drafts of z's rows (`rows`, else every one): the graph's where it made them."""
+        if drafted is not None:
+            return drafted if rows is None else drafted[rows]
+        return self.layer.logits(z if rows is None else z[rows]).argmax(dim=-1)
 
     def draft(self, plan: StepPlan) -> None:
         """After the requests were updated (tokens appended, drafts verified, finishes decided): score the drafts
@@ -163,11 +189,9 @@ class MtpDrafter:
             self._z = None
             return
         rows = torch.tensor([row for _, row in firsts], dtype=torch.long, device=self._z.device)
-        z = self._z[rows]
-        self._z = None
-        drafts = [[token] for token in self.layer.logits(z).argmax(dim=-1).tolist()]
-        self._chain([seq for seq, _ in firsts], z, drafts)
-        for (seq, _), made in zip(firsts, drafts):
+        z, first = self._z[rows], self._drafts(self._z, self._drafted, rows)
+        self._z = self._drafted = None
+        for (seq, _), made in zip(firsts, self._chain([seq for seq, _ in firsts], z, first)):
             seq.draft_tokens = tuple(made)
 
     def _score(self, seq: Sequence, first: int, verified: tuple[int, ...] | None) -> None:
@@ -192,20 +216,23 @@ class MtpDrafter:
             return
         self.length.timed(len(plan.to_sample), rows.pop() - 1, seconds)
 
-    def _chain(self, seqs: list[Sequence], z: torch.Tensor, drafts: list[list[int]]) -> None:
-        """Draft 2.. of each request: the MTP layer on its own output z and the draft before, one position on."""
+    def _chain(self, seqs: list[Sequence], z: torch.Tensor, first: torch.Tensor) -> list[list[int]]:
+        """Each request's drafts: `first` [n], then 2.. from the MTP layer on its own output z and the draft before,
+        one position on; on the device until one copy of them all to the host."""
         wanted = [self._drafts_wanted(seq) for seq in seqs]
-        for j in range(1, max(wanted, default=0)):
+        drafts = torch.zeros(len(seqs), max(wanted), dtype=torch.long, device=z.device)
+        drafts[:, 0] = first
+        for j in range(1, max(wanted)):
             rows = [i for i, w in enumerate(wanted) if w > j]
             chain = [seqs[i] for i in rows]
             meta = self.runner.decode_meta([(seq, seq.num_tokens - 2 + j) for seq in chain])
             index = torch.tensor(rows, device=z.device)
-            batch = ForwardBatch(torch.tensor([drafts[i][-1] for i in rows], device=z.device), [], meta)
+            batch = ForwardBatch(drafts[index, j - 1], [], meta)
             with self._pools_kept([seq.slot for seq in chain]):
-                out = self.layer(z[index], batch, self.slots, self.cache)
+                out, drafted = self._layer(z[index], batch)
             z = z.index_copy(0, index, out)
-            for i, token in zip(rows, self.layer.logits(out).argmax(dim=-1).tolist()):
-                drafts[i].append(token)
+            drafts[index, j] = self._drafts(out, drafted)
+        return [made[:w] for made, w in zip(drafts.tolist(), wanted)]
 
     @contextmanager
     def _pools_kept(self, slots: list[int]) -> Iterator[None]:

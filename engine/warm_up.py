@@ -147,7 +147,9 @@ def _capture_graphs_if_allowed(core: EngineCore) -> None:
         return
     sizes = graph_sizes(core.options.max_num_seqs)
     drafts = core.drafter.k if core.drafter is not None else 0
-    seconds = core.runner.capture_graphs(sizes, None if core.offload is None else core.offload.use_rows,
-                                         tuple(range(1, drafts + 2)))
+    before_replay = None if core.offload is None else core.offload.use_rows
+    seconds = core.runner.capture_graphs(sizes, before_replay, tuple(range(1, drafts + 2)))
+    if core.drafter is not None:
+        seconds += core.drafter.capture_graphs(core.runner.graphs, before_replay)
     log.info("event=decode_graphs sizes=%s tokens_per_request=%s capture_s=%.2f", ",".join(map(str, sizes)),
              ",".join(str(n) for n in range(1, drafts + 2)), seconds)

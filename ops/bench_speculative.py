@@ -1,16 +1,19 @@
 """Speculative decoding's cost side, through `LLM.generate` (wall clock): decode tok/s without drafts, with the MTP
-layer drafting but nothing verified (the drafting's cost), and with drafts verified at forced acceptance rates.
+layer drafting but nothing verified (the drafting's cost), and with drafts verified: the MTP layer's own, then at
+forced acceptance rates.
 
-Random synthetic weights make the MTP layer's own drafts almost never right, so each verify-step run replaces the
-drafts, after the MTP layer made them, by the token decoding without drafts gives (known from a first run) with
-probability `a`, else by a wrong one: the step costs are the real ones (the MTP layer still runs, every verify
-step still runs its drafts' rows), the acceptance (each draft right with probability a) is chosen. Reported per
-batch size: decode ms a step (from decode graphs where they are captured, and eager), the drafting's cost (the MTP
-layer, nothing verified, against decode: the main model's step still replays its graph), and for each draft length
-k the step's cost against a decode step (at acceptance 0: every step one token, so drafting k tokens plus a verify
-of k + 1 rows a request, replayed from the verify graphs) and tok/s at each acceptance (targets: a k = 1 step at
-most 1.15x a decode step on a resident slice, the drafting at most 0.15x), with the acceptance the verify steps
-reached and the share of tokens equal to plain decoding's (the run stops on any difference in float32).
+Random synthetic weights make the MTP layer's own drafts almost never right: a run with them gives the verify
+step's cost (every step one token, or a few more where a draft held: the step time is the run's time over its
+steps, from the mean accepted length) and, in float32, must give plain decoding's tokens exactly (the run stops
+otherwise; in bf16 a draft's rows change the GEMMs' shapes, so a near-tie may resolve the other way: the share
+of tokens equal up to each request's first departure is reported). Runs at acceptance `a` then replace the
+engine's verdicts (`engine.sampler.verify_drafts`) by one that accepts each draft with probability a whatever the
+logits say: every cost is the real one (the MTP layer drafts, the verify runs k + 1 rows a request, a rejection
+restores the state), the acceptance is chosen, and the tokens are no longer the model's. Reported per batch size:
+decode ms a step (from decode graphs where they are captured, and eager), the drafting's cost (the MTP layer,
+nothing verified, against decode), and for each draft length k the step's cost against a decode step and tok/s
+at each acceptance (targets: a k = 1 step at most 1.15x a decode step on a resident slice, the drafting at most
+0.15x).
 
     python -m ops.bench_speculative --device cuda --layers 8 --batches 1,4 --drafts 1,2,3 --tokens 64 [--json OUT]
     python -m ops.bench_speculative --device cuda --layers 45 --expert-slots auto --batches 1,4 --drafts 1,2,3
@@ -28,46 +31,45 @@ from typing import Any, Callable, Iterator
 
 import torch
 
-from engine import LLM, SamplingParams
+from engine import LLM, SamplingParams, engine_core
 from engine.config import ModelConfig
-from engine.mtp_drafter import MtpDrafter
 from engine.options import EngineOptions
-from engine.step_plan import StepPlan
 from engine.tiny.factory import synthetic_weights, tiny_config
 from ops.bench_decode import auto_slots, weight_bytes
 from ops.bench_engine import slice_text_config, sync
 
-ACCEPTANCE = (0.0, 0.5, 0.7, 0.9, 1.0)
+ACCEPTANCE = (0.5, 0.7, 0.9, 1.0)
 
 
-def forcing_step(truth: dict[tuple[int, ...], list[int]], right: float, vocab: int,
-                 seed: int = 0) -> Callable[[MtpDrafter, StepPlan], None]:
-    """An `MtpDrafter.draft` that, after the MTP layer drafted, replaces each draft by the right token (the one
-    decoding without drafts gives for that request and position, from `truth`: prompt -> output) with
-    probability `right`, else by a wrong one (drafts past the known answer are dropped)."""
+def forcing_verifier(right: float, vocab: int, seed: int = 0) -> Callable[..., list[list[int]]]:
+    """An `engine.sampler.verify_drafts` for greedy requests that accepts each draft with probability `right`
+    whatever the logits say (after taking each row's argmax, the real verdict's work): the accepted drafts, then
+    the argmax at the first rejected draft's row (another token where it equals the draft) or after the last."""
     rng = random.Random(seed)
-    original = MtpDrafter.draft
 
-    def draft(self: MtpDrafter, plan: StepPlan) -> None:
-        original(self, plan)
-        for span in plan.spans:
-            seq = span.seq
-            answer = truth.get(tuple(seq.prompt_token_ids), [])
-            position = len(seq.output_token_ids)
-            seq.draft_tokens = tuple(answer[i] if rng.random() < right else (answer[i] + 1) % vocab
-                                     for i in range(position, min(position + len(seq.draft_tokens), len(answer))))
+    def verify(rows: list[torch.Tensor], seqs: list, drafts: list[tuple[int, ...]]) -> list[list[int]]:
+        out = []
+        for row, draft in zip(rows, drafts):
+            picks = row.argmax(dim=-1).tolist()
+            accepted = next((j for j in range(len(draft)) if rng.random() >= right), len(draft))
+            last = picks[accepted]
+            if accepted < len(draft) and last == draft[accepted]:
+                last = (last + 1) % vocab
+            out.append([*draft[:accepted], last])
+        return out
 
-    return draft
+    return verify
 
 
 @contextmanager
-def forced_drafts(truth: dict[tuple[int, ...], list[int]], right: float, vocab: int) -> Iterator[None]:
-    """`forcing_step` in place within the block."""
-    original, MtpDrafter.draft = MtpDrafter.draft, forcing_step(truth, right, vocab)
+def forced_acceptance(right: float, vocab: int) -> Iterator[None]:
+    """`forcing_verifier` in place of the engine's verdicts within the block."""
+    original = engine_core.verify_drafts
+    engine_core.verify_drafts = forcing_verifier(right, vocab)
     try:
         yield
     finally:
-        MtpDrafter.draft = original
+        engine_core.verify_drafts = original
 
 
 def config(args: argparse.Namespace) -> ModelConfig:
@@ -168,22 +170,26 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                "decode_tok_s": batch * steps / decode_s, "eager_decode_ms_per_step": eager_s / steps * 1e3,
                "drafting_ms_per_step": drafting_s / steps * 1e3, "drafting_cost": (drafting_s - decode_s) / decode_s}
         for k in args.drafts:
+            replayed, verifies = verify_replays(llm), stats.verify_steps
+            tried, took = stats.verified, stats.verified_accepted
+            with engine_mode(llm, k):  # the MTP layer's own drafts: on random weights almost all rejected
+                verify_s, got = timed_generate(llm, prompts, args.tokens, device)
+            tried, took, verifies = stats.verified - tried, stats.verified_accepted - took, stats.verify_steps - verifies
+            row[f"k{k}_graph_verify_steps"] = verify_replays(llm) - replayed
+            row[f"k{k}_own_acceptance"] = took / tried if tried else 0.0
+            row[f"k{k}_same_tokens"] = same = agreement([o.token_ids for o in got], list(truth.values()))
+            if dtype == torch.float32 and same != 1.0:  # exact arithmetic's order aside, tokens must be equal
+                raise SystemExit(f"batch {batch}, k {k}: verified output differs from plain decoding")
+            tokens_a_step = 1 + took / verifies if verifies else 1.0  # the mean accepted length
+            row[f"k{k}_step_ms"] = verify_s / (steps / tokens_a_step) * 1e3
+            row[f"k{k}_step_cost"] = row[f"k{k}_step_ms"] / row["decode_ms_per_step"]
             for a in args.acceptance:
-                replayed, tried, took = verify_replays(llm), stats.verified, stats.verified_accepted
-                with engine_mode(llm, k), forced_drafts(truth, a, cfg.vocab_size):
-                    verify_s, got = timed_generate(llm, prompts, args.tokens, device)
-                if a == 0.0:
-                    row[f"k{k}_graph_verify_steps"] = verify_replays(llm) - replayed
+                tried, took = stats.verified, stats.verified_accepted
+                with engine_mode(llm, k), forced_acceptance(a, cfg.vocab_size):
+                    verify_s, _ = timed_generate(llm, prompts, args.tokens, device)
                 tried, took = stats.verified - tried, stats.verified_accepted - took
                 row[f"k{k}_accepted_at_{a}"] = took / tried if tried else 0.0
-                row[f"k{k}_same_tokens_at_{a}"] = same = agreement([o.token_ids for o in got], list(truth.values()))
-                if dtype == torch.float32 and same != 1.0:  # exact arithmetic's order aside, tokens must be equal
-                    raise SystemExit(f"batch {batch}, k {k}, acceptance {a}: verified output differs from plain "
-                                     "decoding")
                 row[f"k{k}_tok_s_at_{a}"] = batch * steps / verify_s
-                if a == 0.0:  # every draft rejected: one token a step, so the step's own cost
-                    row[f"k{k}_step_ms"] = verify_s / steps * 1e3
-                    row[f"k{k}_step_cost"] = verify_s / decode_s
         print(" ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()), flush=True)
         results.append(row)
     return {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu", "layers": cfg.num_layers,

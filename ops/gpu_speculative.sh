@@ -4,7 +4,7 @@
 # tests: the MTP layer, verified greedy output and the verify graphs in bf16 on CUDA
 #        (tests/gpu/test_speculative_cuda.py, tests/gpu/test_decode_graphs.py);
 # bench: the cost table: decode against drafting and k = 1, 2, 3 verify steps on the resident 8-layer slice at
-#        batch 1 and 4, with tok/s at forced acceptance rates (ops/bench_speculative.py);
+#        batch 1 and 4, with tok/s at forced acceptance rates (verdicts forced) (ops/bench_speculative.py);
 # whole: the same for the whole model (45 layers) under hybrid offload, the memory plan's automatic placement.
 # PART_TIMEOUT (seconds, default 560) bounds the part, so that two parts fit one call.
 # Wheels the machine lacks: see ops/gpu_env.sh.
@@ -22,6 +22,6 @@ case "$part" in
            --tokens 64 --json "$out/speculative.json" ;;
   whole) python3 setup.py -q build_ext --inplace > "$out/build.log" 2>&1 || { tail -20 "$out/build.log"; exit 1; }
          timeout "${PART_TIMEOUT:-560}" python3 -m ops.bench_speculative --device cuda --layers 45 --expert-slots auto --batches 1,4 \
-           --drafts 1,2,3 --acceptance 0,0.5,0.7,0.9 --tokens 48 --warm-tokens 32 --json "$out/speculative_whole.json" ;;
+           --drafts 1,2,3 --acceptance 0.5,0.7,0.9 --tokens 48 --warm-tokens 32 --json "$out/speculative_whole.json" ;;
   *) echo "unknown part: $part"; exit 2 ;;
 esac

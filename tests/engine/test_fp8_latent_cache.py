@@ -17,8 +17,8 @@ from engine.mtp_drafter import MtpDrafter
 from engine.options import EngineOptions
 from engine.quant import dequantize_fp8_groups, quantize_fp8_groups
 from ops.bench_engine import slice_text_config
-from ops.bench_speculative import forcing_step
 from tests.engine.conftest import random_prompt
+from tests.engine.test_speculative import forcing_step
 
 PROMPTS = [random_prompt(70, 1), random_prompt(23, 2), random_prompt(41, 3)]
 GREEDY = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import json
 import math
+import random
+from typing import Callable
 
 import jsonschema
 import pytest
@@ -21,8 +23,8 @@ from engine import LLM, SamplingParams
 from engine.mtp_drafter import MtpDrafter
 from engine.sampler import _probs, verify_drafts
 from engine.sequence import Sequence
+from engine.step_plan import StepPlan
 from engine.structured import GrammarSpec, Reasoning
-from ops.bench_speculative import forcing_step
 from tests.engine.conftest import random_prompt
 from tests.engine.test_structured import END_THINK, PERSON
 
@@ -40,6 +42,26 @@ def spec_llm(snapshot, k: int = 1, **options) -> LLM:
     """k drafts every step (the measured draft length has its own test)."""
     return LLM(snapshot, dtype="float32", **{"prefix_cache": False, "max_num_batched_tokens": 16,
                                              "speculative_tokens": k, "measured_draft_length": False, **options})
+
+
+def forcing_step(truth: dict[tuple[int, ...], list[int]], right: float, vocab: int,
+                 seed: int = 0) -> Callable[[MtpDrafter, StepPlan], None]:
+    """An `MtpDrafter.draft` that, after the MTP layer drafted, replaces each draft by the right token (the one
+    decoding without drafts gives for that request and position, from `truth`: prompt -> output) with
+    probability `right`, else by a wrong one (drafts past the known answer are dropped)."""
+    rng = random.Random(seed)
+    original = MtpDrafter.draft
+
+    def draft(self: MtpDrafter, plan: StepPlan) -> None:
+        original(self, plan)
+        for span in plan.spans:
+            seq = span.seq
+            answer = truth.get(tuple(seq.prompt_token_ids), [])
+            position = len(seq.output_token_ids)
+            seq.draft_tokens = tuple(answer[i] if rng.random() < right else (answer[i] + 1) % vocab
+                                     for i in range(position, min(position + len(seq.draft_tokens), len(answer))))
+
+    return draft
 
 
 def force_drafts(monkeypatch, truth: dict[tuple[int, ...], list[int]], right: float) -> None:
