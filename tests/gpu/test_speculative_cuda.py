@@ -2,7 +2,7 @@
 quantized activations) loses on the CPU against the CPU's float32; greedy output with k = 1 and 3 drafts verified
 exactly the plain engine's in float32, and in bf16 parting from it only at near-ties; verify graphs the eager
 verify's tokens; the prefix cache on (the MTP's own drafts, and drafts forced right or right at random, so the
-accept and reject paths run). Runs only where a GPU is."""
+accept and reject paths run); the MTP layer's graphs the eager layer's drafts. Runs only where a GPU is."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from engine import LLM, SamplingParams
+from engine.mtp_drafter import MtpDrafter
 from engine.tiny.factory import write_tiny_model
 from tests.engine.test_bf16 import rel_error
 from tests.engine.test_mtp import engine_mtp, inputs, prefill
@@ -108,3 +109,34 @@ def test_verify_graphs_equal_the_eager_verify(snapshot, monkeypatch, right):
         force_drafts(monkeypatch, truth, right)
         assert with_graphs == outputs(eager, prompts)
     assert sum(count for (_, n), count in graphs.runner.graphs.replays.items() if n > 1) > 0
+
+
+def recorded_drafts(monkeypatch) -> list[list[tuple[int, ...]]]:
+    """Every step's drafts (each request's, in span order), appended as the engine makes them."""
+    made: list[list[tuple[int, ...]]] = []
+    original = MtpDrafter.draft
+
+    def draft(self: MtpDrafter, plan) -> None:
+        original(self, plan)
+        made.append([span.seq.draft_tokens for span in plan.spans])
+
+    monkeypatch.setattr(MtpDrafter, "draft", draft)
+    return made
+
+
+@pytest.mark.parametrize("k", [1, 3])
+def test_mtp_graphs_draft_what_the_eager_layer_drafts(snapshot, monkeypatch, k):
+    """The MTP layer replayed from its graphs (the follow of decode and verify steps, the chain's one-token steps;
+    3 requests in a graph of 4) makes the eager layer's drafts, step for step, in float32."""
+    made = recorded_drafts(monkeypatch)
+    graphs = cuda_llm(snapshot, "float32", speculative_tokens=k, max_num_seqs=4)
+    with_graphs = outputs(graphs, PROMPTS)
+    drafts = list(made)
+    made.clear()
+    eager = cuda_llm(snapshot, "float32", speculative_tokens=k, max_num_seqs=4, cuda_graphs=False)
+    assert outputs(eager, PROMPTS) == with_graphs
+    assert made == drafts and any(any(step) for step in drafts)
+    replays = graphs.core.drafter.graphs.replays
+    assert sum(count for (_, n), count in replays.items() if n == k + 1) > 0  # follows of verify steps
+    if k > 1:
+        assert sum(count for (_, n), count in replays.items() if n == 1) > 0  # the chain's steps
