@@ -141,6 +141,7 @@ def main() -> None:
     parser.add_argument("--reference-layers", type=int, default=4, help="0 skips the transformers reference")
     parser.add_argument("--tiny", action="store_true", help="the tiny model's shapes (CPU smoke run)")
     parser.add_argument("--profile", action="store_true", help="print the top ops of one batch-1 decode step")
+    parser.add_argument("--profile-prefill", type=int, help="print the top ops of a prefill of this many tokens")
     parser.add_argument("--expert-slots", help="hybrid offload: routed experts per MoE layer kept in device memory "
                         "('auto': as many as fit), the rest in pinned host RAM (default: every expert on the device)")
     parser.add_argument("--max-expert-swaps", type=int, default=4, help="hybrid: experts moved into device slots "
@@ -254,6 +255,8 @@ def main() -> None:
                 "extrapolated_45_layers_tok_s (est.)": 1e3 / (b1 * FULL_LAYERS + head_ms)})
     if args.profile:
         profile_step(llm, device)
+    if args.profile_prefill:
+        profile_prefill(llm, device, args.profile_prefill)
     del llm
 
     if args.reference_layers and not args.tiny and not hybrid:  # hybrid moved the experts into the engine
@@ -404,6 +407,33 @@ def profile_step(llm: LLM, device: torch.device, steps: int = 8) -> None:
     finally:
         llm.runner.graphs = graphs
         core.abort(seq.request_id)
+
+
+def profile_prefill(llm: LLM, device: torch.device, length: int) -> None:
+    """Top ops of one prefill of `length` tokens (after an untimed one of the same length), by device time and by
+    host time (a host wait on the device shows as a long host op: where a step stops queueing work), and the
+    device's kernel time against the wall time: what the link's copies, syncs and gaps leave idle."""
+    from torch.profiler import ProfilerActivity, profile
+
+    prompt = prompts(1, length, llm.config.vocab_size, seed=length + 1)
+    params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+    llm.generate(prompt, params)
+    sync(device)
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    start = time.perf_counter()
+    with profile(activities=activities) as prof:
+        llm.generate(prompt, params)
+        sync(device)
+    wall = time.perf_counter() - start
+    table = prof.key_averages()
+    for sort in (["cuda_time_total"] if device.type == "cuda" else []) + ["cpu_time_total"]:
+        print(f"profile: prefill of {length} tokens, {llm.config.num_layers} layers, by {sort}", flush=True)
+        print(table.table(sort_by=sort, row_limit=40, max_name_column_width=90), flush=True)
+    print(f"profile_prefill{length}_wall_ms={wall * 1e3:.1f}", flush=True)
+    if device.type == "cuda":
+        kernels, seconds = device_kernels(prof)
+        print(f"profile_prefill{length}_kernels={kernels} profile_prefill{length}_kernel_ms={seconds * 1e3:.1f}",
+              flush=True)
 
 
 if __name__ == "__main__":
