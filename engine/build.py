@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from engine.cache import PagedLatents, RequestSlots
 from engine.cache.prefix_cache import PrefixCache
 from engine.checkpoint.availability import ExpertAvailability
+from engine.checkpoint.layout import EXPERT_PROJS, stacked_expert_name
 from engine.checkpoint.loader import LoadedWeights
 from engine.config import ModelConfig
 from engine.experts import ExpertExecutor, default_executor, executor_class
@@ -26,6 +27,7 @@ from engine.offload.miss_split import choose_split
 from engine.options import EngineOptions
 from engine.scheduler import Scheduler, SchedulerLimits
 from engine.vision.embedder import ImageEmbedder
+from engine.weights import SplitStack
 from engine.warm_up import wait_for_warm_up
 
 log = logging.getLogger("glmflash.engine")
@@ -73,6 +75,18 @@ def has_mtp_layer(config: ModelConfig, weights: LoadedWeights) -> bool:
     return f"layers.{config.num_layers}.eh_proj" in weights
 
 
+def _expert_format(weights: LoadedWeights, layer: int) -> type:
+    """The weight type of a layer's routed experts (a split stack's, where the loader placed them)."""
+    stack = weights[stacked_expert_name(layer, EXPERT_PROJS[0])]
+    return type(stack.host if isinstance(stack, SplitStack) else stack)
+
+
+def mtp_with_offload(config: ModelConfig, weights: LoadedWeights) -> bool:
+    """Whether hybrid offload can take the MTP layer's experts: stored as the decoder layers' are (one staging
+    format, one CPU kernel). The NVFP4 releases keep the MTP layer in FP8 blocks: not yet."""
+    return _expert_format(weights, config.num_layers) is _expert_format(weights, config.moe_layers[0])
+
+
 def mtp_drafter(config: ModelConfig, weights: LoadedWeights, options: EngineOptions, runner: ModelRunner,
                 offload: HybridExperts | None, filling: bool) -> MtpDrafter | None:
     """The MTP layer over the caches' last DSA index, its experts run by the engine's executor (placed with the
@@ -80,6 +94,8 @@ def mtp_drafter(config: ModelConfig, weights: LoadedWeights, options: EngineOpti
     load that readies before its experts are in does not read it)."""
     index = config.num_layers
     reason = None if has_mtp_layer(config, weights) else "experts_filling" if filling else "no_mtp_layer"
+    if reason is None and offload is not None and index not in offload.layers:  # not `mtp_with_offload`
+        reason = "mtp_experts_format_differs_under_offload"
     if reason is not None:
         log.info("event=mtp_drafts on=0 reason=%s", reason)
         return None
@@ -114,7 +130,7 @@ def _hybrid_experts(config: ModelConfig, weights: LoadedWeights, options: Engine
     if plan.expert_budget is None:
         return None
     device = weights["norm.weight"].device
-    mtp = options.drafts_on and has_mtp_layer(config, weights)
+    mtp = options.drafts_on and has_mtp_layer(config, weights) and mtp_with_offload(config, weights)
     layers = config.moe_layers + ([config.num_layers] if mtp else [])
     hybrid = HybridExperts.from_weights(weights, layers, config.swiglu_limit, device, plan.expert_budget,
                                         executor_class(device), options.cpu_expert_threads, options.cpu_expert_pin)

@@ -137,7 +137,11 @@ def plan_memory(config: ModelConfig, options: EngineOptions, device: torch.devic
              "none" if budget is None else f"{budget / 2 ** 30:.2f}", "all" if slots is None else slots,
              prefix_device.snapshots, prefix_device.pages, options.kv_cache_dtype, token_bytes,
              "unmeasured" if most_tokens is None else most_tokens)
-    if most_tokens is not None and plan.latent_pages * options.page_size > most_tokens:
+    short = most_tokens is not None and plan.latent_pages * options.page_size > most_tokens
+    if short and weights is None:  # placed already: the weights' placement decided what is left, nothing to refuse
+        log.warning("event=memory_plan_short latent_tokens=%d most_context_tokens=%d reserve_gib=%.2f",
+                    plan.latent_pages * options.page_size, most_tokens, reserve / 2 ** 30)
+    elif short:
         raise ValueError(f"max_model_len {options.max_model_len} x max_num_seqs {options.max_num_seqs} tokens of "
                          f"context (and {prefix_device.pages * options.page_size} for the prefix cache) do not fit "
                          f"the device: {free_bytes / 2 ** 30:.1f} GiB free holds at most {most_tokens} ({token_bytes} "

@@ -68,6 +68,10 @@ def test_auto_is_what_the_other_weights_the_caches_and_the_reserve_leave(config)
         plan(config, AUTO, free=tight - 1)  # a token short: the plan says how much context fits
     in_memory = plan_memory(config, dataclasses.replace(SIZES, moe_vram_budget=AUTO), CPU, torch.float32, None, free)
     assert in_memory.expert_budget == free - in_memory.reserve_bytes - in_memory.cache_bytes
+    # Weights already in memory (placed by their loader): a tight device is said, not refused.
+    placed = plan_memory(config, dataclasses.replace(SIZES, moe_vram_budget=AUTO), CPU, torch.float32, None,
+                         in_memory.reserve_bytes + in_memory.cache_bytes - 1)
+    assert placed.expert_budget == 0 and placed.most_context_tokens < latent_tokens
     assert in_memory.expert_slots is None  # the engine places the stacks already in memory under the budget
 
 

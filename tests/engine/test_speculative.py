@@ -323,6 +323,23 @@ def test_under_hybrid_offload_the_mtp_experts_are_placed_like_any_layers(tiny_di
     assert llm.core.stats().offload.host_pairs > 0
 
 
+def test_an_nvfp4_release_under_hybrid_offload_serves_without_drafts_and_says_why(tiny_dir, caplog):
+    """The NVFP4 releases keep the MTP layer's experts in FP8 blocks, a format hybrid offload's staging and CPU
+    kernels do not share with the decoder layers': the engine starts, says why drafts are off, and serves."""
+    snapshot = tiny_dir("nvfp4-ct", num_nextn_predict_layers=1)
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    truth = plain_outputs(snapshot, PROMPTS, params)
+    with caplog.at_level("INFO", logger="glmflash.engine"):
+        llm = spec_llm(snapshot, 1, moe_vram_budget=0)
+    assert llm.core.offload is not None and llm.core.drafter is None
+    assert llm.config.num_layers not in llm.core.offload.layers
+    assert "event=mtp_drafts on=0 reason=mtp_experts_format_differs_under_offload" in caplog.text
+    assert [o.token_ids for o in llm.generate(PROMPTS, params)] == list(truth.values())
+    resident = spec_llm(snapshot, 1)  # all experts on the device: drafts on, each layer in its own format
+    assert resident.core.drafter is not None
+    assert [o.token_ids for o in resident.generate(PROMPTS, params)] == list(truth.values())
+
+
 def test_a_measured_draft_length_changes_no_token(snapshot, monkeypatch):
     """Each step's draft length chosen from measured costs (every k from 3 down to 0 timed first): the same
     tokens as decoding without drafts."""
