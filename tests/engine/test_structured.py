@@ -201,7 +201,6 @@ def test_draft_rows_are_masked_along_the_drafts(compiler):
     masks = GrammarMasks(VOCAB, 16, torch.device("cpu"))
     logits = torch.randn(5 + 2 + 3 + 3 + 2, VOCAB, generator=torch.Generator().manual_seed(3))
     original = logits.clone()
-    pending = masks.start(seqs, drafts)
     along = library_masks_along(grammar.constraint.matcher, list(ab))
     no_stop = ~np.isin(np.arange(VOCAB), EOS)
     expected = {0: along[0], 5: along[1], 6: along[2],  # grammar: its row, then its two draft rows
@@ -209,7 +208,8 @@ def test_draft_rows_are_masked_along_the_drafts(compiler):
                 3: no_stop, 10: no_stop, 11: reference_mask(thinking.constraint.matcher),
                 12: library_masks_along(thinking.constraint.matcher, [ord("o")])[1],
                 13: np.arange(VOCAB) == END_THINK}  # spent: free (no grammar), then only the end: 'y' is not it
-    masks.apply(logits, pending)
+    # Started after the expected masks: the fill runs on a thread of its own, and a matcher serves one at a time.
+    masks.apply(logits, masks.start(seqs, drafts))
     for row in (4, 8, 9, 14):  # free rows of verifying requests, and rows past a disallowed draft: every logit kept
         expected[row] = np.ones(VOCAB, dtype=bool)
     assert_rows_masked(logits, original, expected)
