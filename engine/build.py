@@ -27,7 +27,7 @@ from engine.offload.miss_split import choose_split
 from engine.options import EngineOptions
 from engine.scheduler import Scheduler, SchedulerLimits
 from engine.vision.embedder import ImageEmbedder
-from engine.weights import SplitStack
+from engine.weights import stack_format
 from engine.warm_up import wait_for_warm_up
 
 log = logging.getLogger("glmflash.engine")
@@ -75,16 +75,12 @@ def has_mtp_layer(config: ModelConfig, weights: LoadedWeights) -> bool:
     return f"layers.{config.num_layers}.eh_proj" in weights
 
 
-def _expert_format(weights: LoadedWeights, layer: int) -> type:
-    """The weight type of a layer's routed experts (a split stack's, where the loader placed them)."""
-    stack = weights[stacked_expert_name(layer, EXPERT_PROJS[0])]
-    return type(stack.host if isinstance(stack, SplitStack) else stack)
-
-
 def mtp_with_offload(config: ModelConfig, weights: LoadedWeights) -> bool:
     """Whether hybrid offload can take the MTP layer's experts: stored as the decoder layers' are (one staging
     format, one CPU kernel). The NVFP4 releases keep the MTP layer in FP8 blocks: not yet."""
-    return _expert_format(weights, config.num_layers) is _expert_format(weights, config.moe_layers[0])
+    mtp, decoder = (weights[stacked_expert_name(layer, EXPERT_PROJS[0])] for layer in (config.num_layers,
+                                                                                       config.moe_layers[0]))
+    return stack_format(mtp) is stack_format(decoder)
 
 
 def mtp_drafter(config: ModelConfig, weights: LoadedWeights, options: EngineOptions, runner: ModelRunner,
@@ -94,7 +90,8 @@ def mtp_drafter(config: ModelConfig, weights: LoadedWeights, options: EngineOpti
     load that readies before its experts are in does not read it)."""
     index = config.num_layers
     reason = None if has_mtp_layer(config, weights) else "experts_filling" if filling else "no_mtp_layer"
-    if reason is None and offload is not None and index not in offload.layers:  # not `mtp_with_offload`
+    # Left out by offload (`mtp_with_offload`; asked here of the placement: offload took the stacks it placed).
+    if reason is None and offload is not None and index not in offload.layers:
         reason = "mtp_experts_format_differs_under_offload"
     if reason is not None:
         log.info("event=mtp_drafts on=0 reason=%s", reason)

@@ -33,8 +33,8 @@ def graph_shapes(sizes: tuple[int, ...], per_request: tuple[int, ...]) -> list[S
     """Decode shapes at every size, and verify shapes (n > 1 tokens a request) whose rows fit, fewest tokens a
     request first, then fewest requests: the first that holds a step is the smallest."""
     rows = max(max(sizes), VERIFY_ROWS)
-    return sorted({(size, n) for n in per_request for size in sizes if size * n <= rows} | {(size, 1) for size in sizes},
-                  key=lambda shape: (shape[1], shape[0]))
+    shapes = {(size, n) for n in per_request for size in sizes if size * n <= rows} | {(size, 1) for size in sizes}
+    return sorted(shapes, key=lambda shape: (shape[1], shape[0]))
 
 
 def smallest_holding(shapes: list[Shape], requests: int, n: int) -> Shape | None:
@@ -97,51 +97,44 @@ def capture(step: Callable[[], T], pool, device: torch.device) -> tuple[torch.cu
     return graph, outputs
 
 
-class DecodeGraphs:
-    def __init__(self, model: Glm5NextModel, slots: RequestSlots, cache: PagedLatents, max_pages: int,
-                 sizes: tuple[int, ...] = DEFAULT_SIZES, before_replay: Callable[[int], None] | None = None,
-                 per_request: tuple[int, ...] = (1,)) -> None:
-        dev = model.device
-        self.before_replay = before_replay
-        self.max_batch = max(sizes)
-        self.shapes = graph_shapes(sizes, per_request)
-        self.inputs = StaticRows(max(size * n for size, n in self.shapes), max_pages, slots.scratch_slot,
-                                 cache.scratch_page, dev)
+class ShapeGraphs:
+    """One CUDA graph of a step per shape, over shared static inputs: captured most rows first (the others reuse
+    its memory pool), replayed in the smallest shape that holds a step, with the shape's padding rows on the
+    scratch slot and page."""
+
+    def __init__(self, shapes: list[Shape], inputs: StaticRows, pool,
+                 before_replay: Callable[[int], None] | None) -> None:
+        """`before_replay(rows)` is told the rows in use before each replay (hybrid offload's host work skips the
+        padding rows)."""
+        self.shapes, self.inputs, self.pool, self.before_replay = shapes, inputs, pool, before_replay
         self._graphs: dict[Shape, torch.cuda.CUDAGraph] = {}
-        self._outputs: dict[Shape, tuple[torch.Tensor, torch.Tensor]] = {}  # (logits, hidden)
-        # Each graph's batch (its layouts: a verify's span bounds) and rows: the graph reads their memory at
-        # every replay, so they live as long as it does.
-        self._inputs: dict[Shape, tuple[ForwardBatch, torch.Tensor]] = {}
-        self.replays = {shape: 0 for shape in self.shapes}  # steps each graph ran
+        self._outputs: dict[Shape, tuple[torch.Tensor, ...]] = {}
+        # Each shape's step (what it closes over: its batch's layouts, such as a verify's span bounds, and its
+        # rows): the graph reads their memory at every replay, so they live as long as it does.
+        self._steps: dict[Shape, Callable[[], tuple[torch.Tensor, ...]]] = {}
+        self.replays = {shape: 0 for shape in shapes}  # steps each graph ran
+        self.capture_s = 0.0
+
+    def _capture_all(self, step_of: Callable[[Shape, ForwardBatch], Callable[[], tuple[torch.Tensor, ...]]]) -> None:
+        """Capture `step_of(shape, batch)` for every shape, `batch` the shape's rows of the static inputs."""
+        device = self.inputs.tokens.device
         start = time.perf_counter()
-        self.pool = torch.cuda.graph_pool_handle()  # shared by every graph: they run one at a time
-        for shape in sorted(self.shapes, key=lambda s: -s[0] * s[1]):  # most rows first: the others reuse its pool
-            self._capture(model, slots, cache, shape)
-        torch.cuda.synchronize(dev)
+        for shape in sorted(self.shapes, key=lambda s: -s[0] * s[1]):
+            size, n = shape
+            step = self._steps[shape] = step_of(shape, ForwardBatch(self.inputs.tokens[:size * n], [],
+                                                                    self.inputs.meta(size, n)))
+            self._graphs[shape], self._outputs[shape] = capture(step, self.pool, device)
+        torch.cuda.synchronize(device)
         self.capture_s = time.perf_counter() - start
-
-    def _capture(self, model: Glm5NextModel, slots: RequestSlots, cache: PagedLatents, shape: Shape) -> None:
-        size, n = shape
-        batch = ForwardBatch(self.inputs.tokens[:size * n], [], self.inputs.meta(size, n))
-        rows = torch.arange(size * n, device=self.inputs.tokens.device)
-        self._inputs[shape] = batch, rows
-
-        def step() -> tuple[torch.Tensor, torch.Tensor]:
-            hidden: list[torch.Tensor] = []
-            logits = model.forward(batch, slots, cache, rows, hidden_out=hidden)
-            return logits, hidden[0]
-
-        self._graphs[shape], self._outputs[shape] = capture(step, self.pool, self.inputs.tokens.device)
 
     def holds(self, requests: int, n: int) -> bool:
         """Whether a graph runs `requests` requests of `n` tokens each."""
         return smallest_holding(self.shapes, requests, n) is not None
 
-    def run(self, tokens: torch.Tensor, slot_ids: torch.Tensor, positions: torch.Tensor, page_table: torch.Tensor,
-            n: int = 1) -> tuple[torch.Tensor, torch.Tensor, DecodeMeta]:
-        """Inputs on the host ([R], [R], [R], [R, max_pages]: `n` rows a request, one after another) -> fp32
-        logits [R, vocab] and the collapsed hidden [R, hidden] on the device, and the step's DecodeMeta (valid
-        until the next replay)."""
+    def _replay(self, tokens: torch.Tensor, slot_ids: torch.Tensor, positions: torch.Tensor,
+                page_table: torch.Tensor, n: int) -> tuple[torch.Tensor, ...]:
+        """The step's rows (`StaticRows.fill`) through the smallest graph that holds them -> its outputs' rows in
+        use (valid until the next replay)."""
         rows = tokens.shape[0]
         shape = smallest_holding(self.shapes, rows // n, n)
         self.inputs.fill(shape, tokens, slot_ids, positions, page_table)
@@ -149,5 +142,34 @@ class DecodeGraphs:
             self.before_replay(rows)
         self._graphs[shape].replay()
         self.replays[shape] += 1
-        logits, hidden = self._outputs[shape]
-        return logits[:rows], hidden[:rows], self.inputs.meta(rows // n, n)
+        return tuple(output[:rows] for output in self._outputs[shape])
+
+
+class DecodeGraphs(ShapeGraphs):
+    def __init__(self, model: Glm5NextModel, slots: RequestSlots, cache: PagedLatents, max_pages: int,
+                 sizes: tuple[int, ...] = DEFAULT_SIZES, before_replay: Callable[[int], None] | None = None,
+                 per_request: tuple[int, ...] = (1,)) -> None:
+        shapes = graph_shapes(sizes, per_request)
+        inputs = StaticRows(max(size * n for size, n in shapes), max_pages, slots.scratch_slot, cache.scratch_page,
+                            model.device)
+        super().__init__(shapes, inputs, torch.cuda.graph_pool_handle(), before_replay)
+
+        def step_of(shape: Shape, batch: ForwardBatch) -> Callable[[], tuple[torch.Tensor, torch.Tensor]]:
+            rows = torch.arange(shape[0] * shape[1], device=model.device)
+
+            def step() -> tuple[torch.Tensor, torch.Tensor]:  # (logits, hidden)
+                hidden: list[torch.Tensor] = []
+                logits = model.forward(batch, slots, cache, rows, hidden_out=hidden)
+                return logits, hidden[0]
+
+            return step
+
+        self._capture_all(step_of)
+
+    def run(self, tokens: torch.Tensor, slot_ids: torch.Tensor, positions: torch.Tensor, page_table: torch.Tensor,
+            n: int = 1) -> tuple[torch.Tensor, torch.Tensor, DecodeMeta]:
+        """Inputs on the host ([R], [R], [R], [R, max_pages]: `n` rows a request, one after another) -> fp32
+        logits [R, vocab] and the collapsed hidden [R, hidden] on the device, and the step's DecodeMeta (valid
+        until the next replay)."""
+        logits, hidden = self._replay(tokens, slot_ids, positions, page_table, n)
+        return logits, hidden, self.inputs.meta(tokens.shape[0] // n, n)

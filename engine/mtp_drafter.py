@@ -162,7 +162,8 @@ class MtpDrafter:
         """The MTP layer over the batch's rows -> its output z, and each row's greedy draft where a graph ran it
         (a static step of a captured shape), else None (`_drafts` takes them from the rows wanted)."""
         meta = batch.decode
-        if self.graphs is not None and meta is not None and self.graphs.holds(meta):
+        if meta is not None and self.graphs is not None and self.graphs.holds(len(meta.request_slots),
+                                                                                meta.per_request):
             return self.graphs.run(hidden, batch.token_ids, meta)
         return self.layer(hidden, batch, self.slots, self.cache), None
 

@@ -115,6 +115,11 @@ class SplitStack:
         return self.device.nbytes() + self.host.nbytes()
 
 
+def stack_format(stack: "Weight | SplitStack") -> type:
+    """The weight type an expert stack stores its experts in, split between two places or not."""
+    return type(stack.host if isinstance(stack, SplitStack) else stack)
+
+
 def tensor_fields(weight: Weight) -> tuple[str, ...]:
     """The names of a weight's tensors, in a fixed order."""
     return {DenseWeight: ("data",), Fp8BlockWeight: ("data", "scale_inv"),

@@ -373,12 +373,21 @@ def auto_slots(cfg: ModelConfig, fmt: str, device: torch.device, options: Engine
     return plan.expert_slots
 
 
+def profiled(device: torch.device, run: Callable[[], Any]):
+    """`run()` under torch's profiler (the device's kernels too, where there is a GPU), waited for -> the profile."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with profile(activities=activities) as prof:
+        run()
+        sync(device)
+    return prof
+
+
 def profile_step(llm: LLM, device: torch.device, steps: int = 8) -> None:
     """Top ops of `steps` batch-1 decode steps (the prompt's prefill runs before the profile), replayed from
     the CUDA graphs (each kernel by name: what the served step spends) and eager (each op by name), and the
     device's kernel time per step: next to the graphed step's wall time, what launches and gaps cost."""
-    from torch.profiler import ProfilerActivity, profile
-
     core = llm.core
     params = SamplingParams(max_tokens=4 * steps + 8, temperature=0.0, ignore_eos=True)
     seq = llm._sequence(prompts(1, 16, llm.config.vocab_size, seed=3)[0], params)
@@ -386,18 +395,17 @@ def profile_step(llm: LLM, device: torch.device, steps: int = 8) -> None:
     while not seq.output_token_ids:
         core.step()
     graphs = llm.runner.graphs
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
     sort = "cuda_time_total" if device.type == "cuda" else "cpu_time_total"
+
+    def run_steps() -> None:
+        for _ in range(steps):
+            core.step()
     try:
         for mode in ("graphed", "eager") if graphs else ("eager",):
             llm.runner.graphs = graphs if mode == "graphed" else None  # eager, so the profile names each op
-            for _ in range(steps):  # warm this mode's shapes
-                core.step()
+            run_steps()  # warm this mode's shapes
             sync(device)
-            with profile(activities=activities) as prof:
-                for _ in range(steps):
-                    core.step()
-                sync(device)
+            prof = profiled(device, run_steps)
             print(f"profile: {steps} {mode} batch-1 decode steps, {llm.config.num_layers} layers", flush=True)
             print(prof.key_averages().table(sort_by=sort, row_limit=45, max_name_column_width=90), flush=True)
             if device.type == "cuda":
@@ -413,17 +421,12 @@ def profile_prefill(llm: LLM, device: torch.device, length: int) -> None:
     """Top ops of one prefill of `length` tokens (after an untimed one of the same length), by device time and by
     host time (a host wait on the device shows as a long host op: where a step stops queueing work), and the
     device's kernel time against the wall time: what the link's copies, syncs and gaps leave idle."""
-    from torch.profiler import ProfilerActivity, profile
-
     prompt = prompts(1, length, llm.config.vocab_size, seed=length + 1)
     params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
     llm.generate(prompt, params)
     sync(device)
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
     start = time.perf_counter()
-    with profile(activities=activities) as prof:
-        llm.generate(prompt, params)
-        sync(device)
+    prof = profiled(device, lambda: llm.generate(prompt, params))
     wall = time.perf_counter() - start
     table = prof.key_averages()
     for sort in (["cuda_time_total"] if device.type == "cuda" else []) + ["cpu_time_total"]:

@@ -27,18 +27,20 @@ import json
 import random
 import time
 from contextlib import contextmanager
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, TypeVar
 
 import torch
 
 from engine import LLM, SamplingParams, engine_core
 from engine.config import ModelConfig
+from engine.mtp_drafter import DraftStats
 from engine.options import EngineOptions
 from engine.tiny.factory import synthetic_weights, tiny_config
 from ops.bench_decode import auto_slots, weight_bytes
 from ops.bench_engine import slice_text_config, sync
 
 ACCEPTANCE = (0.5, 0.7, 0.9, 1.0)
+T = TypeVar("T")
 
 
 def forcing_verifier(right: float, vocab: int, seed: int = 0) -> Callable[..., list[list[int]]]:
@@ -122,6 +124,14 @@ def agreement(got: list[list[int]], truth: list[list[int]]) -> float:
     return same / sum(len(t) for t in truth)
 
 
+def verified_during(stats: DraftStats, run: Callable[[], T]) -> tuple[T, tuple[int, int, int]]:
+    """`run()`'s result and what it added to the engine's counts: drafts verified, drafts accepted, verify steps."""
+    before = stats.verified, stats.verified_accepted, stats.verify_steps
+    result = run()
+    after = stats.verified, stats.verified_accepted, stats.verify_steps
+    return result, (after[0] - before[0], after[1] - before[1], after[2] - before[2])
+
+
 def verify_replays(llm: LLM) -> int:
     """Verify steps replayed from graphs so far (none without graphs)."""
     graphs = llm.runner.graphs
@@ -172,11 +182,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                "decode_tok_s": batch * steps / decode_s, "eager_decode_ms_per_step": eager_s / steps * 1e3,
                "drafting_ms_per_step": drafting_s / steps * 1e3, "drafting_cost": (drafting_s - decode_s) / decode_s}
         for k in args.drafts:
-            replayed, verifies = verify_replays(llm), stats.verify_steps
-            tried, took = stats.verified, stats.verified_accepted
+            replayed = verify_replays(llm)
             with engine_mode(llm, k):  # the MTP layer's own drafts: on random weights almost all rejected
-                verify_s, got = timed_generate(llm, prompts, args.tokens, device)
-            tried, took, verifies = stats.verified - tried, stats.verified_accepted - took, stats.verify_steps - verifies
+                (verify_s, got), (tried, took, verifies) = verified_during(
+                    stats, lambda: timed_generate(llm, prompts, args.tokens, device))
             row[f"k{k}_graph_verify_steps"] = verify_replays(llm) - replayed
             row[f"k{k}_own_acceptance"] = took / tried if tried else 0.0
             row[f"k{k}_same_tokens"] = same = agreement([o.token_ids for o in got], list(truth.values()))
@@ -186,10 +195,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             row[f"k{k}_step_ms"] = verify_s / (steps / tokens_a_step) * 1e3
             row[f"k{k}_step_cost"] = row[f"k{k}_step_ms"] / row["decode_ms_per_step"]
             for a in args.acceptance:
-                tried, took = stats.verified, stats.verified_accepted
                 with engine_mode(llm, k), forced_acceptance(a, cfg.vocab_size):
-                    verify_s, _ = timed_generate(llm, prompts, args.tokens, device)
-                tried, took = stats.verified - tried, stats.verified_accepted - took
+                    (verify_s, _), (tried, took, _) = verified_during(
+                        stats, lambda: timed_generate(llm, prompts, args.tokens, device))
                 row[f"k{k}_accepted_at_{a}"] = took / tried if tried else 0.0
                 row[f"k{k}_tok_s_at_{a}"] = batch * steps / verify_s
         print(" ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()), flush=True)

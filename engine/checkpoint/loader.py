@@ -34,7 +34,8 @@ from engine.checkpoint.shards import (CheckpointError, Chunk, ReadTiming, Stored
 from engine.config import ModelConfig
 from engine.offload.host_memory import host_empty
 from engine.memory_plan import WeightBytes, spare_entries
-from engine.weights import DenseWeight, Fp8BlockWeight, Nvfp4Weight, SplitStack, Weight, map_tensors, tensor_fields
+from engine.weights import (DenseWeight, Fp8BlockWeight, Nvfp4Weight, SplitStack, Weight, map_tensors,
+                            stack_format, tensor_fields)
 
 log = logging.getLogger("glmflash.engine")
 LoadedWeights = dict[str, "Weight | SplitStack | torch.Tensor"]
@@ -385,7 +386,7 @@ class _ExpertStacks:
 
     def put(self, layer: int, expert: int, proj: str, weight: Weight) -> None:
         stack = self.reserve(layer, proj, weight)
-        kind = type(stack.host if isinstance(stack, SplitStack) else stack)
+        kind = stack_format(stack)
         if kind is not type(weight):
             raise CheckpointError(f"layers.{layer}.mlp.experts.{expert}.{proj}: stored as {type(weight).__name__}, "
                                   f"other experts of this layer as {kind.__name__}")
