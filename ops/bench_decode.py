@@ -32,15 +32,14 @@ import torch
 from engine import LLM, SamplingParams
 from engine.config import ModelConfig
 from engine.model.moe import MoE
-from engine.tiny.factory import synthetic_weights, tiny_config
+from engine.tiny.factory import synthetic_weights
 from engine.checkpoint.layout import EXPERT_KEY, EXPERT_PROJS, text_specs
-from engine.memory_plan import AUTO, WeightBytes, plan_memory
+from engine.memory_plan import AUTO, WeightBytes, plan_memory, reserve_bytes
 from engine.options import EngineOptions
 from ops.bench_cpu_moe import read_bandwidth
-from ops.bench_engine import (copy_bandwidth, device_kernels, nbytes, reference_model, slice_text_config, sync,
-                              time_reference)
+from ops.bench_engine import (FULL_LAYERS, bench_config, copy_bandwidth, device_kernels, nbytes, reference_model,
+                              slice_text_config, sync, time_reference)
 
-FULL_LAYERS = 45
 # Hybrid figures start once swaps have settled (see settle_swaps): a window of steps, and a cap on the warm-up.
 SETTLE_WINDOW = 16
 SETTLE_MAX_STEPS = 384
@@ -165,14 +164,8 @@ def main() -> None:
     batches = [int(b) for b in args.batches.split(",") if b]
     prefills = [int(p) for p in args.prefills.split(",") if p]
     if args.tiny:
-        text = dict(tiny_config(args.format)["text_config"])
         contexts, prefills, batches = [min(c, 64) for c in contexts], [min(p, 96) for p in prefills], batches[:1]
-    else:
-        text = slice_text_config(args.layers)
-        if args.layers == FULL_LAYERS:  # the whole model as released: three dense MLP layers, then MoE
-            text["mlp_layer_types"] = ["dense"] * 3 + ["sparse"] * (FULL_LAYERS - 3)
-    qc = tiny_config(args.format).get("quantization_config")
-    cfg = ModelConfig.from_dict({"text_config": text, "quantization_config": qc})
+    cfg = bench_config(args.format, args.layers, args.tiny)
     result: dict[str, Any] = {}
 
     def report(values: dict[str, Any]) -> None:

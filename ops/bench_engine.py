@@ -47,6 +47,26 @@ def slice_text_config(num_layers: int) -> dict[str, Any]:
             "mlp_layer_types": ["sparse"] * num_layers, "quantization_config": None}
 
 
+FULL_LAYERS = 45
+
+
+def bench_text_config(fmt: str, layers: int, tiny: bool = False, mtp: bool = False) -> dict[str, Any]:
+    """The text config a benchmark builds: the tiny model's shapes or a release-shape slice of `layers` (all 45:
+    the release's three dense MLP layers first); `mtp` adds the checkpoint's MTP layer."""
+    text = dict(tiny_config(fmt)["text_config"]) if tiny else slice_text_config(layers)
+    if not tiny and layers == FULL_LAYERS:
+        text["mlp_layer_types"] = ["dense"] * 3 + ["sparse"] * (FULL_LAYERS - 3)
+    if mtp:
+        text["num_nextn_predict_layers"] = 1
+    return text
+
+
+def bench_config(fmt: str, layers: int, tiny: bool = False, mtp: bool = False) -> ModelConfig:
+    """That text config with `fmt`'s quantization config, without which the experts would be built in bf16."""
+    return ModelConfig.from_dict({"text_config": bench_text_config(fmt, layers, tiny, mtp),
+                                  "quantization_config": tiny_config(fmt).get("quantization_config")})
+
+
 def sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize()
@@ -229,11 +249,9 @@ def main() -> None:
     args = parser.parse_args()
 
     device, dtype = torch.device(args.device), getattr(torch, args.dtype)
-    text = dict(tiny_config(args.format)["text_config"]) if args.tiny else slice_text_config(args.layers)
     if args.tiny:
         args.prefill, args.parity_prompt = min(args.prefill, 64), min(args.parity_prompt, 80)
-    qc = tiny_config(args.format).get("quantization_config")
-    cfg = ModelConfig.from_dict({"text_config": text, "quantization_config": qc})
+    cfg = bench_config(args.format, args.layers, args.tiny)
     start = time.perf_counter()
     weights = synthetic_weights(cfg, args.format, device, dtype)
     sync(device)
@@ -275,7 +293,8 @@ def main() -> None:
         del truth_llm
         report({f"engine_vs_fp32_{k}": v for k, v in agreement(ours_logits, truth).items()})
     if not args.skip_reference:
-        model, lm_head = reference_model(text, weights, dtype, device)
+        model, lm_head = reference_model(bench_text_config(args.format, args.layers, args.tiny), weights, dtype,
+                                         device)
         ref = time_reference(model, lm_head, prompt[: args.prefill], args.decode_steps, device)
         report({"reference_decode_ms_per_token": ref["decode_ms"],
                        "reference_decode_ms_per_layer": ref["decode_ms"] / cfg.num_layers,

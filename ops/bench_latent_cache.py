@@ -24,18 +24,16 @@ import argparse
 import gc
 import json
 import tempfile
-import time
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from engine import LLM, SamplingParams
-from engine.config import ModelConfig
 from engine.options import EngineOptions
 from engine.tiny.factory import synthetic_weights, write_tiny_model
 from ops.bench_decode import auto_slots, prompts, timed, weight_bytes
-from ops.bench_engine import slice_text_config
+from ops.bench_engine import bench_config
 
 CACHES = ("auto", "fp8")
 
@@ -48,7 +46,7 @@ def slice_engine(args: argparse.Namespace, kv_cache_dtype: str, dtype: torch.dty
     """An engine over synthetic weights of a release-shape slice (built anew: hybrid offload takes the host's
     experts out of the weights it is given); the whole model's experts placed by the memory plan's budget."""
     device = torch.device(args.device)
-    cfg = ModelConfig.from_dict({"text_config": slice_text_config(args.layers)})
+    cfg = bench_config(args.format, args.layers)
     options = dict(kv_cache_dtype=kv_cache_dtype, **options)
     slots = None
     if args.expert_slots is not None:

@@ -35,9 +35,9 @@ from engine import LLM, SamplingParams, engine_core
 from engine.config import ModelConfig
 from engine.mtp_drafter import DraftStats
 from engine.options import EngineOptions
-from engine.tiny.factory import synthetic_weights, tiny_config
+from engine.tiny.factory import synthetic_weights
 from ops.bench_decode import auto_slots, weight_bytes
-from ops.bench_engine import slice_text_config, sync
+from ops.bench_engine import bench_config, sync
 
 ACCEPTANCE = (0.5, 0.7, 0.9, 1.0)
 T = TypeVar("T")
@@ -75,10 +75,7 @@ def forced_acceptance(right: float, vocab: int) -> Iterator[None]:
 
 
 def config(args: argparse.Namespace) -> ModelConfig:
-    text = dict(tiny_config(args.format)["text_config"]) if args.tiny else slice_text_config(args.layers)
-    text["num_nextn_predict_layers"] = 1
-    return ModelConfig.from_dict({"text_config": text, "quantization_config": tiny_config(args.format).get(
-        "quantization_config")})
+    return bench_config(args.format, args.layers, args.tiny, mtp=True)
 
 
 def timed_generate(llm: LLM, prompts: list[list[int]], tokens: int, device: torch.device) -> tuple[float, list]:
