@@ -76,8 +76,9 @@ def has_mtp_layer(config: ModelConfig, weights: LoadedWeights) -> bool:
 
 
 def mtp_with_offload(config: ModelConfig, weights: LoadedWeights) -> bool:
-    """Whether hybrid offload can take the MTP layer's experts: stored as the decoder layers' are (one staging
-    format, one CPU kernel). The NVFP4 releases keep the MTP layer in FP8 blocks: not yet."""
+    """Whether hybrid offload takes the MTP layer's experts: stored as the decoder layers' are (one staging
+    format, one CPU kernel). The NVFP4 releases keep the MTP layer in FP8 blocks: its stacks stay whole on the
+    device (the loaders and the memory plan keep them there: `unlike_expert_layers`) and run resident."""
     mtp, decoder = (weights[stacked_expert_name(layer, EXPERT_PROJS[0])] for layer in (config.num_layers,
                                                                                        config.moe_layers[0]))
     return stack_format(mtp) is stack_format(decoder)
@@ -86,21 +87,19 @@ def mtp_with_offload(config: ModelConfig, weights: LoadedWeights) -> bool:
 def mtp_drafter(config: ModelConfig, weights: LoadedWeights, options: EngineOptions, runner: ModelRunner,
                 offload: HybridExperts | None, filling: bool) -> MtpDrafter | None:
     """The MTP layer over the caches' last DSA index, its experts run by the engine's executor (placed with the
-    other layers' under hybrid offload), where it was loaded: the checkpoint has it, and the load was whole (a
-    load that readies before its experts are in does not read it)."""
+    other layers' under hybrid offload where stored alike, else resident), where it was loaded: the checkpoint
+    has it, and the load was whole (a load that readies before its experts are in does not read it)."""
     index = config.num_layers
     reason = None if has_mtp_layer(config, weights) else "experts_filling" if filling else "no_mtp_layer"
-    # Left out by offload (`mtp_with_offload`; asked here of the placement: offload took the stacks it placed).
-    if reason is None and offload is not None and index not in offload.layers:
-        reason = "mtp_experts_format_differs_under_offload"
     if reason is not None:
         log.info("event=mtp_drafts on=0 reason=%s", reason)
         return None
     device = weights["embed_tokens.weight"].device
-    experts = offload or default_executor(weights, [index], config.swiglu_limit, device)
+    placed = offload is not None and index in offload.layers
+    experts = offload if placed else default_executor(weights, [index], config.swiglu_limit, device)
     layer = MtpLayer(config, weights, index, experts)
     log.info("event=mtp_drafts on=1 layer=%d speculative_tokens=%d experts=%s", index, options.speculative_tokens,
-             "hybrid" if offload is not None else "resident")
+             "hybrid" if placed else "resident")
     return MtpDrafter(cache_config(config, options), layer, runner, options.speculative_tokens,
                       options.measured_draft_length)
 

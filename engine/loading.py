@@ -73,7 +73,8 @@ def load_checkpoint(files: Path, device: torch.device, dtype: str, options: Engi
     `progress(done_bytes, total_bytes)` follows the reads."""
     config = ModelConfig.from_dir(files)
     start_warm_up(config, device, DTYPES[dtype], options.kernels_file, options.precompile_processes)
-    plan = plan_memory(config, options, device, DTYPES[dtype], checkpoint_sizes(files, config))
+    sizes = checkpoint_sizes(files, config, mtp=options.drafts_on and not partial)  # a partial load reads no MTP
+    plan = plan_memory(config, options, device, DTYPES[dtype], sizes)
     read = [0]
 
     def count(done: int, total: int) -> None:

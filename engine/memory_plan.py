@@ -37,11 +37,13 @@ BASE_RESERVE = 2 << 30  # workspaces, the decode graphs' pool, allocator slack
 
 @dataclass(frozen=True)
 class WeightBytes:
-    """What a model's weights take in all, and the routed experts' share: enough to place experts before
-    any is read."""
+    """What a model's weights take in all, and the share of the routed experts the placement splits between
+    the device and host RAM: enough to place experts before any is read."""
 
-    total: int
-    experts: int
+    total: int  # every weight the load brings
+    experts: int  # the placed routed experts' bytes (stacks that stay whole on the device count in `total` only)
+    expert_layers: int  # the MoE layers those experts are in: the model's, and the MTP layer's where it is loaded
+    # and stored in their format
 
 
 @dataclass(frozen=True)
@@ -85,12 +87,6 @@ def cache_config(config: ModelConfig, options: EngineOptions) -> ModelConfig:
     return with_mtp_cache(config) if options.drafts_on and config.num_mtp_layers else config
 
 
-def expert_layers(config: ModelConfig, options: EngineOptions) -> int:
-    """MoE layers whose routed experts are placed: the model's, and the MTP layer's where drafts are asked (its
-    experts share the budget like any layer's)."""
-    return len(config.moe_layers) + (config.num_mtp_layers if options.drafts_on else 0)
-
-
 def build_caches(config: ModelConfig, options: EngineOptions, plan: MemoryPlan, device: torch.device,
                  dtype: torch.dtype) -> tuple[RequestSlots, PagedLatents]:
     """The request slots and the latent pages (the requests' and the prefix cache's device pages) the plan sized."""
@@ -127,8 +123,8 @@ def plan_memory(config: ModelConfig, options: EngineOptions, device: torch.devic
         if config.moe_layers else None
     slots = None
     if budget is not None and weights is not None:
-        per_expert = max(1, weights.experts // (len(config.moe_layers) * config.n_routed_experts))
-        slots = slots_per_layer(budget, per_expert, expert_layers(config, options), config.n_routed_experts)
+        per_expert = max(1, weights.experts // (max(weights.expert_layers, 1) * config.n_routed_experts))
+        slots = slots_per_layer(budget, per_expert, weights.expert_layers, config.n_routed_experts)
     plan = MemoryPlan(request_pages, prefix_device, prefix_host, caches, reserve, budget, slots, token_bytes,
                       most_tokens)
     log.info("event=memory_plan free_gib=%.2f cache_gib=%.2f reserve_gib=%.2f expert_budget_gib=%s "

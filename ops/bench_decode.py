@@ -32,8 +32,8 @@ import torch
 from engine import LLM, SamplingParams
 from engine.config import ModelConfig
 from engine.model.moe import MoE
-from engine.tiny.factory import synthetic_weights
-from engine.checkpoint.layout import EXPERT_KEY, EXPERT_PROJS, text_specs
+from engine.tiny.factory import synthetic_weights, unplaced_expert_layers
+from engine.checkpoint.layout import EXPERT_KEY, EXPERT_PROJS, mtp_specs, quantized_in_release, text_specs
 from engine.memory_plan import AUTO, WeightBytes, plan_memory, reserve_bytes
 from engine.options import EngineOptions
 from ops.bench_cpu_moe import read_bandwidth
@@ -354,15 +354,21 @@ def ideal_hit_rate(counts: torch.Tensor, slots: int) -> float:
 def auto_slots(cfg: ModelConfig, fmt: str, device: torch.device, options: EngineOptions) -> int:
     """Experts per MoE layer an automatic budget gives the whole model: the engine's memory plan over the weights'
     bytes (bf16 an upper bound for the others), with 2 GiB of the free memory kept for the largest tensor the
-    synthetic build allocates beside the weights."""
+    synthetic build allocates beside the weights. With drafts, the MTP layer: its experts placed like the others'
+    where stored alike, else (the NVFP4 releases' FP8 blocks) whole on the device."""
+    mtp = list(mtp_specs(cfg)) if options.drafts_on else []
+    mtp_placed = bool(mtp) and not unplaced_expert_layers(cfg, fmt)
     dense = sum(math.prod(spec.shape) * 2 for spec in text_specs(cfg) if not EXPERT_KEY.match(spec.name))
+    dense += sum(math.prod(spec.shape) * (1 if quantized_in_release(cfg, spec) else 2) for spec in mtp
+                 if not (mtp_placed and EXPERT_KEY.match(spec.name)))
     inter, hidden = cfg.moe_intermediate_size, cfg.hidden_size
     per_matrix = {"nvfp4-ct": inter * hidden * 9 // 16, "nvfp4-modelopt": inter * hidden * 9 // 16,
                   "fp8": inter * hidden, "bf16": 2 * inter * hidden}[fmt]
-    experts = 3 * per_matrix * len(cfg.moe_layers) * cfg.n_routed_experts
+    layers = len(cfg.moe_layers) + mtp_placed
+    experts = 3 * per_matrix * layers * cfg.n_routed_experts
     free = torch.cuda.mem_get_info(device)[0] - (2 << 30)
     plan = plan_memory(cfg, dataclasses.replace(options, moe_vram_budget=AUTO), device, torch.bfloat16,
-                       WeightBytes(dense + experts, experts), free)
+                       WeightBytes(dense + experts, experts, layers), free)
     return plan.expert_slots
 
 

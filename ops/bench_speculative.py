@@ -35,7 +35,7 @@ from engine import LLM, SamplingParams, engine_core
 from engine.config import ModelConfig
 from engine.mtp_drafter import DraftStats
 from engine.options import EngineOptions
-from engine.tiny.factory import synthetic_weights
+from engine.tiny.factory import synthetic_weights, unplaced_expert_layers
 from ops.bench_decode import auto_slots, weight_bytes
 from ops.bench_engine import bench_config, sync
 
@@ -138,7 +138,8 @@ def verify_replays(llm: LLM) -> int:
 def build_engine(args: argparse.Namespace, cfg: ModelConfig, device: torch.device, dtype: torch.dtype
                  ) -> tuple[LLM, dict[str, Any]]:
     """The one engine every mode runs (speculative_tokens: the largest k), resident or under hybrid offload
-    (`--expert-slots`, the MTP layer's experts placed like the others'); and what its placement was."""
+    (`--expert-slots`: the MTP layer's experts placed like the others' where stored alike, else resident); and
+    what its placement was."""
     options = dict(prefix_cache=False, max_num_seqs=max(args.batches), max_model_len=args.prompt + args.tokens + 16,
                    speculative_tokens=max(args.drafts), measured_draft_length=False)
     slots, placement = None, {}
@@ -149,7 +150,8 @@ def build_engine(args: argparse.Namespace, cfg: ModelConfig, device: torch.devic
     weights = synthetic_weights(cfg, args.format, device, dtype, expert_slots=slots, expert_variety=args.expert_variety)
     budget = None
     if slots is not None:
-        budget = slots * round(weight_bytes(cfg, weights)[1]) * (len(cfg.moe_layers) + cfg.num_mtp_layers)
+        placed = len(cfg.moe_layers) + cfg.num_mtp_layers - len(unplaced_expert_layers(cfg, args.format))
+        budget = slots * round(weight_bytes(cfg, weights)[1]) * placed
     return LLM.from_weights(cfg, weights, moe_vram_budget=budget, **options), placement
 
 
@@ -157,7 +159,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     device, dtype = torch.device(args.device), getattr(torch, args.dtype)
     cfg = config(args)
     llm, placement = build_engine(args, cfg, device, dtype)
-    if llm.core.drafter is None:  # e.g. an NVFP4 slice under hybrid offload: its FP8-block MTP layer is left out
+    if llm.core.drafter is None:
         raise SystemExit("this engine drafts nothing: see its event=mtp_drafts line for the reason")
     g = torch.Generator().manual_seed(0)
     warm = [torch.randint(0, cfg.vocab_size, (args.prompt,), generator=g).tolist() for _ in range(max(args.batches))]

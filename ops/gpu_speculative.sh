@@ -6,7 +6,7 @@
 # bench: the cost table: decode against drafting and k = 1, 2, 3 verify steps on the resident 8-layer slice at
 #        batch 1 and 4, with tok/s at forced acceptance rates (verdicts forced) (ops/bench_speculative.py);
 # whole: the same for the whole model (45 layers) under hybrid offload, the memory plan's automatic placement
-#        (until offload takes the NVFP4 release's FP8-block MTP layer, the engine drafts nothing and the run stops).
+#        (the NVFP4 release's MTP layer keeps its FP8-block experts on the device).
 # PART_TIMEOUT (seconds, default 560) bounds the part, so that two parts fit one call.
 # Wheels the machine lacks: see ops/gpu_env.sh.
 set -uo pipefail

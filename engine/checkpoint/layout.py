@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import Iterator, Literal
+from typing import Hashable, Iterable, Iterator, Literal
 
 from engine.config import ModelConfig
 
@@ -206,6 +206,28 @@ def stacked_expert_name(layer: int, proj: str) -> str:
 
 
 STACKED_EXPERT_NAME = re.compile(r"^layers\.(\d+)\.mlp\.experts\.(gate_proj|up_proj|down_proj)$")
+
+
+def expert_formats(names: Iterable[str]) -> dict[int, frozenset[str]]:
+    """Each MoE layer's routed-expert format as stored: the suffixes of its first expert's gate_proj tensors
+    (`names`: stored tensors' layout names with their suffixes, e.g. `...gate_proj.weight_packed`)."""
+    formats: dict[int, set[str]] = {}
+    for name in names:
+        base, _, suffix = name.rpartition(".")
+        expert = EXPERT_KEY.match(base)
+        if expert and expert.group(2) == "0" and expert.group(3) == EXPERT_PROJS[0]:
+            formats.setdefault(int(expert.group(1)), set()).add(suffix)
+    return {layer: frozenset(suffixes) for layer, suffixes in formats.items()}
+
+
+def unlike_expert_layers(formats: dict[int, Hashable]) -> frozenset[int]:
+    """MoE layers whose routed experts are stored in another format than the lowest MoE layer's: the MTP layer of
+    the NVFP4 releases (FP8 blocks). Hybrid offload's staging and CPU kernels serve one format, so these layers'
+    stacks stay whole on the device and count as device bytes in the memory plan."""
+    if not formats:
+        return frozenset()
+    first = formats[min(formats)]
+    return frozenset(layer for layer, kind in formats.items() if kind != first)
 
 
 def is_expert_stack(name: str) -> bool:

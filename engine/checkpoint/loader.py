@@ -27,7 +27,8 @@ from typing import Callable, Iterable
 import torch
 
 from engine.checkpoint.layout import (EXPERT_KEY, TEXT_PREFIX, VISION_PREFIX, TensorSpec, checkpoint_key,
-                                     mtp_layer_indices, mtp_specs, stacked_expert_name, text_specs, vision_specs)
+                                     expert_formats, mtp_layer_indices, mtp_specs, stacked_expert_name, text_specs,
+                                     unlike_expert_layers, vision_specs)
 from engine.checkpoint.availability import ExpertAvailability, ExpertUnit
 from engine.checkpoint.shards import (CheckpointError, Chunk, ReadTiming, StoredTensor, plan_chunks, read_chunk,
                                       read_chunks, read_header, staging_buffer)
@@ -87,16 +88,21 @@ def shard_files(snapshot: Path) -> list[Path]:
     return [snapshot / n for n in names]
 
 
-def checkpoint_sizes(snapshot: Path, cfg: ModelConfig) -> WeightBytes:
-    """Bytes of the snapshot's weight shards and of its routed experts, from the safetensors headers alone
-    (no tensor is read): near enough to decide placement before loading."""
-    files = shard_files(snapshot)
+def checkpoint_sizes(snapshot: Path, cfg: ModelConfig, mtp: bool = False) -> WeightBytes:
+    """Bytes of the weights a load of the snapshot brings (`mtp`: the MTP layers too) and of its placed routed
+    experts, from the safetensors headers alone (no tensor is read): near enough to decide placement before
+    loading."""
+    layers = cfg.num_layers + (cfg.num_mtp_layers if mtp else 0)
+    named = [(name, t) for path in shard_files(snapshot) for t in read_header(path)
+             if (name := logical_name(t.key, layers)) is not None]
+    formats = expert_formats(name for name, _ in named)
+    whole = unlike_expert_layers(formats)
     experts = 0
-    for t in (t for path in files for t in read_header(path)):
-        name = logical_name(t.key, cfg.num_layers)
-        if name is not None and EXPERT_KEY.match(name.rpartition(".")[0]):
+    for name, t in named:
+        expert = EXPERT_KEY.match(name.rpartition(".")[0])
+        if expert and int(expert.group(1)) not in whole:
             experts += t.nbytes
-    return WeightBytes(sum(path.stat().st_size for path in files), experts)
+    return WeightBytes(sum(t.nbytes for _, t in named), experts, len(formats) - len(whole))
 
 
 def logical_name(key: str, num_layers: int) -> str | None:
@@ -178,7 +184,9 @@ class _Reader:
         self.cfg, self.dtype = cfg, dtype
         stored = [t for path in shard_files(snapshot) for t in read_header(path)]
         self.part_of = _plan(stored, cfg, mtp)
-        self.assembler = _Assembler(cfg, device, dtype, expert_slots)
+        whole = unlike_expert_layers(expert_formats(f"{group.spec.name}.{suffix}" for group, suffix in
+                                                    self.part_of.values()))
+        self.assembler = _Assembler(cfg, device, dtype, expert_slots, whole)
         self.wanted = [t for t in stored if t.key in self.part_of]
         self.pin = self.assembler.device.type == "cuda"
         self.lock = threading.Lock()
@@ -220,12 +228,13 @@ class _Reader:
 
 def assemble(cfg: ModelConfig, groups: Iterable[tuple[TensorSpec, dict[str, torch.Tensor]]],
              device: torch.device | str = "cpu", dtype: torch.dtype = torch.bfloat16,
-             expert_slots: int | None = None) -> LoadedWeights:
+             expert_slots: int | None = None, whole_layers: frozenset[int] = frozenset()) -> LoadedWeights:
     """Turn complete tensor groups (suffix -> tensor; "" for plain tensors) into weight objects.
 
-    Shared by file loading and by synthetic weights built in memory for benchmarks.
+    Shared by file loading and by synthetic weights built in memory for benchmarks. `whole_layers`: MoE layers
+    whose expert stacks stay whole on `device` under `expert_slots` (see `unlike_expert_layers`).
     """
-    assembler = _Assembler(cfg, device, dtype, expert_slots)
+    assembler = _Assembler(cfg, device, dtype, expert_slots, whole_layers)
     for spec, tensors in groups:
         assembler.add(spec, tensors)
     return assembler.finish()
@@ -236,10 +245,10 @@ class _Assembler:
     several threads at once."""
 
     def __init__(self, cfg: ModelConfig, device: torch.device | str, dtype: torch.dtype,
-                 expert_slots: int | None) -> None:
+                 expert_slots: int | None, whole_layers: frozenset[int] = frozenset()) -> None:
         self.device = torch.device(device)
         self.out: LoadedWeights = {}
-        self.stacks = _ExpertStacks(cfg, self.device, expert_slots)
+        self.stacks = _ExpertStacks(cfg, self.device, expert_slots, whole_layers)
         self.builder = _Builder(cfg, self.device, dtype)
         # Split stacks are filled expert by expert from host memory (most of them stay there).
         self.expert_builder = self.builder if expert_slots is None else _Builder(cfg, torch.device("cpu"), dtype)
@@ -376,10 +385,11 @@ class _Builder:
 class _ExpertStacks:
     """Per-layer, per-projection stacks of all routed experts, filled one expert at a time (from any thread):
     on `device`, or split (`device_slots` given) between `device` (the first experts) and host RAM (the
-    others, pinned when `device` is a GPU)."""
+    others, pinned when `device` is a GPU), but for `whole_layers`, kept whole on `device`."""
 
-    def __init__(self, cfg: ModelConfig, device: torch.device, device_slots: int | None = None) -> None:
-        self.cfg, self.device, self.device_slots = cfg, device, device_slots
+    def __init__(self, cfg: ModelConfig, device: torch.device, device_slots: int | None = None,
+                 whole_layers: frozenset[int] = frozenset()) -> None:
+        self.cfg, self.device, self.device_slots, self.whole_layers = cfg, device, device_slots, whole_layers
         self.stacks: dict[tuple[int, str], Weight | SplitStack] = {}
         self.lock = threading.Lock()
         self.slot_locks: dict[tuple[int, str], threading.Lock] = {}
@@ -406,12 +416,12 @@ class _ExpertStacks:
             slot_lock = self.slot_locks.setdefault(slot, threading.Lock())
         with slot_lock:  # allocating one stack (pinning a GB or more) holds up only the puts into it
             if slot not in self.stacks:
-                self.stacks[slot] = self._empty(like)
+                self.stacks[slot] = self._empty(layer, like)
             return self.stacks[slot]
 
-    def _empty(self, weight: Weight) -> Weight | SplitStack:
+    def _empty(self, layer: int, weight: Weight) -> Weight | SplitStack:
         count = self.cfg.n_routed_experts
-        if self.device_slots is None:
+        if self.device_slots is None or layer in self.whole_layers:
             return _empty_stack(weight, count, self.device, pin=False)
         slots = min(self.device_slots, count)
         spare = spare_entries(count - slots)

@@ -18,7 +18,7 @@ from typing import Callable
 
 import torch
 
-from engine.checkpoint.layout import is_expert_stack
+from engine.checkpoint.layout import is_expert_stack, unlike_expert_layers
 from engine.checkpoint.loader import LoadedWeights
 from engine.offload.host_memory import host_empty
 from engine.memory_plan import WeightBytes, spare_entries
@@ -57,6 +57,11 @@ def _tensor(weight, field: str) -> torch.Tensor:
     return weight if isinstance(weight, torch.Tensor) else getattr(weight, field)
 
 
+def _layer(name: str) -> int:
+    """The layer index of a `layers.N.*` weight name."""
+    return int(name.split(".")[1])
+
+
 def describe(weights: LoadedWeights) -> dict:
     """JSON-able record of every weight: kind, block size, and each buffer's dtype and shape."""
     records = {}
@@ -83,8 +88,7 @@ def file_groups(weights: LoadedWeights) -> list[tuple[str, list[tuple[str, objec
     for name, weight in sorted(weights.items()):
         items = [(f"{name}#{f}", weight, f) for f in _fields(weight)]
         if is_expert_stack(name):
-            layer = int(name.split(".")[1])
-            experts.setdefault(f"experts-{layer:03d}.bin", []).extend(items)
+            experts.setdefault(f"experts-{_layer(name):03d}.bin", []).extend(items)
         else:
             dense.extend(items)
     return [("dense.bin", dense)] + sorted(experts.items())
@@ -125,13 +129,19 @@ def _build(kind: str, made: dict[str, torch.Tensor], record: dict):
     return Nvfp4Weight(made["packed"], made["scale"], made["global_scale"])
 
 
+def whole_stack_layers(meta: dict) -> frozenset[int]:
+    """MoE layers whose expert stacks stay whole on the device under a split (see `unlike_expert_layers`)."""
+    return unlike_expert_layers({_layer(name): record["kind"] for name, record in meta["weights"].items()
+                                 if is_expert_stack(name)})
+
+
 def allocate(meta: dict, device: torch.device | str = "cpu", expert_slots: int | None = None,
              zero_device_experts: bool = False) -> tuple[LoadedWeights, dict[str, list[torch.Tensor]]]:
     """Empty weights of the recorded layout on `device`, and by key the buffers its bytes fill, in order.
 
-    With `expert_slots`, each routed expert stack is a `SplitStack`: its first `expert_slots` experts on
-    `device`, the others in host RAM (pinned, with a GPU). A split key fills two buffers (the device part,
-    then the host part), but on the CPU the parts are views of one buffer. `zero_device_experts`: the device
+    With `expert_slots`, each routed expert stack but those of `whole_stack_layers` is a `SplitStack`: its
+    first `expert_slots` experts on `device`, the others in host RAM (pinned, with a GPU). A split key fills two
+    buffers (the device part, then the host part), but on the CPU the parts are views of one buffer. `zero_device_experts`: the device
     parts start zeroed, for executors that may run a slot with weight zero before it is filled."""
     device = torch.device(device)
     weights: LoadedWeights = {}
@@ -140,9 +150,10 @@ def allocate(meta: dict, device: torch.device | str = "cpu", expert_slots: int |
     def empty(b: dict, shape: list[int], at: torch.device) -> torch.Tensor:
         return torch.empty(shape, dtype=DTYPES[b["dtype"]], device=at)
 
+    unsplit = whole_stack_layers(meta)
     for name, record in meta["weights"].items():
         kind, specs = record["kind"], record["buffers"]
-        if expert_slots is None or not is_expert_stack(name):
+        if expert_slots is None or not is_expert_stack(name) or _layer(name) in unsplit:
             made = {f: empty(b, b["shape"], device) for f, b in specs.items()}
             weights[name] = _build(kind, made, record)
             buffers.update({f"{name}#{f}": [t] for f, t in made.items()})
@@ -171,13 +182,17 @@ def allocate(meta: dict, device: torch.device | str = "cpu", expert_slots: int |
 
 
 def prepared_sizes(meta: dict) -> WeightBytes:
-    """Bytes of a prepared snapshot's weights and of its routed experts, from its recorded layout."""
+    """Bytes of a prepared snapshot's weights and of its placed routed experts, from its recorded layout."""
     total = experts = 0
+    whole = whole_stack_layers(meta)
+    layers = set()
     for name, record in meta["weights"].items():
         size = sum(math.prod(b["shape"]) * DTYPES[b["dtype"]].itemsize for b in record["buffers"].values())
         total += size
-        experts += size if is_expert_stack(name) else 0
-    return WeightBytes(total, experts)
+        if is_expert_stack(name) and _layer(name) not in whole:
+            experts += size
+            layers.add(_layer(name))
+    return WeightBytes(total, experts, len(layers))
 
 
 def save_prepared(weights: LoadedWeights, directory: Path, extra_meta: dict | None = None, workers: int = 8,
@@ -258,7 +273,7 @@ def open_prepared(directory: Path, device: torch.device | str = "cpu", workers: 
     units = []
     for region in (r for r in plan.regions if is_expert[r.key]):
         name, _, field = region.key.partition("#")
-        layer, count = int(name.split(".")[1]), plan.meta["weights"][name]["buffers"][field]["shape"][0]
+        layer, count = _layer(name), plan.meta["weights"][name]["buffers"][field]["shape"][0]
         per_expert = region.size // count
         for piece in piece_regions(region):
             start = int(piece.key.rpartition("@")[2])

@@ -20,8 +20,8 @@ import torch
 from safetensors.torch import save_file
 
 from engine.checkpoint.loader import LoadedWeights, assemble
-from engine.checkpoint.layout import (EXPERT_KEY, TensorSpec, checkpoint_key, in_mtp_layer, mtp_specs,
-                                      quantized_in_release, stacked_expert_name, text_specs, vision_specs)
+from engine.checkpoint.layout import (EXPERT_KEY, TensorSpec, checkpoint_key, in_mtp_layer, mtp_layer_indices,
+                                      mtp_specs, quantized_in_release, stacked_expert_name, text_specs, vision_specs)
 from engine.config import ModelConfig
 from engine.quant import quantize_fp8_block, quantize_nvfp4
 from engine.tiny.tokenizer import write_tokenizer
@@ -213,6 +213,12 @@ def encode(spec: TensorSpec, value: torch.Tensor, fmt: str, cfg: ModelConfig) ->
             f"{key}.input_scale": torch.ones(())}
 
 
+def unplaced_expert_layers(cfg: ModelConfig, fmt: str) -> frozenset[int]:
+    """The MoE layers a release in `fmt` stores in another format than its decoder layers' (see
+    `unlike_expert_layers`): the MTP layers of the NVFP4 releases, in FP8 blocks."""
+    return frozenset(mtp_layer_indices(cfg)) if fmt.startswith("nvfp4") else frozenset()
+
+
 def synthetic_weights(cfg: ModelConfig, fmt: str, device: torch.device | str, dtype: torch.dtype,
                       seed: int = 0, expert_slots: int | None = None,
                       expert_variety: int | None = None) -> LoadedWeights:
@@ -220,7 +226,8 @@ def synthetic_weights(cfg: ModelConfig, fmt: str, device: torch.device | str, dt
     width. With `expert_slots`, routed experts are split as the loader splits them (see `load_weights`).
     With `expert_variety`, each layer's experts repeat that many distinct values (each still in its own
     memory): a whole-model build in seconds per layer, for speed figures that do not depend on values. The MTP
-    layers come too where the config declares them."""
+    layers come too where the config declares them (FP8 blocks beside NVFP4 experts: kept whole on `device`, as
+    the loader keeps them)."""
     generator = torch.Generator(device).manual_seed(seed)
     repeats: dict[tuple[str, str, int], dict[str, torch.Tensor]] = {}  # (layer, projection, index) -> entries
 
@@ -240,7 +247,7 @@ def synthetic_weights(cfg: ModelConfig, fmt: str, device: torch.device | str, dt
                 repeats[(expert[1], expert[3], int(expert[2]))] = entries
             yield spec, entries
 
-    return assemble(cfg, groups(), device, dtype, expert_slots)
+    return assemble(cfg, groups(), device, dtype, expert_slots, unplaced_expert_layers(cfg, fmt))
 
 
 def _suffix(spec: TensorSpec, key: str) -> str:

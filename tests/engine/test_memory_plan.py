@@ -30,7 +30,7 @@ def plan(config: ModelConfig, budget: int | str | None, device: torch.device = C
          weights: WeightBytes | None = None):
     """The plan for SIZES with an expert budget, over weights of 1000 bytes plus 50 a routed expert."""
     experts = 50 * len(config.moe_layers) * config.n_routed_experts
-    weights = weights or WeightBytes(1000 + experts, experts)
+    weights = weights or WeightBytes(1000 + experts, experts, len(config.moe_layers))
     return plan_memory(config, dataclasses.replace(SIZES, moe_vram_budget=budget), device, torch.float32, weights,
                        free)
 
@@ -46,14 +46,17 @@ def test_the_plan_places_experts_before_loading(config):
         plan(config, -1)
 
 
-def test_the_mtp_layers_experts_share_the_budget_when_drafts_are_on(config):
-    mtp = dataclasses.replace(config, num_mtp_layers=1)
+def test_the_mtp_layers_experts_share_the_budget_where_they_are_placed(config):
+    """Where the MTP layer is loaded and stored as the decoder layers' are, its experts are placed like theirs
+    (the sizes say so: `checkpoint_sizes`); where not (the NVFP4 releases), its bytes are the device's."""
     layers, experts = len(config.moe_layers), 50 * len(config.moe_layers) * config.n_routed_experts
     assert layers >= 3
     budget = 4 * layers * 50  # four slots a layer over the model's layers, three once the MTP layer counts
     drafting = dataclasses.replace(SIZES, moe_vram_budget=budget, speculative_tokens=2)
-    assert plan(mtp, budget).expert_slots == 4
-    assert plan_memory(mtp, drafting, CPU, torch.float32, WeightBytes(1000 + experts, experts)).expert_slots == 3
+    assert plan(config, budget).expert_slots == 4
+    with_mtp = WeightBytes(1000 + experts + 50 * config.n_routed_experts, experts + 50 * config.n_routed_experts,
+                           layers + 1)
+    assert plan_memory(config, drafting, CPU, torch.float32, with_mtp).expert_slots == 3
 
 
 def test_auto_is_what_the_other_weights_the_caches_and_the_reserve_leave(config):

@@ -24,7 +24,7 @@ from engine.experts import default_executor
 from engine.model.batch import DecodeMeta, ForwardBatch, SeqSpan
 from engine.model.mtp import MtpLayer, with_mtp_cache
 from engine.tiny.factory import write_tiny_model
-from tests.engine.conftest import FORMATS, dequantized_copy, load_reference, random_prompt
+from tests.engine.conftest import dequantized_copy, load_reference, random_prompt
 from tests.engine.test_bf16 import FACTOR, rel_error
 from tests.engine.test_parity import assert_close
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import ctypes
-import functools
 import time
 
 import pytest

@@ -323,21 +323,26 @@ def test_under_hybrid_offload_the_mtp_experts_are_placed_like_any_layers(tiny_di
     assert llm.core.stats().offload.host_pairs > 0
 
 
-def test_an_nvfp4_release_under_hybrid_offload_serves_without_drafts_and_says_why(tiny_dir, caplog):
+def test_an_nvfp4_release_under_hybrid_offload_drafts_with_its_mtp_experts_resident(tiny_dir, monkeypatch, caplog):
     """The NVFP4 releases keep the MTP layer's experts in FP8 blocks, a format hybrid offload's staging and CPU
-    kernels do not share with the decoder layers': the engine starts, says why drafts are off, and serves."""
+    kernels do not share with the decoder layers': the loader keeps them whole on the device, the memory plan
+    counts them as device bytes (two slots a layer of the decoder layers' budget stay two), the resident
+    executor runs them, and verified greedy output equals decoding without drafts."""
     snapshot = tiny_dir("nvfp4-ct", num_nextn_predict_layers=1)
-    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
     truth = plain_outputs(snapshot, PROMPTS, params)
+    probe = LLM(snapshot, dtype="float32", moe_vram_budget=0)
+    per_expert, layers = probe.core.offload.expert_bytes, len(probe.config.moe_layers)
+    force_drafts(monkeypatch, truth, right=0.6)
     with caplog.at_level("INFO", logger="glmflash.engine"):
-        llm = spec_llm(snapshot, 1, moe_vram_budget=0)
-    assert llm.core.offload is not None and llm.core.drafter is None
+        llm = spec_llm(snapshot, 2, moe_vram_budget=2 * per_expert * layers)
+    assert llm.core.offload is not None and llm.core.drafter is not None
     assert llm.config.num_layers not in llm.core.offload.layers
-    assert "event=mtp_drafts on=0 reason=mtp_experts_format_differs_under_offload" in caplog.text
+    assert {len(r) for r in llm.core.offload.resident.values()} == {2}
+    assert "event=mtp_drafts on=1" in caplog.text and "experts=resident" in caplog.text
     assert [o.token_ids for o in llm.generate(PROMPTS, params)] == list(truth.values())
-    resident = spec_llm(snapshot, 1)  # all experts on the device: drafts on, each layer in its own format
-    assert resident.core.drafter is not None
-    assert [o.token_ids for o in resident.generate(PROMPTS, params)] == list(truth.values())
+    assert 0 < llm.core.stats().drafts.verified_accepted < llm.core.stats().drafts.verified
+    assert llm.core.stats().offload.host_pairs > 0
 
 
 def test_a_measured_draft_length_changes_no_token(snapshot, monkeypatch):

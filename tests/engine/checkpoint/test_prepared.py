@@ -366,3 +366,34 @@ def test_a_load_holds_its_weights_and_little_else(tmp_path):
     grown, nbytes = figures["peak"] - figures["before"], figures["bytes"]
     assert nbytes > 250e6
     assert 0.9 * nbytes <= grown <= nbytes + (64 << 20), figures
+
+
+@pytest.mark.parametrize("fmt, placed", [("nvfp4-ct", False), ("fp8", True)])
+def test_the_mtp_layers_experts_are_split_only_where_stored_as_the_others(tiny_dir, tmp_path, fmt, placed):
+    """The NVFP4 releases store the MTP layer's experts in FP8 blocks, a format hybrid offload does not share with
+    the decoder layers': under a split they stay whole on the device, from the checkpoint and from the prepared
+    snapshot, and the sizes the memory plan reads count them as the device's bytes. The FP8 release's MTP experts
+    are split and placed like any layer's."""
+    from engine.checkpoint.layout import stacked_expert_name
+    from engine.checkpoint.loader import checkpoint_sizes
+    from engine.checkpoint.prepared import prepared_sizes
+    from engine.weights import SplitStack
+
+    snapshot = tiny_dir(fmt, num_nextn_predict_layers=1)
+    cfg = ModelConfig.from_dir(snapshot)
+    split = load_weights(snapshot, cfg, "cpu", torch.bfloat16, expert_slots=3, mtp=True)
+    save_prepared(split, tmp_path / "prepared")
+    resumed, _ = load_prepared(tmp_path / "prepared", expert_slots=3)
+    for loaded in (split, resumed):
+        assert isinstance(loaded[stacked_expert_name(cfg.moe_layers[0], "gate_proj")], SplitStack)
+        assert isinstance(loaded[stacked_expert_name(cfg.num_layers, "gate_proj")], SplitStack) is placed
+    with_mtp, without = checkpoint_sizes(snapshot, cfg, mtp=True), checkpoint_sizes(snapshot, cfg)
+    mtp_experts = sum(t.numel() * t.element_size() for name, stack in split.items()
+                      if name.startswith(f"layers.{cfg.num_layers}.mlp.experts.")
+                      for t in buffers(stack.device) + buffers(stack.hosted) if isinstance(stack, SplitStack)) \
+        if placed else 0
+    assert with_mtp.expert_layers == len(cfg.moe_layers) + placed and without.expert_layers == len(cfg.moe_layers)
+    assert with_mtp.experts == without.experts + mtp_experts
+    assert with_mtp.total > without.total  # the MTP layer is loaded, whole or split
+    prepared = prepared_sizes(read_plan(tmp_path / "prepared").meta)
+    assert (prepared.experts, prepared.expert_layers) == (with_mtp.experts, with_mtp.expert_layers)
