@@ -61,6 +61,8 @@ def build_parts(config: ModelConfig, weights: LoadedWeights, options: EngineOpti
     offload = _hybrid_experts(config, weights, options, plan)
     executor: ExpertExecutor = offload or default_executor(weights, config.moe_layers, config.swiglu_limit, device)
     fill = FillingExperts(executor, experts) if experts is not None and not experts.complete else None
+    if offload is not None:
+        offload.prefetch_banks = fill is None  # the fill writes host banks: no copy ahead of a layer's turn
     model = Glm5NextModel(config, weights, fill or executor)
     limits = SchedulerLimits(options.max_model_len, max(options.max_num_batched_tokens, options.max_num_seqs),
                              options.max_waiting)

@@ -253,6 +253,8 @@ class EngineCore:
     def _drop_expert_fill(self) -> None:
         """Between steps, once the fill is done: the plain executor from now on."""
         self.model.use_experts(self.expert_fill.inner)
+        if self.offload is not None:
+            self.offload.prefetch_banks = True
         log.info("event=experts_resident executor=%s", type(self.expert_fill.inner).__name__)
         self.expert_fill = None
         after_expert_fill(self)

@@ -76,6 +76,18 @@ def spare_entries(hosted: int) -> int:
     return HOST_SPARES if hosted else 0
 
 
+def slots_beside_bank(slots: int, budget: int, per_expert: int, layers: int, experts: int) -> int:
+    """The most expert slots a layer, up to `slots`, that leave room in `budget` for the device's copy of one
+    layer's host bank (what a prefill-sized batch runs its missed experts from: offload/bank_prefetch.py). An
+    explicit budget is the slots' alone, the bank's copy beside it."""
+    def fits(s: int) -> bool:
+        return (s * layers + experts - s + spare_entries(experts - s)) * per_expert <= budget
+
+    while slots and not fits(slots):
+        slots -= 1
+    return slots
+
+
 def reserve_bytes(max_batched_tokens: int, max_model_len: int) -> int:
     """Device bytes kept back from expert slots for the largest step's transient tensors."""
     return BASE_RESERVE + max_batched_tokens * (ACTIVATION_BYTES_PER_TOKEN + SCORE_BYTES_PER_CONTEXT * max_model_len)
@@ -125,6 +137,8 @@ def plan_memory(config: ModelConfig, options: EngineOptions, device: torch.devic
     if budget is not None and weights is not None:
         per_expert = max(1, weights.experts // (max(weights.expert_layers, 1) * config.n_routed_experts))
         slots = slots_per_layer(budget, per_expert, weights.expert_layers, config.n_routed_experts)
+        if options.moe_vram_budget in (None, AUTO):  # what the device leaves: the bank's copy comes out of it too
+            slots = slots_beside_bank(slots, budget, per_expert, weights.expert_layers, config.n_routed_experts)
     plan = MemoryPlan(request_pages, prefix_device, prefix_host, caches, reserve, budget, slots, token_bytes,
                       most_tokens)
     log.info("event=memory_plan free_gib=%.2f cache_gib=%.2f reserve_gib=%.2f expert_budget_gib=%s "

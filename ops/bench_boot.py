@@ -7,8 +7,10 @@ full-width slice built first (`--slice-gib N --slice-dir DIR`, see ops/slice_sna
 next run), or, with neither, the embedded tiny model. Each round:
 
   cold         the prepared snapshot and the compiled kernels (`<cache>/triton`) are removed; the original
-               shards are raw-read (evicted before and after); `glmflash boot` starts; after the first token the bench waits for the prepared
-               snapshot (written after ready), stops the worker and raw-reads the shards again;
+               shards are raw-read (evicted before and after); `glmflash boot` starts; after the first token the
+               bench times back-to-back completions while the prepared snapshot is written (after ready) and
+               after it (`writing_tok_s`, `after_write_tok_s`: decode during the write should stay within 80% of
+               decode after it), stops the worker and raw-reads the shards again;
   fast_resume  the same around a second `glmflash boot`, with the prepared files and the kernels the cold
                start compiled (a restarted container on the same volume).
 
@@ -53,6 +55,9 @@ from worker.settings import Settings
 TARGETS = {"cold": (1.25, 15.0), "fast_resume": (1.1, 10.0)}  # ready within factor x raw read + seconds
 PARTIAL_FIRST_TOKEN_S = 30.0
 LOADING_MAX_TOKENS = 16
+PROBE_TOKENS = 64  # a completion timed while the prepared snapshot is written, and after: mostly decode
+WRITING = ("writing", "after_experts")  # /ready's prepared_snapshot while the write is under way or due
+WRITING_FLOOR = 0.8  # decode while writing, of decode after (issue "The first minutes of a worker")
 
 
 def free_port() -> int:
@@ -93,6 +98,20 @@ def while_loading(url: str, process_start: float) -> dict:
     n, s = timed_completion(url)
     return {"loading_tok_s": round(tokens / seconds, 2) if seconds else None, "experts_loaded_s": round(loaded_s, 3),
             "loaded_tok_s": round(n / s, 2)}
+
+
+def while_writing(url: str) -> dict:
+    """Decode tok/s of back-to-back completions while the prepared snapshot is written after ready (the writer
+    must leave serving its cores, memory bandwidth and page cache), against the same completions after it."""
+    tokens = seconds = 0.0
+    while (ready_body(url) or {}).get("prepared_snapshot") in WRITING:
+        n, s = timed_completion(url, PROBE_TOKENS)
+        tokens, seconds = tokens + n, seconds + s
+    after = [timed_completion(url, PROBE_TOKENS) for _ in range(3)]
+    writing = tokens / seconds if seconds else None
+    steady = max(n / s for n, s in after)
+    return {"writing_tok_s": round(writing, 2) if writing else None, "after_write_tok_s": round(steady, 2),
+            "writing_over_after": round(writing / steady, 3) if writing else None}
 
 
 def _experts_loading(url: str) -> bool:
@@ -140,9 +159,11 @@ def one_start(cache_dir: Path, flags: list[str], wait_prepared: bool, partial: b
             result["experts_at_ready"] = ready.get("experts_loaded")
             if partial:
                 result.update(while_loading(url, start))
-            while wait_prepared and (ready := ready_body(url) or {}).get("prepared_snapshot") in ("writing",
-                                                                                                  "after_experts"):
-                time.sleep(0.2)
+            if wait_prepared:
+                ready = ready_body(url) or {}
+                if ready.get("prepared_snapshot") in WRITING:
+                    result.update(while_writing(url))
+                    ready = ready_body(url) or {}
             result["prepared_snapshot"] = ready.get("prepared_snapshot")
             result["prepared_write_s"] = ready.get("prepared_s")
         finally:
@@ -168,6 +189,10 @@ def report(path: str, raw: tuple[int, float], start: dict) -> None:
             "target_s": round(target, 2), "within_target": start["ready_s"] <= target,
             "loader_gb_s": start["loader_gb_s"], "prepared_write_s": start["prepared_write_s"],
             "exit_code": start["exit_code"]}
+    if "after_write_tok_s" in start:
+        ratio = start["writing_over_after"]
+        line.update({k: start[k] for k in ("writing_tok_s", "after_write_tok_s", "writing_over_after")},
+                    writing_within_target=ratio is not None and ratio >= WRITING_FLOOR)
     if "experts_loaded_s" in start:
         line.update({k: start[k] for k in ("experts_at_ready", "loading_tok_s", "experts_loaded_s", "loaded_tok_s")},
                     first_token_within_target=start["first_token_s"] <= PARTIAL_FIRST_TOKEN_S)

@@ -1,12 +1,14 @@
 #!/usr/bin/env bash
 # The serving figures measured on a CUDA machine, in one run cut at BUDGET_S seconds (default 540), from the
-# repository root:  bash ops/gpu_serving.sh OUT_DIR [tests] [boot] [serve]   (default: all three, in this order)
+# repository root:  bash ops/gpu_serving.sh OUT_DIR [tests] [boot] [serve] [soak]   (default: the first three, in
+# this order)
 # tests: the prefix cache, structured output, the compiled-kernel manifest, fla's shipped configs and the KDA
 #        kernels on CUDA:
 #          python3 -m pytest -q tests/gpu/test_prefix_cache_cuda.py tests/gpu/test_structured_cuda.py \
 #              tests/gpu/test_kernel_manifest_cuda.py tests/gpu/test_fla_tuning_cuda.py tests/gpu/test_kda_kernels.py
 # boot:  process start to /ready and to the first token, cold and fast_resume, against raw reads of the same
-#        bytes with the page cache dropped; then the same with early readiness (tok/s while experts fill in).
+#        bytes with the page cache dropped, and decode while the cold start's prepared snapshot is written against
+#        decode after it; then the same with early readiness (tok/s while experts fill in; PARTIAL=0 skips it).
 #        On a full-width NVFP4 slice on the local disk, its prepared snapshot beside it in WORK_DIR/cache:
 #          python3 -m ops.slice_snapshot WORK_DIR/slice --gib SLICE_GIB [--layers SLICE_LAYERS]
 #          python3 -m ops.bench_boot --cache-dir WORK_DIR/cache --model WORK_DIR/slice [--ready-at partial] \
@@ -17,6 +19,12 @@
 #          python3 ops/bench_serve.py --workload agent --serve WORK_DIR/slice --device cuda $AGENT_ARGS
 #          python3 ops/bench_structured.py --model WORK_DIR/slice --device cuda --dtype bfloat16 --batch 1 16
 #        (the release's vocabulary: the masks' size; the tiny model's without a slice)
+# soak:  SOAK_S seconds (default 300) at 32 concurrent streams of mixed kinds and lengths on the slice, 10% of the
+#        clients leaving mid-stream, then SIGTERM with requests in flight (the server starts from the boot part's
+#        prepared snapshot where there is one):
+#          python3 -m ops.soak --serve WORK_DIR/slice --device cuda --seconds SOAK_S --streams 32 --max-tokens 256
+# EXPERT_BUDGET_GIB runs every server in hybrid mode (GLMFLASH_MOE_VRAM_BUDGET_GIB: that many GiB of routed experts
+# on the GPU, the rest in host RAM), e.g. SLICE_GIB=20 EXPERT_BUDGET_GIB=4 bash ops/gpu_serving.sh OUT boot soak.
 # SLICE_GIB is 12 by default (10.6 GiB: 2 MoE layers of 288 experts), what fits beside the other parts: each
 # boot run reads the slice six times and writes it once (~1.5 GB/s on an H200 machine's disk). The issue's
 # >= 20 GB (SLICE_GIB=20: 18.8 GiB, 4 layers, one of them DSA) fits a run without the tests:
@@ -31,13 +39,14 @@
 # Each step is cut at the time left less what later steps keep, and its figures are printed as measured.
 # DEVICE=cpu checks the script on a CPU machine (with SLICE_GIB=0.3: the smallest slice, 2.8 GiB; AGENT_ARGS,
 # STRUCTURED_ARGS to shrink the workloads). Wheels the machine lacks: see ops/gpu_env.sh. OUT_DIR gets run.log
-# (all that is printed), env.log, tests.log, boot.log, serve.log, agent.json, structured.json, server-logs.tgz
+# (all that is printed), env.log, tests.log, boot.log, serve.log, soak.log, agent.json, structured.json, soak.json,
+# server-logs.tgz
 # (the output of each server bench_boot and bench_serve started) and kernels.tgz (the boot's kernel manifest,
 # Triton's autotuning results and a list of its cache's files).
 set -uo pipefail
 out=${1:?output directory}; shift
 parts=${*:-tests boot serve}
-for part in $parts; do [[ " tests boot serve " == *" $part "* ]] || { echo "unknown part: $part" >&2; exit 2; }; done
+for part in $parts; do [[ " tests boot serve soak " == *" $part "* ]] || { echo "unknown part: $part" >&2; exit 2; }; done
 mkdir -p "$out"
 budget=${BUDGET_S:-540} start=$(date +%s); deadline=$((start + budget))
 exec > >(tee -a "$out/run.log") 2>&1
@@ -89,7 +98,10 @@ mkdir -p "$work"
 slice=$work/slice cache=$work/cache
 rm -rf "$work/logs"  # the servers' own logs of this run (server-logs.tgz)
 
-reserve_serve=$(has serve && echo 130 || echo 0)
+soak_s=${SOAK_S:-300}
+[ -n "${EXPERT_BUDGET_GIB:-}" ] && export GLMFLASH_MOE_VRAM_BUDGET_GIB=$EXPERT_BUDGET_GIB
+reserve_soak=$(has soak && echo $((soak_s + 90)) || echo 0)  # its start, the soak, the drain
+reserve_serve=$(( $(has serve && echo 130 || echo 0) + reserve_soak ))
 reserve_boot=$(has boot && echo 200 || echo 0)
 
 if has tests; then
@@ -125,7 +137,7 @@ if has boot; then
   fi
   step 200 $((80 + reserve_serve)) "$out/boot.log" \
     python3 -m ops.bench_boot --cache-dir "$cache" --model "$slice" --log-dir "$work/logs" -- --device "$device"
-  step 200 "$reserve_serve" "$out/boot.log" \
+  [ "${PARTIAL:-1}" = 1 ] && step 200 "$reserve_serve" "$out/boot.log" \
     python3 -m ops.bench_boot --cache-dir "$cache" --model "$slice" --ready-at partial --log-dir "$work/logs" \
       -- --device "$device"
   tar czf "$out/server-logs.tgz" -C "$work" logs  # each start's own log: its stages, event= lines, compiles
@@ -148,5 +160,15 @@ if has serve; then
   model_arg=$([ -e "$slice/model.safetensors.index.json" ] && echo "--model $slice")
   step 120 0 "$out/serve.log" python3 ops/bench_structured.py $model_arg --device "$device" --dtype "$dtype" \
     $structured_args --json "$out/structured.json"
+fi
+if has soak; then
+  echo "### soak"
+  if [ -e "$slice/model.safetensors.index.json" ]; then
+    step $((soak_s + 150)) 0 "$out/soak.log" python3 -m ops.soak --serve "$slice" --device "$device" \
+      --cache-dir "$cache" --seconds "$soak_s" --streams 32 --max-tokens 256 --json "$out/soak.json"
+    tail -40 "$out/soak.log"
+  else
+    echo "no slice in $slice: run the boot part first" | tee -a "$out/soak.log"
+  fi
 fi
 echo "### done in $(($(date +%s) - start))s"

@@ -6,8 +6,9 @@ run on the device, with misses weighted zero so the launch shape never depends o
 decode-sized batch's misses, a share (`pcie_percent`, from the two rates measured at start) is copied
 over PCIe into staging slots by a device kernel and run there, the rest runs on CPU threads over the
 host bank (offload/host_steps.py: queued in the device stream); all three at once, with no device
-synchronization, so the step can be captured in a CUDA graph. A batch with many misses (prefill)
-fetches its missed experts to the device in rounds instead (offload/fetch.py).
+synchronization, so the step can be captured in a CUDA graph. A batch with many misses (prefill) runs them on
+the device from a copy of the layer's whole host bank, the next layer's copy queued behind this layer's math
+(offload/bank_prefetch.py).
 Routing counts decide, between steps, which host experts move into which slots (a bounded number
 per step; offload/swap_policy.py). A move's copies run on copy streams beside the steps, which read both
 experts where they were until a later call commits it (one device-to-device copy): no step waits on a swap.
@@ -34,6 +35,7 @@ from engine.kernels.experts.hybrid_pairs import place_pairs_torch
 from engine.kernels.experts.pcie_pick import split_units
 from engine.cpu_cores import usable_cores, worker_cpus
 from engine.offload.cuda_driver import copy_async
+from engine.offload.bank_prefetch import BankPrefetch
 from engine.offload.fetch import ExpertFetcher, Stacks
 from engine.offload.host_memory import host_copy
 from engine.offload.host_steps import HostSteps, HostStepTotals, PendingSum
@@ -165,10 +167,16 @@ class HybridExperts:
         self.device_run = device_executor(self.device_stacks, swiglu_limit)
         self.host_run = CpuExperts(self.host, swiglu_limit, host_threads or default_host_threads(device))
         self._pin_host_threads(pin_host_threads and device.type == "cuda")
-        # Batches with at least this many missed pairs fetch those experts instead (prefill).
+        # Batches with at least this many missed pairs run them on the device from a copy of the bank (prefill).
         self.fetch_min_pairs = fetch_min_pairs
         self.fetch = ExpertFetcher(first.device or first.host, min(fetch_capacity, self.num_experts), device,
                                    lambda stacks: device_executor(stacks, swiglu_limit))
+        self.bank = BankPrefetch(first.host, max(len(self.hosted[layer]) for layer in self.layers), device,
+                                 lambda stacks: device_executor(stacks, swiglu_limit))
+        self._next_layer = dict(zip(self.layers, self.layers[1:]))
+        # Off while early readiness fills the host banks: a bank copied ahead of its layer's turn could miss
+        # experts the fill writes in between (the engine turns it on once the fill is done).
+        self.prefetch_banks = True
         self.expert_bytes = expert_nbytes(first.device or first.host)
         self.split_units = split_units((first.device or first.host)[0].shape[-2])  # of a PCIe/CPU split expert
         for layer in self.layers:  # before any graph capture
@@ -330,10 +338,13 @@ class HybridExperts:
         dense = shared_expert() if shared_expert is not None else None
         self._stats.device_pairs += expert_ids.numel() - missed.numel()
         if fetch:
-            ids = self.entry_of[index].to(x.device)[expert_ids.flatten()[missed]]
-            out.index_add_(0, rows, self.fetch(self.host[layer], x, rows, ids, weights.flatten()[missed]))
+            entries = self.entry_of[index].to(x.device)[expert_ids.flatten()[missed]]
+            out.index_add_(0, rows, self.bank(layer, self.host[layer], x, rows, entries, weights.flatten()[missed]))
+            following = self._next_layer.get(layer)
+            if following is not None and self.prefetch_banks:  # the same batch reaches it next: its bank too
+                self.bank.load(following, self.host[following])
             self._stats.fetched_pairs += missed.numel()
-            self._stats.fetched_bytes += int(ids.unique().numel()) * self.expert_bytes
+            self._stats.fetched_bytes += len(self.hosted[layer]) * self.expert_bytes
         elif host_in is not None:
             out.index_add_(0, rows, self._host(layer, *host_in).to(x.device, non_blocking=True))
         return out if dense is None else out + dense
@@ -488,6 +499,7 @@ class HybridExperts:
             self._staging.append(move.staging)
             self._moves.remove(move)
         torch._foreach_copy_(slots, staged, non_blocking=True)
+        self.bank.forget()  # its entries moved
         self.slot_of.copy_(self._slot_of_host, non_blocking=True)
         self.entry_on_device.copy_(self.entry_of, non_blocking=True)
         self._stats.swaps += len(moves)

@@ -88,6 +88,21 @@ def test_unset_budget_is_auto_only_on_a_gpu_the_weights_do_not_fit(config):
     assert plan(config, 123).expert_budget == 123  # what was asked for stands
 
 
+def test_an_automatic_budget_keeps_room_for_one_host_banks_copy(config):
+    """Under hybrid offload a prefill-sized batch runs its missed experts from a device copy of the layer's host
+    bank (its experts and a spare entry): the budget the device leaves holds it beside the slots; an explicit
+    budget is the slots' alone."""
+    cuda = torch.device("cuda")  # the plan only reads the device's type when its free memory is given
+    layers, experts = len(config.moe_layers), config.n_routed_experts
+    fixed = plan(config, None, cuda, free=10 ** 12)
+    others = fixed.reserve_bytes + fixed.cache_bytes + 1000
+    budget = 50 * (8 * layers + (experts - 8) + 1)  # 8 slots a layer, and the bank of the others with its spare
+    auto = plan(config, AUTO, cuda, free=others + budget)
+    assert (auto.expert_budget, auto.expert_slots) == (budget, 8)
+    assert plan(config, AUTO, cuda, free=others + budget - 1).expert_slots == 7
+    assert plan(config, budget).expert_slots == budget // (50 * layers) > 8
+
+
 def test_the_reserve_grows_with_the_largest_step():
     """2 GiB, 1 MiB a token of the largest step, 4 bytes a (token, context token) pair: 4.06 GiB at the defaults
     (2,048 tokens, 8,192 of context) where a fixed 8% of an H200 kept 10.5 GiB back."""

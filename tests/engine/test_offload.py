@@ -271,8 +271,8 @@ def test_split_stacks_keep_the_loaders_placement():
 
 @pytest.mark.parametrize("fmt", ["dense", "fp8", "nvfp4"])
 def test_large_batches_fetch_missed_experts_to_the_device(fmt):
-    """Past fetch_min_pairs the misses run on the device executor after a copy of their experts, in
-    rounds of two through the two staging stacks in turn: five rounds here for ten missed experts."""
+    """Past fetch_min_pairs the misses run on the device executor from a copy of the layer's whole host bank
+    (ten experts and a spare entry), whatever the staging slots of decode's PCIe share (two here)."""
     stacks = {0: layer_stacks(fmt, 11)}
     hybrid = HybridExperts.place(stacks, {0: [0, 1]}, torch.device("cpu"), LIMIT, fetch_min_pairs=8, fetch_capacity=2)
     x, ids, w = routed(16, 4, 12)
@@ -282,6 +282,35 @@ def test_large_batches_fetch_missed_experts_to_the_device(fmt):
     x, ids, w = routed(1, 4, 13)  # a decode step stays on the CPU path
     assert_expert_close(hybrid(0, x, ids, w), TorchExperts(stacks, LIMIT)(0, x, ids, w), fmt)
     assert hybrid.stats.host_pairs > 0
+
+
+@pytest.mark.parametrize("fmt", ["fp8", "nvfp4"])
+def test_a_prefill_batch_copies_the_next_layers_bank_before_it_is_asked(fmt):
+    """A prefill-sized batch through layer 1 queues layer 4's bank copy behind its own math: layer 4 finds it
+    there; outputs equal the all-resident reference throughout. A swap committed in between makes the copy stale
+    (it is taken again), and while early readiness fills the banks nothing is copied ahead."""
+    stacks = {1: layer_stacks(fmt, 31), 4: layer_stacks(fmt, 34)}
+    hybrid = HybridExperts.place(stacks, {1: [0, 2], 4: [3]}, torch.device("cpu"), LIMIT, fetch_min_pairs=8)
+    reference = TorchExperts(stacks, LIMIT)
+
+    def step(seed: int) -> None:
+        for layer in (1, 4):
+            x, ids, w = routed(16, 4, seed + layer)
+            assert_expert_close(hybrid(layer, x, ids, w), reference(layer, x, ids, w), fmt)
+
+    step(40)
+    assert (hybrid.bank.loads, hybrid.bank.prefetched) == (2, 1)  # layer 1's at its call, layer 4's ahead of it
+    hybrid.counts[1, 5] += 1000.0  # expert 5 of layer 1, hosted, routed far more than its residents
+    x, ids, w = routed(16, 4, 41)
+    hybrid(1, x, ids, w)  # layer 4's bank copied ahead again
+    hybrid.rebalance(max_swaps=1)
+    hybrid.rebalance(max_swaps=1)  # the move's copies are done on the CPU: committed
+    assert hybrid.stats.swaps == 1 and hybrid.bank.held is None
+    step(50)
+    assert (hybrid.bank.loads, hybrid.bank.prefetched) == (6, 2)
+    hybrid.prefetch_banks = False
+    step(60)
+    assert (hybrid.bank.loads, hybrid.bank.prefetched) == (8, 2)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

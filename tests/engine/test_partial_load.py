@@ -45,6 +45,8 @@ def test_partial_engine_serves_before_the_fill_with_the_same_tokens(tiny_dir, fm
     weights, experts = open_weights(snapshot, cfg, "cpu", torch.float32, slots)
     partial = EngineCore(cfg, weights, options(budget), experts=experts)
     assert isinstance(partial.expert_fill, FillingExperts) and experts.share == 0.0
+    hybrid = partial.offload
+    assert hybrid is None or not hybrid.prefetch_banks  # no bank copied ahead of its turn while the fill writes
 
     assert greedy(partial) == greedy(full)
     assert 0.0 < experts.share < 1.0 and not experts.complete  # only what the steps needed was read
@@ -54,6 +56,7 @@ def test_partial_engine_serves_before_the_fill_with_the_same_tokens(tiny_dir, fm
     assert experts.complete and experts.share == 1.0
     assert greedy(partial) == greedy(full)
     assert partial.expert_fill is None  # dropped between steps once complete
+    assert hybrid is None or hybrid.prefetch_banks
     assert all(layer.mlp.experts is (partial.offload or layer.mlp.experts) for layer in partial.model.layers
                if hasattr(layer.mlp, "experts"))
 

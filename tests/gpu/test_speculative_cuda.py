@@ -140,3 +140,24 @@ def test_mtp_graphs_draft_what_the_eager_layer_drafts(snapshot, monkeypatch, k):
     assert sum(count for (_, n), count in replays.items() if n == k + 1) > 0  # follows of verify steps
     if k > 1:
         assert sum(count for (_, n), count in replays.items() if n == 1) > 0  # the chain's steps
+
+
+def test_an_nvfp4_release_under_hybrid_offload_drafts_on_cuda(tmp_path, monkeypatch):
+    """The NVFP4 release's MTP layer (FP8-block experts) under hybrid offload on CUDA: its stacks whole on the
+    device beside the decoder layers' split ones, run by the resident executor inside the MTP graphs, the
+    decoder layers' misses on the CPU and the link; verified greedy output (k = 2) equals plain hybrid decoding
+    in float32."""
+    snapshot = write_tiny_model(tmp_path, "nvfp4-ct", well_conditioned=True, num_nextn_predict_layers=1)
+    probe = cuda_llm(snapshot, "float32", moe_vram_budget=0)
+    budget = 2 * probe.core.offload.expert_bytes * len(probe.config.moe_layers)
+    plain = outputs(cuda_llm(snapshot, "float32", moe_vram_budget=budget), PROMPTS)
+    force_drafts(monkeypatch, {tuple(p): o for p, o in zip(PROMPTS, plain)}, 0.6)
+    spec = cuda_llm(snapshot, "float32", moe_vram_budget=budget, speculative_tokens=2)
+    mtp = spec.config.num_layers
+    assert spec.core.drafter is not None and mtp not in spec.core.offload.layers
+    mtp_experts = spec.core.drafter.layer.mlp.experts  # the resident executor over the MTP layer's whole stacks
+    assert mtp_experts is not spec.core.offload
+    assert all(t.is_cuda for stack in mtp_experts.stacks[mtp] for t in vars(stack).values()
+               if isinstance(t, torch.Tensor))
+    assert outputs(spec, PROMPTS) == plain
+    assert spec.core.stats().drafts.verified_accepted > 0 and spec.core.stats().offload.host_pairs > 0
