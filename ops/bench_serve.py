@@ -23,7 +23,7 @@ glmflash server's /metrics where its TTFT went: mean time queued and prefilling 
 and their mean wall time by kind. With
 `--serve MODEL` (a snapshot, or `tiny` for the embedded tiny model) it starts glmflash itself on
 `--device`, once with the prefix cache on and once off (each run's line printed as it ends), and compares
-the two runs.
+the two runs; with the random workload, once (e.g. TTFT and decode of long prompts through HTTP).
 Exit status 1 when any request failed.
 
     python ops/bench_serve.py --base-url http://127.0.0.1:3000/v1 --concurrency 1,4,16 --ignore-eos
@@ -115,7 +115,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     agent.add_argument("--turns", type=int, default=8, help="chat turns per conversation")
     agent.add_argument("--system-tokens", type=int, default=2000, help="approximate: random words of the system prompt")
     agent.add_argument("--user-tokens", type=int, default=40, help="approximate: random words per user message")
-    serve = p.add_argument_group("starting glmflash (agent workload): cache on and off")
+    serve = p.add_argument_group("starting glmflash (the agent workload: cache on and off)")
     serve.add_argument("--serve", metavar="MODEL", help="snapshot directory / model id, or 'tiny'; replaces --base-url")
     serve.add_argument("--device", default="cpu", help="cuda or cpu, for the started server")
     serve.add_argument("--dtype", help="passed to glmflash serve (default: its own)")
@@ -128,8 +128,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if not (args.base_url or args.serve):
         p.error("one of --base-url or --serve is required")
-    if args.serve and args.workload != "agent":
-        p.error("--serve runs the agent workload (cache on and off): add --workload agent")
     args.levels = [int(c) for c in args.concurrency.split(",")]
     args.command = shlex.join(["python", "ops/bench_serve.py", *(sys.argv[1:] if argv is None else argv)])
     return args
@@ -563,7 +561,11 @@ def main(argv: list[str] | None = None) -> int:
         if args.json_out:
             write_json(args.json_out, report)
         return 1 if any(run["failed"] for run in report["runs"]) else 0
-    report = asyncio.run(run(args))
+    if args.serve:  # one started server, its defaults (the prefix cache on: the random prompts share nothing)
+        with started_server(args, prefix_cache=True) as args.base_url:
+            report = asyncio.run(run(args))
+    else:
+        report = asyncio.run(run(args))
     print(f"# {report['command']}")
     print(table(report["levels"]))
     print("\n".join(kv_lines(report) + notes(report)))

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The serving figures measured on a CUDA machine, in one run cut at BUDGET_S seconds (default 540), from the
-# repository root:  bash ops/gpu_serving.sh OUT_DIR [tests] [boot] [serve] [soak]   (default: the first three, in
-# this order)
+# repository root:  bash ops/gpu_serving.sh OUT_DIR [tests] [boot] [serve] [long] [soak]   (default: the first three,
+# in this order)
 # tests: the prefix cache, structured output, the compiled-kernel manifest, fla's shipped configs and the KDA
 #        kernels on CUDA:
 #          python3 -m pytest -q tests/gpu/test_prefix_cache_cuda.py tests/gpu/test_structured_cuda.py \
@@ -19,6 +19,11 @@
 #          python3 ops/bench_serve.py --workload agent --serve WORK_DIR/slice --device cuda $AGENT_ARGS
 #          python3 ops/bench_structured.py --model WORK_DIR/slice --device cuda --dtype bfloat16 --batch 1 16
 #        (the release's vocabulary: the masks' size; the tiny model's without a slice)
+# long:  TTFT and decode of an ~8k-token prompt through HTTP on the slice (1,400 random words, ~5.9 tokens a word
+#        with the slice's byte-level tokenizer; 3 requests one at a time, 128 tokens each; the server's defaults
+#        but max_model_len 12,288):
+#          python3 ops/bench_serve.py --serve WORK_DIR/slice --device cuda --concurrency 1 --requests-per-level 3 \
+#              --prompt-tokens 1400 --max-tokens 128 --endpoint completions --ignore-eos
 # soak:  SOAK_S seconds (default 300) at 32 concurrent streams of mixed kinds and lengths on the slice, 10% of the
 #        clients leaving mid-stream, then SIGTERM with requests in flight (the server starts from the boot part's
 #        prepared snapshot where there is one):
@@ -40,13 +45,13 @@
 # DEVICE=cpu checks the script on a CPU machine (with SLICE_GIB=0.3: the smallest slice, 2.8 GiB; AGENT_ARGS,
 # STRUCTURED_ARGS to shrink the workloads). Wheels the machine lacks: see ops/gpu_env.sh. OUT_DIR gets run.log
 # (all that is printed), env.log, tests.log, boot.log, serve.log, soak.log, agent.json, structured.json, soak.json,
-# server-logs.tgz
+# long.json, server-logs.tgz
 # (the output of each server bench_boot and bench_serve started) and kernels.tgz (the boot's kernel manifest,
 # Triton's autotuning results and a list of its cache's files).
 set -uo pipefail
 out=${1:?output directory}; shift
 parts=${*:-tests boot serve}
-for part in $parts; do [[ " tests boot serve soak " == *" $part "* ]] || { echo "unknown part: $part" >&2; exit 2; }; done
+for part in $parts; do [[ " tests boot serve long soak " == *" $part "* ]] || { echo "unknown part: $part" >&2; exit 2; }; done
 mkdir -p "$out"
 budget=${BUDGET_S:-540} start=$(date +%s); deadline=$((start + budget))
 exec > >(tee -a "$out/run.log") 2>&1
@@ -101,7 +106,8 @@ rm -rf "$work/logs"  # the servers' own logs of this run (server-logs.tgz)
 soak_s=${SOAK_S:-300}
 [ -n "${EXPERT_BUDGET_GIB:-}" ] && export GLMFLASH_MOE_VRAM_BUDGET_GIB=$EXPERT_BUDGET_GIB
 reserve_soak=$(has soak && echo $((soak_s + 90)) || echo 0)  # its start, the soak, the drain
-reserve_serve=$(( $(has serve && echo 130 || echo 0) + reserve_soak ))
+reserve_long=$(has long && echo 120 || echo 0)
+reserve_serve=$(( $(has serve && echo 130 || echo 0) + reserve_long + reserve_soak ))
 reserve_boot=$(has boot && echo 200 || echo 0)
 
 if has tests; then
@@ -161,6 +167,18 @@ if has serve; then
   step 120 0 "$out/serve.log" python3 ops/bench_structured.py $model_arg --device "$device" --dtype "$dtype" \
     $structured_args --json "$out/structured.json"
 fi
+if has long; then
+  echo "### long"
+  if [ -e "$slice/model.safetensors.index.json" ]; then
+    step 200 "$reserve_soak" "$out/long.log" python3 ops/bench_serve.py --serve "$slice" --device "$device" \
+      --serve-env "GLMFLASH_CACHE_DIR=$cache" --serve-env GLMFLASH_MAX_MODEL_LEN=12288 --server-log "$work/logs" \
+      --concurrency 1 --requests-per-level 3 --prompt-tokens 1400 --max-tokens 128 --endpoint completions \
+      --ignore-eos --json "$out/long.json"
+  else
+    echo "no slice in $slice: run the boot part first" | tee -a "$out/long.log"
+  fi
+fi
+
 if has soak; then
   echo "### soak"
   if [ -e "$slice/model.safetensors.index.json" ]; then

@@ -209,3 +209,19 @@ def test_agent_report_when_every_cache_off_request_failed(tmp_path: Path, monkey
     assert rc == 1 and (on["ok"], off["failed"], off["prefill_tokens_computed"]) == (2, 2, 0)
     printed = capsys.readouterr().out
     assert printed.startswith("# measured run=cache_on") and "compare computed_drop" not in printed
+
+
+def test_random_workload_starts_glmflash_once(tmp_path: Path) -> None:
+    """`--serve` with the random workload: one glmflash started, the levels run against it, the prompts' usage
+    counted (long prompts through HTTP: TTFT and decode)."""
+    out = tmp_path / "long.json"
+    rc = bench.main(["--serve", "tiny", "--device", "cpu", "--concurrency", "1", "--requests-per-level", "2",
+                     "--prompt-tokens", "300", "--max-tokens", "4", "--endpoint", "completions", "--ignore-eos",
+                     "--serve-env", f"GLMFLASH_CACHE_DIR={tmp_path / 'cache'}", "--server-log", str(tmp_path / "logs"),
+                     "--json", str(out)])
+    report = json.loads(out.read_text())
+    (level,) = report["levels"]
+    assert rc == 0 and level["ok"] == 2 and level["failed"] == 0
+    assert level["output_tokens"] == 8 and level["ttft_p50_ms"] > 0 and level["prompt_tokens_mean"] > 300
+    assert report["url"].startswith("http://127.0.0.1:")
+    assert [p.name for p in (tmp_path / "logs").iterdir()] == ["serve-cache-on.log"]
