@@ -36,7 +36,7 @@ from engine.config import ModelConfig
 from engine.mtp_drafter import DraftStats
 from engine.options import EngineOptions
 from engine.tiny.factory import synthetic_weights, unplaced_expert_layers
-from ops.bench_decode import auto_slots, weight_bytes
+from ops.bench_decode import auto_slots, prefill_tok_s, weight_bytes
 from ops.bench_engine import bench_config, sync
 
 ACCEPTANCE = (0.5, 0.7, 0.9, 1.0)
@@ -140,7 +140,8 @@ def build_engine(args: argparse.Namespace, cfg: ModelConfig, device: torch.devic
     """The one engine every mode runs (speculative_tokens: the largest k), resident or under hybrid offload
     (`--expert-slots`: the MTP layer's experts placed like the others' where stored alike, else resident); and
     what its placement was."""
-    options = dict(prefix_cache=False, max_num_seqs=max(args.batches), max_model_len=args.prompt + args.tokens + 16,
+    longest = max(args.prompt + args.tokens, args.prefill + 1)
+    options = dict(prefix_cache=False, max_num_seqs=max(args.batches), max_model_len=longest + 16,
                    speculative_tokens=max(args.drafts), measured_draft_length=False)
     slots, placement = None, {}
     if args.expert_slots is not None:
@@ -201,9 +202,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 row[f"k{k}_tok_s_at_{a}"] = batch * steps / verify_s
         print(" ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()), flush=True)
         results.append(row)
+    prefill = {}
+    if args.prefill:  # the same engine: a whole model is built once for both
+        with engine_mode(llm, None):
+            prefill = {f"prefill{args.prefill}_tok_s": prefill_tok_s(llm, args.prefill, device)}
+        print(" ".join(f"{k}={v:.1f}" for k, v in prefill.items()), flush=True)
     return {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu", "layers": cfg.num_layers,
             "format": args.format, "dtype": args.dtype, "tokens": args.tokens, "prompt": args.prompt,
-            **placement, "results": results}
+            **placement, **prefill, "results": results}
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -223,6 +229,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--expert-slots", help="hybrid offload: routed experts a MoE layer keeps on the device "
                                                "(a number, or auto: what the memory plan leaves)")
     parser.add_argument("--warm-tokens", type=int, default=4, help="tokens of the warm-up run in each mode")
+    parser.add_argument("--prefill", type=int, default=0, help="after the table, prefill tok/s of one prompt this "
+                        "long on the same engine (2,048-token chunks; 0: none)")
     parser.add_argument("--json")
     args = parser.parse_args(argv)
     report = run(args)

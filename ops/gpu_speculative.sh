@@ -6,7 +6,8 @@
 # bench: the cost table: decode against drafting and k = 1, 2, 3 verify steps on the resident 8-layer slice at
 #        batch 1 and 4, with tok/s at forced acceptance rates (verdicts forced) (ops/bench_speculative.py);
 # whole: the same for the whole model (45 layers) under hybrid offload, the memory plan's automatic placement
-#        (the NVFP4 release's MTP layer keeps its FP8-block experts on the device).
+#        (the NVFP4 release's MTP layer keeps its FP8-block experts on the device), then on the same engine the
+#        prefill of an 8,192-token prompt in 2,048-token chunks (the host banks' copies a layer ahead).
 # PART_TIMEOUT (seconds, default 560) bounds the part, so that two parts fit one call.
 # Wheels the machine lacks: see ops/gpu_env.sh.
 set -uo pipefail
@@ -23,6 +24,6 @@ case "$part" in
            --tokens 64 --json "$out/speculative.json" ;;
   whole) python3 setup.py -q build_ext --inplace > "$out/build.log" 2>&1 || { tail -20 "$out/build.log"; exit 1; }
          timeout "${PART_TIMEOUT:-560}" python3 -m ops.bench_speculative --device cuda --layers 45 --expert-slots auto --batches 1,4 \
-           --drafts 1,2,3 --acceptance 0.5,0.7,0.9 --tokens 48 --warm-tokens 32 --json "$out/speculative_whole.json" ;;
+           --drafts 1,2,3 --acceptance 0.5,0.7,0.9 --tokens 48 --warm-tokens 32 --prefill 8192 --json "$out/speculative_whole.json" ;;
   *) echo "unknown part: $part"; exit 2 ;;
 esac

@@ -15,8 +15,9 @@ from ops import bench_speculative as bench
 def test_tiny_run_reports_each_acceptance(tmp_path, hybrid):
     report = bench.main(["--device", "cpu", "--tiny", "--dtype", "float32", "--format", "bf16", "--tokens", "6",
                          "--prompt", "12", "--batches", "1,2", "--drafts", "1,2", "--acceptance", "0,1", "--json",
-                         str(tmp_path / "r.json"), *hybrid])
+                         str(tmp_path / "r.json"), "--prefill", "40", *hybrid])
     assert report.get("expert_slots_per_layer") == (2 if hybrid else None)
+    assert isinstance(report["prefill40_tok_s"], float)  # a prompt longer than the table's, on the same engine
     assert json.loads((tmp_path / "r.json").read_text()) == report
     assert [row["batch"] for row in report["results"]] == [1, 2]
     keys = {"decode_ms_per_step", "decode_tok_s", "eager_decode_ms_per_step", "drafting_ms_per_step",
