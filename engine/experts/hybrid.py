@@ -156,7 +156,7 @@ class HybridExperts:
             for entry, expert in enumerate(self.hosted[layer]):
                 if expert is not None:
                     self.entry_of[i, expert] = entry
-        self.entry_on_device = self.entry_of.to(device)  # the same map, for the device's share of the misses
+        self.entry_on_device = self.entry_of.to(device)  # the same map, for the device's picks of the misses
         self._slot_of_host = self.slot_of.cpu()  # what commits change, then copied to the device whole
         self.pcie_percent = 0
         self._percent_on_device = torch.zeros((), dtype=torch.long, device=device)  # what the device's pick reads
@@ -338,7 +338,7 @@ class HybridExperts:
         dense = shared_expert() if shared_expert is not None else None
         self._stats.device_pairs += expert_ids.numel() - missed.numel()
         if fetch:
-            entries = self.entry_of[index].to(x.device)[expert_ids.flatten()[missed]]
+            entries = self.entry_on_device[index][expert_ids.flatten()[missed]]  # no map copied a call
             out.index_add_(0, rows, self.bank(layer, self.host[layer], x, rows, entries, weights.flatten()[missed]))
             following = self._next_layer.get(layer)
             if following is not None and self.prefetch_banks:  # the same batch reaches it next: its bank too

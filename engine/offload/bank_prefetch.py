@@ -44,10 +44,6 @@ class BankPrefetch:
         self._ready: torch.cuda.Event | None = None  # the held bank's copy
         self._read: torch.cuda.Event | None = None  # the device's last read of the buffer
 
-    @property
-    def nbytes(self) -> int:
-        return sum(s.nbytes() for s in self.buffer)
-
     def load(self, layer: int, host: Stacks) -> None:
         """Queue the copy of `layer`'s host bank into the buffer, after the device's last read of it."""
         self.held, self.loads = layer, self.loads + 1
