@@ -8,7 +8,9 @@ import logging
 import os
 from pathlib import Path
 
-from engine.loading import prepared_files
+# Nothing imported before the readahead starts may import torch (seconds of import with the disk idle):
+# tests/worker/test_cli.py checks it.
+from engine.checkpoint.prepared_store import prepared_files
 from provision.cache import PREPARED_DIRNAME, model_home
 from provision.readahead import snapshot_files, start_readahead
 from worker.compile_cache import seed_prebuilt_kernels, use_compile_cache
@@ -39,17 +41,17 @@ def main(argv: list[str] | None = None) -> None:
         overrides["s3_uri"] = overrides.pop("model")
     settings = Settings(**overrides)
     logging.basicConfig(level=settings.log_level, format="%(asctime)s level=%(levelname)s logger=%(name)s %(message)s")
+    spec = settings.model_source  # none: the embedded tiny model, nothing worth reading ahead
+    if spec:  # what the load will read first, while torch and the engine import (the kernels' seeding among them)
+        files = (prepared_files(model_home(settings.cache_dir, spec, settings.model_revision) / PREPARED_DIRNAME)
+                 or snapshot_files(Path(spec)))
+        logging.getLogger("glmflash.cli").info("event=readahead files=%d bytes=%d", len(files),
+                                               start_readahead(files))
     triton_dir = use_compile_cache(settings.cache_dir)  # before the engine's kernels are defined
     seeded = seed_prebuilt_kernels(settings.prebuilt_kernels, triton_dir)
     logging.getLogger("glmflash.cli").info("event=compile_cache dir=%s autotuning=%s prebuilt=%s seeded=%d",
                                            triton_dir, os.environ["TRITON_CACHE_AUTOTUNING"],
                                            settings.prebuilt_kernels, seeded)
-    spec = settings.model_source  # none: the embedded tiny model, nothing worth reading ahead
-    if spec:  # what the load will read first, during the imports below
-        files = (prepared_files(model_home(settings.cache_dir, spec, settings.model_revision) / PREPARED_DIRNAME)
-                 or snapshot_files(Path(spec)))
-        logging.getLogger("glmflash.cli").info("event=readahead files=%d bytes=%d", len(files),
-                                               start_readahead(files))
     from engine.cpu_cores import cap_torch_threads, quota_cores
 
     before, after = cap_torch_threads()
