@@ -20,11 +20,11 @@ from tokenizers import Tokenizer
 
 from engine.checkpoint.availability import ExpertAvailability
 from engine.checkpoint.layout import is_expert_stack
-from engine.checkpoint.loader import LoadedWeights, checkpoint_sizes, load_weights, open_weights
-from engine.checkpoint.prepared import (FORMAT_VERSION, engine_version, load_prepared, open_prepared, prepared_sizes,
-                                        save_prepared)
+from engine.checkpoint.loader import LoadedWeights, checkpoint_sizes, has_mtp_layer, load_weights, open_weights
+from engine.checkpoint.prepared import (FORMAT_VERSION, below_layer, engine_version, holds_layer, load_prepared,
+                                        open_prepared, prepared_sizes, save_prepared)
 from engine.checkpoint.prepared_store import (PreparedPlan, PreparedSnapshotError, check_prepared, discard_prepared,
-                                              invalidate_prepared, prepared_files, read_plan)
+                                              invalidate_prepared, read_plan)
 from engine.config import ModelConfig
 from engine.engine_core import EngineCore
 from engine.memory_plan import MemoryPlan, plan_memory
@@ -33,7 +33,7 @@ from engine.warm_up import start_warm_up
 
 __all__ = ["DTYPES", "ExpertAvailability", "LoadedModelWeights", "PreparedSnapshotError", "PreparedWrite",
            "discard_prepared", "engine_version", "invalidate_prepared", "load_checkpoint", "load_engine",
-           "load_prepared_snapshot", "prepared_files", "prepared_problems", "prepared_source"]
+           "load_prepared_snapshot", "prepared_problems", "prepared_source"]
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -57,13 +57,15 @@ def load_prepared_snapshot(prepared: Path, files: Path, device: torch.device, dt
     expert piece found damaged after the load returned."""
     config = ModelConfig.from_dir(files)
     start_warm_up(config, device, DTYPES[dtype], options.kernels_file, options.precompile_processes)
-    plan = plan_memory(config, options, device, DTYPES[dtype], prepared_sizes(read_plan(prepared).meta))
+    layers = None if _runs_mtp(options, partial) else config.num_layers  # an MTP layer nothing runs stays unread
+    plan = plan_memory(config, options, device, DTYPES[dtype],
+                       prepared_sizes(below_layer(read_plan(prepared).meta, layers)))
     experts = None
     if partial:
         weights, stats, experts = open_prepared(prepared, device, workers, expert_slots=plan.expert_slots,
-                                                on_damaged=on_damaged)
+                                                on_damaged=on_damaged, layers=layers)
     else:
-        weights, stats = load_prepared(prepared, device, workers, expert_slots=plan.expert_slots)
+        weights, stats = load_prepared(prepared, device, workers, expert_slots=plan.expert_slots, layers=layers)
     return LoadedModelWeights(config, weights, plan, experts, stats.bytes, stats.gb_per_s)
 
 
@@ -73,7 +75,7 @@ def load_checkpoint(files: Path, device: torch.device, dtype: str, options: Engi
     `progress(done_bytes, total_bytes)` follows the reads."""
     config = ModelConfig.from_dir(files)
     start_warm_up(config, device, DTYPES[dtype], options.kernels_file, options.precompile_processes)
-    sizes = checkpoint_sizes(files, config, mtp=options.drafts_on and not partial)  # a partial load reads no MTP
+    sizes = checkpoint_sizes(files, config, mtp=_runs_mtp(options, partial))
     plan = plan_memory(config, options, device, DTYPES[dtype], sizes)
     read = [0]
 
@@ -87,7 +89,7 @@ def load_checkpoint(files: Path, device: torch.device, dtype: str, options: Engi
         weights, experts = open_weights(files, config, device, DTYPES[dtype], plan.expert_slots, workers, count)
     else:
         weights = load_weights(files, config, device, DTYPES[dtype], plan.expert_slots, workers, count,
-                               mtp=options.drafts_on)
+                               mtp=_runs_mtp(options, partial))
     return LoadedModelWeights(config, weights, plan, experts, read[0])
 
 
@@ -102,10 +104,25 @@ def load_engine(model: str | Path, device: str = "cpu", dtype: str = "bfloat16",
     return EngineCore(loaded.config, loaded.weights, options, tokenizer, plan=loaded.plan)
 
 
-def prepared_problems(prepared: Path) -> list[str]:
-    """Why the prepared snapshot at `prepared` cannot be read by this engine (empty: it can). Cheap: listings,
-    sizes and versions, no data read."""
-    return check_prepared(prepared, FORMAT_VERSION, engine_version())
+def prepared_problems(prepared: Path, files: Path, options: EngineOptions, partial: bool = False) -> list[str]:
+    """Why the prepared snapshot at `prepared` cannot serve this start (empty: it can): unreadable by this engine,
+    or written without the MTP layer that drafts need while the checkpoint at `files` has one (a start with drafts
+    off wrote it; the next cold start writes it with the layer). Cheap: listings, sizes, versions and safetensors
+    headers, no data read."""
+    problems = check_prepared(prepared, FORMAT_VERSION, engine_version())
+    if problems or not _runs_mtp(options, partial):
+        return problems
+    config = ModelConfig.from_dir(files)
+    if config.num_mtp_layers and not holds_layer(read_plan(prepared).meta, config.num_layers) and \
+            has_mtp_layer(files, config):
+        return [f"{prepared}: written without the MTP layer (layer {config.num_layers}) that drafts need"]
+    return []
+
+
+def _runs_mtp(options: EngineOptions, partial: bool) -> bool:
+    """Whether a load brings the MTP layer: where drafts are on, and the load is whole (one that readies before its
+    routed experts are in reads none: engine/build.py's `mtp_drafter`)."""
+    return options.drafts_on and not partial
 
 
 def prepared_source(prepared: Path) -> dict | None:

@@ -33,6 +33,7 @@ from engine.loading import (ExpertAvailability, LoadedModelWeights, PreparedSnap
                             discard_prepared, invalidate_prepared, load_checkpoint, load_prepared_snapshot,
                             prepared_problems, prepared_source)
 from engine.memory_plan import MemoryPlan
+from engine.options import EngineOptions
 from engine.tiny.factory import write_tiny_model
 from provision.cache import PREPARED_DIRNAME, check_snapshot, model_home
 from provision.download import DownloadProgress, download_snapshot
@@ -143,10 +144,10 @@ def provision_and_load(settings: Settings, clock: StageClock) -> LoadedModel:
                         endpoint_url=settings.s3_endpoint_url, workers=settings.download_workers)
     files = source.root if isinstance(source, LocalSource) else home / "snapshot"
     wanted = {"spec": spec, "revision": settings.model_revision, "dtype": dtype}
-    problems = _resume_problems(source, files, prepared, wanted)
-    rss_before = _rss_gib()
     options = engine_options(settings, kernels_file=kernels_file)
     partial = settings.ready_at == "partial"
+    problems = _resume_problems(source, files, prepared, wanted, options, partial)
+    rss_before = _rss_gib()
     if not problems:
         clock.stage("fast_resume")
         clock.stage("load", path=str(prepared))
@@ -223,8 +224,10 @@ def _fetch(source: Source, files: Path, settings: Settings, clock: StageClock) -
     return status.manifest.source
 
 
-def _resume_problems(source: Source, files: Path, prepared: Path, wanted: dict) -> list[str]:
-    """Why fast_resume cannot be taken (empty: it can). Cheap: listings, sizes and versions, no data read."""
+def _resume_problems(source: Source, files: Path, prepared: Path, wanted: dict, options: EngineOptions,
+                     partial: bool) -> list[str]:
+    """Why fast_resume cannot be taken (empty: it can). Cheap: listings, sizes, versions and headers, no data
+    read."""
     if isinstance(source, LocalSource):
         identity = source.describe()
     else:
@@ -232,7 +235,7 @@ def _resume_problems(source: Source, files: Path, prepared: Path, wanted: dict) 
         if not status.ok or status.manifest is None:
             return [f"snapshot {status.state}: {'; '.join(status.problems[:2]) or files}"]
         identity = status.manifest.source
-    problems = prepared_problems(prepared)
+    problems = prepared_problems(prepared, files, options, partial)
     if problems:
         return problems
     recorded, want = prepared_source(prepared), {**wanted, "files": identity.to_dict()}

@@ -105,6 +105,17 @@ def checkpoint_sizes(snapshot: Path, cfg: ModelConfig, mtp: bool = False) -> Wei
     return WeightBytes(sum(t.nbytes for _, t in named), experts, len(formats) - len(whole))
 
 
+def has_mtp_layer(snapshot: Path, cfg: ModelConfig) -> bool:
+    """Whether the checkpoint stores the MTP layer its config declares, from the safetensors headers alone (the
+    nvidia ModelOpt build declares one and stores none)."""
+    if not cfg.num_mtp_layers:
+        return False
+    first = f"layers.{cfg.num_layers}."
+    layers = cfg.num_layers + cfg.num_mtp_layers
+    return any((name := logical_name(t.key, layers)) is not None and name.startswith(first)
+               for path in shard_files(snapshot) for t in read_header(path))
+
+
 def logical_name(key: str, num_layers: int) -> str | None:
     """The layout name for a checkpoint key, or None for tensors the model does not use (`num_layers`: the
     layers to load, the MTP layers among them when they are wanted)."""

@@ -8,8 +8,10 @@ grouped first so they can be resident before any expert.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
+import re
 import threading
 from contextlib import nullcontext
 from importlib import metadata
@@ -30,6 +32,7 @@ from engine.checkpoint.prepared_store import (PIECE_BYTES, PreparedPlan, Prepare
 FORMAT_VERSION = 3  # 2: pieces checksummed with CRC-32 instead of BLAKE2b; 3: the vision tower kept too
 FIELDS = {"tensor": ("data",), "dense": ("data",), "fp8_block": ("data", "scale_inv"),
           "nvfp4": ("packed", "scale", "global_scale")}
+_LAYER_NAME = re.compile(r"^layers\.(\d+)\.")
 DTYPES = {str(d).removeprefix("torch."): d for d in (torch.float32, torch.bfloat16, torch.float16, torch.uint8,
                                                      torch.float8_e4m3fn, torch.int64)}
 
@@ -60,6 +63,21 @@ def _tensor(weight, field: str) -> torch.Tensor:
 def _layer(name: str) -> int:
     """The layer index of a `layers.N.*` weight name."""
     return int(name.split(".")[1])
+
+
+def below_layer(meta: dict, layers: int | None) -> dict:
+    """The recorded layout less every `layers.N.*` weight with N >= `layers`: a snapshot's MTP layers, for a load
+    that runs none (None: the whole layout)."""
+    if layers is None:
+        return meta
+    return {**meta, "weights": {name: record for name, record in meta["weights"].items()
+                                if (m := _LAYER_NAME.match(name)) is None or int(m.group(1)) < layers}}
+
+
+def holds_layer(meta: dict, layer: int) -> bool:
+    """Whether the recorded layout has weights of layer `layer` (an MTP layer: the snapshot was written with
+    drafts on)."""
+    return any(name.startswith(f"layers.{layer}.") for name in meta["weights"])
 
 
 def describe(weights: LoadedWeights) -> dict:
@@ -233,12 +251,13 @@ def save_prepared(weights: LoadedWeights, directory: Path, extra_meta: dict | No
 
 
 def load_prepared(directory: Path, device: torch.device | str = "cpu", workers: int = 8,
-                  verify: bool = True, expert_slots: int | None = None) -> tuple[LoadedWeights, ReadStats]:
+                  verify: bool = True, expert_slots: int | None = None,
+                  layers: int | None = None) -> tuple[LoadedWeights, ReadStats]:
     """Read a prepared snapshot into its final buffers: host memory directly, or GPU memory through one
     pinned 64 MiB staging buffer per reader thread (the host never holds more than those). With
     `expert_slots` each routed expert goes straight to its place, a device slot or the host bank (see
-    `allocate`)."""
-    plan = _plan(directory)
+    `allocate`). With `layers`, the weights of layers from that index on (MTP layers) are left unread."""
+    plan = _plan(directory, layers)
     weights, buffers = allocate(plan.meta, device, expert_slots)
     reader = _RegionReader(directory, plan, torch.device(device), buffers, verify)
     return weights, reader.read(plan.regions, workers, reader.staging(workers))
@@ -246,15 +265,15 @@ def load_prepared(directory: Path, device: torch.device | str = "cpu", workers: 
 
 def open_prepared(directory: Path, device: torch.device | str = "cpu", workers: int = 8, verify: bool = True,
                   expert_slots: int | None = None,
-                  on_damaged: Callable[[PreparedSnapshotError], None] = lambda error: None,
+                  on_damaged: Callable[[PreparedSnapshotError], None] = lambda error: None, layers: int | None = None,
                   ) -> tuple[LoadedWeights, ReadStats, ExpertAvailability]:
     """`load_prepared` for early readiness: the non-expert weights are read now; the routed expert stacks are
     allocated in their places and left to fill, one checksummed piece a unit (`ExpertAvailability`).
 
     An expert piece found damaged then (by the fill or a step) is past the point where the load could fall
     back to the checkpoint: `on_damaged(error)` runs in the reading thread, before the error reaches the reader,
-    so the snapshot's owner can keep later starts from trusting it."""
-    plan = _plan(directory)
+    so the snapshot's owner can keep later starts from trusting it. `layers` as for `load_prepared`."""
+    plan = _plan(directory, layers)
     weights, buffers = allocate(plan.meta, device, expert_slots, zero_device_experts=True)
     reader = _RegionReader(directory, plan, torch.device(device), buffers, verify)
     is_expert = {r.key: is_expert_stack(r.key.partition("#")[0]) for r in plan.regions}
@@ -284,11 +303,16 @@ def open_prepared(directory: Path, device: torch.device | str = "cpu", workers: 
     return weights, stats, ExpertAvailability(units, layers, count)
 
 
-def _plan(directory: Path) -> PreparedPlan:
+def _plan(directory: Path, layers: int | None = None) -> PreparedPlan:
+    """The snapshot's plan, less the weights of layers from `layers` on (their regions left unread)."""
     plan = read_plan(directory)
     if plan is None:
         raise FileNotFoundError(f"{directory}: no prepared snapshot")
-    return plan
+    if layers is None:
+        return plan
+    meta = below_layer(plan.meta, layers)
+    return dataclasses.replace(plan, meta=meta,
+                               regions=[r for r in plan.regions if r.key.partition("#")[0] in meta["weights"]])
 
 
 class _RegionReader:

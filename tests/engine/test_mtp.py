@@ -17,12 +17,16 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from engine.cache import PagedLatents, RequestSlots
-from engine.checkpoint.loader import load_weights
-from engine.checkpoint.prepared import load_prepared, save_prepared
+from engine.checkpoint.loader import has_mtp_layer, load_weights
+from engine.checkpoint.prepared import below_layer, load_prepared, prepared_sizes, save_prepared
+from engine.checkpoint.prepared_store import read_plan
 from engine.config import ModelConfig
 from engine.experts import default_executor
+from engine.loading import prepared_problems
 from engine.model.batch import DecodeMeta, ForwardBatch, SeqSpan
 from engine.model.mtp import MtpLayer, with_mtp_cache
+from engine.options import EngineOptions
+from engine.weights import tensor_fields
 from engine.tiny.factory import write_tiny_model
 from tests.engine.conftest import dequantized_copy, load_reference, random_prompt
 from tests.engine.test_bf16 import FACTOR, rel_error
@@ -87,6 +91,36 @@ def test_a_checkpoint_without_it_loads_and_says_so(snapshots, caplog):
         weights = load_weights(snapshot, cfg, "cpu", torch.float32, mtp=True)
     assert "event=mtp present=0" in caplog.text
     assert not any(k.startswith(f"layers.{MTP}.") for k in weights)
+
+
+def test_a_prepared_snapshot_serves_a_start_with_or_without_drafts_as_its_layers_allow(snapshots, tmp_path):
+    """With the MTP layer, a start without drafts reads the snapshot less that layer (its bytes out of the memory
+    plan too); without it, a start that drafts is told to go cold, unless the checkpoint has none either."""
+    snapshot, modelopt = snapshots("nvfp4-ct"), snapshots("nvfp4-modelopt")
+    cfg = ModelConfig.from_dir(snapshot)
+    assert has_mtp_layer(snapshot, cfg) and not has_mtp_layer(modelopt, ModelConfig.from_dir(modelopt))
+    drafts, plain = EngineOptions(mtp_drafts=True), EngineOptions()
+    for name, mtp in (("with", True), ("without", False)):
+        save_prepared(load_weights(snapshot, cfg, "cpu", torch.float32, mtp=mtp), tmp_path / name)
+    assert prepared_problems(tmp_path / "with", snapshot, drafts) == []
+    assert prepared_problems(tmp_path / "with", snapshot, plain) == []
+    assert prepared_problems(tmp_path / "without", snapshot, plain) == []
+    assert prepared_problems(tmp_path / "without", snapshot, drafts, partial=True) == []  # early readiness: none
+    assert prepared_problems(tmp_path / "without", modelopt, drafts) == []
+    [problem] = prepared_problems(tmp_path / "without", snapshot, drafts)
+    assert f"without the MTP layer (layer {MTP})" in problem
+
+    meta = read_plan(tmp_path / "with").meta
+    bounded = below_layer(meta, cfg.num_layers)
+    assert set(bounded["weights"]) == {n for n in meta["weights"] if not n.startswith(f"layers.{MTP}.")}
+    assert prepared_sizes(bounded) == prepared_sizes(read_plan(tmp_path / "without").meta)
+    whole, _ = load_prepared(tmp_path / "with")
+    less, stats = load_prepared(tmp_path / "with", layers=cfg.num_layers)
+    assert set(less) == set(bounded["weights"]) and stats.bytes == prepared_sizes(bounded).total
+    for name, weight in less.items():
+        pairs = [(weight, whole[name])] if isinstance(weight, torch.Tensor) else \
+            [(getattr(weight, f), getattr(whole[name], f)) for f in tensor_fields(weight)]
+        assert all(torch.equal(a, b) for a, b in pairs), name
 
 
 def test_a_partial_mtp_layer_is_refused_naming_the_tensor(snapshots, tmp_path):

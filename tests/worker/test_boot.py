@@ -161,6 +161,29 @@ def test_wrong_hash_is_repaired(local_settings):
     assert boot_stages(local_settings) == FAST
 
 
+def test_drafts_turned_on_after_a_start_without_them_take_the_cold_path_once(tmp_path, capsys):
+    """A prepared snapshot written with drafts off has no MTP layer: a start that drafts goes cold (saying why) and
+    writes one with it; a start without drafts then reads that snapshot less the MTP layer (nothing unused in
+    memory)."""
+    src = write_tiny_model(tmp_path / "src", "nvfp4-ct", num_nextn_predict_layers=1)
+    off = Settings(model=str(src), cache_dir=tmp_path / "cache", device="cpu", dtype="float32")
+    on = off.model_copy(update={"mtp_drafts": True})
+    assert boot_stages(off) == COLD
+    capsys.readouterr()
+    clock = StageClock(300)
+    loaded = provision_and_load(on, clock)
+    assert [name for name, _ in clock.history] == COLD
+    cold = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("PROVISION_STAGE=cold"))
+    assert "without the MTP layer (layer 8) that drafts need" in cold
+    assert any(name.startswith("layers.8.") for name in loaded.weights)
+    loaded.prepare.write(workers=2)
+    for settings in (on, off):
+        clock = StageClock(300)
+        loaded = provision_and_load(settings, clock)
+        assert [name for name, _ in clock.history] == FAST
+        assert any(name.startswith("layers.8.") for name in loaded.weights) == settings.mtp_drafts
+
+
 def test_engine_version_change_takes_the_cold_path(local_settings):
     boot_stages(local_settings)
     plan_path = prepared_dir(local_settings) / PLAN_NAME
