@@ -44,6 +44,7 @@ import sys
 import tempfile
 import time
 import urllib.request
+from datetime import datetime
 from pathlib import Path
 
 from engine.checkpoint.loader import shard_files
@@ -145,7 +146,7 @@ def one_start(cache_dir: Path, flags: list[str], wait_prepared: bool, partial: b
         out_path = log_file
     result: dict = {}
     with out_path.open("w") as out:
-        start = time.perf_counter()
+        start, wall_start = time.perf_counter(), time.time()
         proc = subprocess.Popen([sys.executable, "-m", "worker.cli", "boot", "--host", "127.0.0.1", "--port",
                                  str(port), "--cache-dir", str(cache_dir), *flags], stdout=out,
                                 stderr=subprocess.STDOUT, text=True)
@@ -174,9 +175,31 @@ def one_start(cache_dir: Path, flags: list[str], wait_prepared: bool, partial: b
         out_path.unlink()
     stages = {m.group(1): float(m.group(2)) for m in re.finditer(r"PROVISION_STAGE=(\S+) elapsed_s=([\d.]+)", output)}
     load = re.search(r"PROVISION_STAGE=load .*?read_gb_s=([\d.]+)", output)
-    result.update(path="fast_resume" if "fast_resume" in stages else "cold", stages=stages, exit_code=proc.returncode,
+    result.update(path="fast_resume" if "fast_resume" in stages else "cold", stages=stages,
+                  events=critical_path(output, wall_start), exit_code=proc.returncode,
                   loader_gb_s=float(load.group(1)) if load else None)
     return result
+
+
+# What a start waits on, in its log: the events that mark the critical path, and the seconds each reports.
+PATH_EVENTS = ("readahead", "compile_cache", "listening", "memory_plan", "load_timing", "kernel_preload",
+               "warm_up_wait", "decode_graphs", "decode_probe", "prefill_warm_up", "kernel_compiles")
+EVENT_SECONDS = re.compile(r"\b(wall_s|waited_s|capture_s|seconds)=([\d.]+)")
+LOG_LINE = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) .*?\bevent=(\w+)(.*)$")
+
+
+def critical_path(output: str, wall_start: float) -> dict[str, str]:
+    """Each path event's first time in the log, in seconds from process start (the log's clock), with the
+    seconds it reports (`at+seconds`): where a start's time goes between the imports and ready."""
+    seen: dict[str, str] = {}
+    for line in output.splitlines():
+        match = LOG_LINE.match(line)
+        if match is None or match.group(2) not in PATH_EVENTS or match.group(2) in seen:
+            continue
+        at = datetime.strptime(match.group(1), "%Y-%m-%d %H:%M:%S,%f").timestamp() - wall_start
+        took = EVENT_SECONDS.search(match.group(3))
+        seen[match.group(2)] = f"{at:.2f}" + (f"+{float(took.group(2)):.2f}" if took else "")
+    return seen
 
 
 def report(path: str, raw: tuple[int, float], start: dict) -> None:
@@ -198,6 +221,8 @@ def report(path: str, raw: tuple[int, float], start: dict) -> None:
                     first_token_within_target=start["first_token_s"] <= PARTIAL_FIRST_TOKEN_S)
     print(" ".join(f"{k}={v}" for k, v in line.items()), flush=True)
     print("  stages: " + " ".join(f"{k}={v}" for k, v in start["stages"].items()), flush=True)
+    print("  events (s from process start+s taken): " + " ".join(f"{k}={v}" for k, v in start["events"].items()),
+          flush=True)
 
 
 def main() -> None:
