@@ -1,10 +1,12 @@
 # Sourced by the ops/gpu_*.sh scripts (from the repository root): wheels a CUDA machine without network lacks
-# are installed from .whl/ into /tmp/site; the repository and that folder go on PYTHONPATH; Python prints as it
+# are installed from .whl/ into /tmp/site (each built for the machine's Python where .whl holds wheels for several); the repository and that folder go on PYTHONPATH; Python prints as it
 # goes. A machine with torch and triton but nothing else of ours needs fla-core, transformers, llguidance,
 # pydantic, pydantic-core, pydantic-settings, annotated-types, typing-inspection, python-dotenv, jsonschema,
 # jsonschema-specifications, referencing, rpds-py, cryptography, cffi and pycparser.
 if compgen -G ".whl/*.whl" >/dev/null; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+  # By name, so pip takes each package's wheel for this machine's Python where .whl holds several.
+  python3 -m pip install -q --no-index --find-links .whl --no-deps --no-compile --no-cache-dir --upgrade \
+    --target /tmp/site $(ls .whl | sed -E 's/-[0-9].*//; s/_/-/g' | sort -u)
   export PYTHONPATH=/tmp/site:$PWD
 else
   export PYTHONPATH=$PWD

@@ -134,10 +134,13 @@ def _fp8_linear_kernel(a_ptr, a_s_ptr, w_ptr, w_s_ptr, out_ptr, M, N,
         k0 = split * K_SPLIT + step
         ks = k0 + tl.arange(0, QBLOCK)
         k_ok = ks < K
+        # The last split's steps may run past K (steps do not always divide evenly): there no block scale exists,
+        # so none is read (past a row's last, or the tensor's end) and the step adds 0.
+        inside = k0 < K
         a = tl.load(a_rows + ks[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
         b = tl.load(w_cols + ks[:, None], mask=k_ok[:, None] & col_ok[None, :], other=0.0)
-        b_scale = tl.load(w_scales + k0 // QBLOCK, mask=col_ok, other=0.0)
-        acc = fp8_block_step(acc, a, a_scales + k0 // QBLOCK, row_ok, b, b_scale, A_FP8, DOT_F32)
+        b_scale = tl.load(w_scales + k0 // QBLOCK, mask=col_ok & inside, other=0.0)
+        acc = fp8_block_step(acc, a, a_scales + k0 // QBLOCK, row_ok & inside, b, b_scale, A_FP8, DOT_F32)
     out = out_ptr + split.to(tl.int64) * stride_split + rows64[:, None] * stride_out + cols[None, :]
     tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
 

@@ -25,6 +25,7 @@ from engine.kernels.linear import torch_ref
 from engine.kernels.linear.triton_linear import DECODE_MAX_ROWS, linear, quantize_activations
 from engine.quant import dequantize_fp8_block, quantize_fp8_block, quantize_nvfp4
 from engine.weights import DenseWeight, Fp8BlockWeight, Nvfp4Weight
+from tests.engine.kernels.sm90 import assert_compiles_for_sm90
 
 E, D, I = 5, 192, 96  # D is 1.5 blocks, I 0.75 of one: both ragged
 LIMIT = 1.0  # gate and up are ~N(0, 1): the clamps cut a sixth of the gates and a third of the ups
@@ -165,6 +166,36 @@ def test_linear_fp8(n, k, t, dtype):
     else:
         assert rel_err(out, exact) < 3e-2
         assert rel_err(out, fake_quant(x) @ weight.dequantize(torch.float32).t()) < 1e-2
+
+
+@pytest.mark.parametrize("k,t,dtype", [(640, 1, torch.bfloat16), (1408, 70, torch.bfloat16), (640, 1, torch.float32)])
+def test_a_k_split_past_k_reads_no_scale_beyond_the_weights(k, t, dtype):
+    """When K's 128-wide steps do not divide evenly over the programs of a split K, the last program's steps run
+    past K: they must read no block scale there (past a row's last, or the tensor's end: NaN here, garbage or an
+    illegal address on a GPU) and add nothing. Shapes whose split overshoots with the interpreter's 4 SMs: decode
+    (W8A16) and prefill (fp8 activations)."""
+    weight = fp8_weight((128, k), seed=k)
+    rows, cols = weight.scale_inv.shape
+    padded = torch.full((rows, cols + 2), float("nan"))
+    padded[:, :cols] = weight.scale_inv
+    fenced = Fp8BlockWeight(weight.data, padded[:, :cols])
+    x = torch.randn(t, k, generator=torch.Generator().manual_seed(k)).to(dtype)
+    out = linear(x, fenced)
+    assert torch.isfinite(out).all()
+    assert torch.equal(out, linear(x, weight))
+
+
+@pytest.mark.parametrize("a_fp8", [True, False])
+def test_the_linear_kernel_compiles_for_sm90(a_fp8, tmp_path):
+    """Both builds (fp8 activations for prefill, W8A16 for decode) compile for the GPU: the interpreter takes code
+    the compiler would reject."""
+    a = "*fp8e4nv" if a_fp8 else "*bf16"
+    assert_compiles_for_sm90(f"""
+from engine.kernels.linear.triton_linear import _fp8_linear_kernel
+compile_for_sm90(_fp8_linear_kernel, dict(a_ptr="{a}", a_s_ptr="*fp32", w_ptr="*fp8e4nv", w_s_ptr="*fp32",
+                 out_ptr="*bf16"), dict(K=16384, K_SPLIT=5504, A_FP8={a_fp8}, DOT_F32=False, BM=128, BN=128), 8)
+print("compiled")
+""", tmp_path)
 
 
 def test_linear_keeps_leading_dims():
