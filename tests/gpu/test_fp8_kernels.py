@@ -141,6 +141,20 @@ def test_linear_ragged(t, dtype):
     check_linear(1000, 1500, t, dtype, seed=t)
 
 
+@pytest.mark.parametrize("n,k,t", [(4096, 16384, 1), (4096, 16384, 29), (4096, 16384, 131), (4096, 8192, 400)])
+def test_a_split_k_past_k_reads_no_scale_beyond_the_weights(n, k, t):
+    """The MTP layer's o_proj and eh_proj at row counts whose split K overshoots on an H100/H200 (132 SMs): with the
+    weight's block scales fenced by NaN, the output is finite and equal to the unfenced weight's (the overshoot
+    read past the scales: an illegal address at the whole model's shapes)."""
+    weight = random_fp8((n, k), seed=t)
+    rows, cols = weight.scale_inv.shape
+    padded = torch.full((rows, cols + 8), float("nan"), device="cuda")
+    padded[:, :cols] = weight.scale_inv
+    x = torch.randn(t, k, device="cuda", generator=torch.Generator(device="cuda").manual_seed(t)).bfloat16()
+    out = linear(x, Fp8BlockWeight(weight.data, padded[:, :cols]))
+    assert torch.isfinite(out).all() and torch.equal(out, linear(x, weight))
+
+
 def test_linear_dense_is_cublas():
     x = torch.randn(4, 4096, device="cuda", dtype=torch.bfloat16)
     w = torch.randn(1536, 4096, device="cuda", dtype=torch.bfloat16)
