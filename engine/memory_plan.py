@@ -26,7 +26,7 @@ log = logging.getLogger("glmflash.engine")
 
 AUTO = "auto"  # an expert budget of whatever device memory the other weights and the caches leave
 # Device memory kept beside the weights and caches, sized from the largest step the engine takes (a prefill
-# chunk of max_num_batched_tokens): its transient tensors (mHC streams, projections, the routed pairs' gate, up
+# chunk of max_num_batched_tokens, or of max_prefill_tokens where larger): its transient tensors (mHC streams, projections, the routed pairs' gate, up
 # and down outputs, the indexer's scores over the context), workspaces, the decode graphs' pool and allocator
 # slack. A fixed share of the device (8% before) kept ~11 GiB back on an H200, 8 GiB of it never used: ~11
 # expert slots a layer (ops/BENCHMARKS.md).
@@ -121,7 +121,7 @@ def plan_memory(config: ModelConfig, options: EngineOptions, device: torch.devic
             if options.prefix_cache else TierSize(0, 0)
 
     prefix_device, prefix_host = tier(options.prefix_cache_bytes), tier(options.prefix_cache_host_bytes)
-    reserve = reserve_bytes(options.max_num_batched_tokens, options.max_model_len)
+    reserve = reserve_bytes(options.largest_step, options.max_model_len)
     plan = MemoryPlan(request_pages, prefix_device, prefix_host, 0, reserve, None, None)
     meta = build_caches(config, options, plan, torch.device("meta"), dtype)
     caches = prefix_device.snapshots * state_bytes(held, options.page_size, dtype, options.fp8_latents) + sum(

@@ -13,6 +13,11 @@ class EngineOptions:
     max_num_seqs: int = 8
     max_model_len: int = 8192
     max_num_batched_tokens: int = 2048
+    # Tokens a step may take when no request is decoding (a lone long prompt, or prompts arriving together): under
+    # hybrid offload every prefill chunk brings each host expert over the link once, so a longer chunk spreads that
+    # copy over more tokens, while decoding requests keep steps of max_num_batched_tokens. None: the same budget.
+    # The memory plan reserves for the larger step.
+    max_prefill_tokens: int | None = None
     max_waiting: int = 256
     page_size: int = 64
     # The DSA latent cache (latents and the indexer's pooled keys; as vLLM's kv_cache_dtype): "auto" in the
@@ -50,6 +55,13 @@ class EngineOptions:
     def __post_init__(self) -> None:
         if self.kv_cache_dtype not in ("auto", "fp8"):
             raise ValueError(f"kv_cache_dtype must be 'auto' or 'fp8', got {self.kv_cache_dtype!r}")
+        if self.max_prefill_tokens is not None and self.max_prefill_tokens < 1:
+            raise ValueError(f"max_prefill_tokens must be at least 1, got {self.max_prefill_tokens}")
+
+    @property
+    def largest_step(self) -> int:
+        """Tokens of the largest step the engine takes (what its transient memory is reserved for)."""
+        return max(self.max_num_batched_tokens, self.max_prefill_tokens or 0, self.max_num_seqs)
 
     @property
     def fp8_latents(self) -> bool:

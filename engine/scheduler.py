@@ -2,7 +2,8 @@
 
 Every step first gives each decoding request its one token, then spends what is left of the
 budget on prefill chunks (requests already prefilling first, then newly admitted ones), so a
-long prompt never stalls running decodes. A prefill the prefix cache stops one token short, to snapshot
+long prompt never stalls running decodes; a step with no decoding request may take a larger budget
+(`max_prefill_tokens`: fewer, longer chunks for a lone long prompt). A prefill the prefix cache stops one token short, to snapshot
 there, runs on through its last token in the same step when the budget allows (its state is saved partway
 through the step); otherwise, a step where some prompt has only its last token left runs those tokens
 and the decodes alone: a one-token step is a decode step (a CUDA graph), so that request's first token
@@ -46,6 +47,13 @@ class SchedulerLimits:
     max_model_len: int = 8192
     max_num_batched_tokens: int = 2048  # tokens per forward step (decodes + prefill chunks)
     max_waiting: int = 256
+    max_prefill_tokens: int | None = None  # tokens per step when none of it decodes (None: max_num_batched_tokens)
+
+    def budget(self, decoding: bool) -> int:
+        """Tokens of the next step: a step with decoding requests keeps max_num_batched_tokens, so their next
+        tokens never wait on a longer chunk; one of prompts alone may take max_prefill_tokens."""
+        return self.max_num_batched_tokens if decoding or self.max_prefill_tokens is None else \
+            self.max_prefill_tokens
 
 
 class Scheduler:
@@ -90,9 +98,9 @@ class Scheduler:
         return StepPlan.of(plan, saves, started=started)
 
     def _plan(self) -> list[tuple[Sequence, int]]:
-        budget = self.limits.max_num_batched_tokens
         plan: dict[Sequence, int] = {}
         decoding = [s for s in self.running if s.num_to_compute == 1 and s.num_computed >= len(s.prompt_token_ids)]
+        budget = self.limits.budget(bool(decoding))
         prefilling = [s for s in self.running if s not in decoding]
         finishing = [s for s in prefilling if s.num_to_compute == 1]
         if finishing:  # prompts' last tokens (the prefix cache held them back for a snapshot)

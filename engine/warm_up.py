@@ -86,7 +86,7 @@ def warm_up_prefills(core: EngineCore) -> None:
     if core.has_work:
         raise RuntimeError("the prefill warm-up needs an idle engine")
     start = time.perf_counter()
-    longest = min(core.options.max_num_batched_tokens, core.options.max_model_len - 1)
+    longest = min(core.options.largest_step, core.options.max_model_len - 1)
     g = torch.Generator().manual_seed(0)
     with core.scheduler.prefix_cache_off():
         lengths = [longest]

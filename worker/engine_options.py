@@ -13,6 +13,7 @@ def engine_options(settings: Settings, miss_split_file: Path | None = None,
                    kernels_file: Path | None = None) -> EngineOptions:
     return EngineOptions(max_num_seqs=settings.max_num_seqs, max_model_len=settings.max_model_len,
                          max_num_batched_tokens=settings.max_num_batched_tokens, max_waiting=settings.max_queue,
+                         max_prefill_tokens=settings.max_prefill_tokens,
                          kv_cache_dtype=settings.kv_cache_dtype,
                          moe_vram_budget=settings.moe_vram_budget_bytes, cpu_expert_threads=settings.cpu_expert_threads,
                          cpu_expert_pin=settings.cpu_expert_pin,

@@ -112,6 +112,23 @@ def test_the_reserve_grows_with_the_largest_step():
     assert reserve_bytes(2048, 131072) - reserve_bytes(2048, 8192) == 2048 * (131072 - 8192) * 4
 
 
+def test_a_longer_lone_prefill_step_is_reserved_for_and_shrinks_the_auto_budget(config):
+    """max_prefill_tokens above max_num_batched_tokens is the largest step: the reserve follows it, and the
+    automatic expert budget gives up the difference; below, nothing changes."""
+    free = 64 << 30
+    weights = WeightBytes(1000, 0, len(config.moe_layers))
+    plans = {tokens: plan_memory(config, dataclasses.replace(SIZES, moe_vram_budget=AUTO, max_prefill_tokens=tokens),
+                                 torch.device("cuda"), torch.float32, weights, free)
+             for tokens in (None, 64, 1024)}
+    assert plans[64] == plans[None]
+    assert plans[None].reserve_bytes == reserve_bytes(SIZES.max_num_batched_tokens, SIZES.max_model_len)
+    assert plans[1024].reserve_bytes == reserve_bytes(1024, SIZES.max_model_len)
+    assert plans[None].expert_budget - plans[1024].expert_budget == \
+        plans[1024].reserve_bytes - plans[None].reserve_bytes
+    with pytest.raises(ValueError, match="max_prefill_tokens"):
+        EngineOptions(max_prefill_tokens=0)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8"])
 def test_the_caches_it_counts_are_the_ones_the_engine_allocates(config, dtype, kv_cache_dtype):

@@ -27,6 +27,30 @@ def test_long_prompt_does_not_stall_decodes(tiny_dir, prompt):
     assert plan == {"short": 1, "long": 15}
 
 
+def test_a_lone_prompt_takes_the_prefill_budget_and_a_step_with_decodes_does_not(tiny_dir, prompt):
+    """max_prefill_tokens: steps of prompts alone take up to it; once a request decodes, steps keep
+    max_num_batched_tokens, so its tokens never wait on the longer chunk. The output is the same either way."""
+    snapshot = tiny_dir("bf16")
+    engine = core(snapshot, max_num_seqs=4, max_num_batched_tokens=16, max_prefill_tokens=48, max_model_len=256,
+                  prefix_cache=False)  # no snapshot stops inside the prompt
+    long = Sequence("long", prompt(100, seed=2), GREEDY)
+    engine.add(long)
+    computed = []
+    while long.num_computed < 100:
+        engine.step()
+        computed.append(long.num_computed)
+    assert computed == [48, 96, 100]
+    engine.add(Sequence("next", prompt(60, seed=3), GREEDY))
+    plan = {span.seq.request_id: span.num_new for span in engine.scheduler.schedule().spans}
+    assert plan == {"long": 1, "next": 15}
+
+    prompts = [prompt(n, seed=n) for n in (100, 7, 41)]
+    lone = LLM(snapshot, dtype="float32", max_num_batched_tokens=8, max_prefill_tokens=64, max_num_seqs=3)
+    plain = LLM(snapshot, dtype="float32", max_num_batched_tokens=8, max_num_seqs=3)
+    assert [o.token_ids for o in lone.generate(prompts, GREEDY)] == \
+        [o.token_ids for o in plain.generate(prompts, GREEDY)]
+
+
 def test_chunked_generation_equals_unchunked(tiny_dir, prompt):
     snapshot = tiny_dir("bf16")
     prompts = [prompt(n, seed=n) for n in (70, 3, 33)]

@@ -76,3 +76,15 @@ def test_kernel_precompile_processes_reach_the_engine(monkeypatch):
     monkeypatch.setenv("GLMFLASH_KERNEL_PRECOMPILE_PROCESSES", "-1")
     with pytest.raises(ValidationError):
         Settings()
+
+
+def test_the_lone_prefill_budget_reaches_the_engine(monkeypatch):
+    from worker.engine_options import engine_options
+
+    monkeypatch.delenv("GLMFLASH_MAX_PREFILL_TOKENS", raising=False)
+    assert engine_options(Settings()).max_prefill_tokens is None  # the step budget's
+    monkeypatch.setenv("GLMFLASH_MAX_PREFILL_TOKENS", "8192")
+    assert engine_options(Settings()).max_prefill_tokens == 8192
+    monkeypatch.setenv("GLMFLASH_MAX_PREFILL_TOKENS", "0")
+    with pytest.raises(ValidationError, match="GLMFLASH_MAX_PREFILL_TOKENS"):
+        Settings()
