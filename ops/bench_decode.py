@@ -141,6 +141,8 @@ def main() -> None:
     parser.add_argument("--tiny", action="store_true", help="the tiny model's shapes (CPU smoke run)")
     parser.add_argument("--profile", action="store_true", help="print the top ops of one batch-1 decode step")
     parser.add_argument("--profile-prefill", type=int, help="print the top ops of a prefill of this many tokens")
+    parser.add_argument("--max-prefill-tokens", type=int, help="prefills in steps of this many tokens (a lone "
+                        "prompt's budget, decode steps keep 2,048; default: each prefill in one step)")
     parser.add_argument("--expert-slots", help="hybrid offload: routed experts per MoE layer kept in device memory "
                         "('auto': as many as fit), the rest in pinned host RAM (default: every expert on the device)")
     parser.add_argument("--max-expert-swaps", type=int, default=4, help="hybrid: experts moved into device slots "
@@ -177,11 +179,14 @@ def main() -> None:
     start = time.perf_counter()
     hybrid = args.expert_slots is not None
     max_len = max(contexts + prefills) + args.steps + (SETTLE_MAX_STEPS if hybrid else 0) + 8
-    max_batched = max(prefills + [2048])
+    # Each prefill in one step, or with --max-prefill-tokens in steps of that many (a lone prompt's budget; steps
+    # with decodes keep 2,048): the serving path's chunks of a long prompt.
+    max_batched = 2048 if args.max_prefill_tokens else max(prefills + [2048])
     slots = None
     if hybrid:
         memory = EngineOptions(max_num_seqs=max(batches + [1]), max_model_len=max_len,
-                               max_num_batched_tokens=max_batched, prefix_cache=False)  # as the LLM below
+                               max_num_batched_tokens=max_batched, max_prefill_tokens=args.max_prefill_tokens,
+                               prefix_cache=False)  # as the LLM below
         slots = (auto_slots(cfg, args.format, device, memory) if args.expert_slots == "auto"
                  else int(args.expert_slots))
         report({"expert_slots_per_layer": slots, "host_read_GBps": read_bandwidth(torch.ones((4 << 30) // 4))})
@@ -199,7 +204,8 @@ def main() -> None:
     start = time.perf_counter()
     budget = slots * round(sizes[1]) * len(cfg.moe_layers) if hybrid else None
     llm = LLM.from_weights(cfg, weights, max_num_seqs=max(batches + [1]), max_model_len=max_len,
-                           max_num_batched_tokens=max_batched, moe_vram_budget=budget,
+                           max_num_batched_tokens=max_batched, max_prefill_tokens=args.max_prefill_tokens,
+                           moe_vram_budget=budget,
                            max_expert_swaps=args.max_expert_swaps, prefix_cache=False,  # repeated prompts
                            pcie_expert_percent=args.pcie_percent, cpu_expert_threads=args.cpu_threads,
                            cpu_expert_pin=not args.no_cpu_pin)

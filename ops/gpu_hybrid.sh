@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Hybrid offload on a CUDA machine in time-boxed parts (each fits a 10-minute call), from the repo root:
-#   bash ops/gpu_hybrid.sh OUT_DIR checks|vnni|executor|whole|skew|slice|swaps|threads|offload|prefill|slice-prefill
+#   bash ops/gpu_hybrid.sh OUT_DIR checks|vnni|executor|whole|skew|slice|swaps|threads|offload|prefill|prefill-chunks|slice-prefill
 # checks: the compiled CPU kernels' tests, the release-shape hybrid tests (split, graphs, swaps, pinning,
 #         the kept miss split) and the cost of one GPU<->CPU handshake per layer (ops/bench_handshake.py);
 # vnni:   the AVX-512 VNNI NVFP4 path (the default where the CPU has it): the kernels' tests, its speed against
@@ -18,11 +18,14 @@
 #          prefill by device and host time against its wall time (where the link, the syncs and the math go);
 # slice-prefill: the GPU's own part of a prefill (no link): an 8-layer slice with every expert resident, one chunk
 #          each of 8,192 and 32,768 tokens, and the top ops of each;
+# prefill-chunks: the whole model's prefill of an 8,192-token prompt in steps of 2,048, 4,096 and 8,192 tokens (a lone
+#          prompt's budget, --max-prefill-tokens; decode steps keep 2,048): what a longer chunk gains once the link
+#          bounds a 2,048-token one;
 # offload: whole, swaps and skew one after the other (~6 minutes on a fresh H200 machine), each part's output
 #          under OUT_DIR/<part>.
 # Wheels the machine lacks: see ops/gpu_env.sh.
 set -uo pipefail
-out=${1:?output directory}; part=${2:?checks, vnni, executor, whole, skew, slice, swaps, threads, offload, prefill or slice-prefill}
+out=${1:?output directory}; part=${2:?checks, vnni, executor, whole, skew, slice, swaps, threads, offload, prefill, prefill-chunks or slice-prefill}
 if [ "$part" = offload ]; then
   for each in whole swaps skew; do bash "$0" "$out/$each" "$each"; done
   exit 0
@@ -63,6 +66,13 @@ case "$part" in
   prefill) timeout 560 python3 -m ops.bench_decode --device cuda --expert-variety 8 --steps 4 --contexts 1024 --batches "" \
              --prefills 2048,8192 --reference-layers 0 --layers 45 --expert-slots auto --max-expert-swaps 0 \
              --profile-prefill 8192 --json "$out/prefill.json" 2>&1 | tail -120 ;;
+  prefill-chunks) for n in 2048 4096 8192; do
+                    echo "== steps of $n tokens"
+                    timeout 180 python3 -m ops.bench_decode --device cuda --expert-variety 8 --steps 4 --contexts 1024 \
+                      --batches "" --prefills 8192 --reference-layers 0 --layers 45 --expert-slots auto \
+                      --max-expert-swaps 0 --max-prefill-tokens $n --json "$out/prefill_chunks$n.json" 2>&1 \
+                      | grep -E "expert_slots|event=(memory_plan|miss_split|expert_placement)|prefill|extrapolated"
+                  done ;;
   slice-prefill) for n in 8192 32768; do
                    timeout 220 python3 -m ops.bench_decode --device cuda --expert-variety 8 --steps 4 --contexts 1024 \
                      --batches "" --prefills $n --reference-layers 0 --layers 8 --profile-prefill $n \
