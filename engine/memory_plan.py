@@ -26,10 +26,10 @@ log = logging.getLogger("glmflash.engine")
 
 AUTO = "auto"  # an expert budget of whatever device memory the other weights and the caches leave
 # Device memory kept beside the weights and caches, sized from the largest step the engine takes (a prefill
-# chunk of max_num_batched_tokens, or of max_prefill_tokens where larger): its transient tensors (mHC streams, projections, the routed pairs' gate, up
-# and down outputs, the indexer's scores over the context), workspaces, the decode graphs' pool and allocator
-# slack. A fixed share of the device (8% before) kept ~11 GiB back on an H200, 8 GiB of it never used: ~11
-# expert slots a layer (ops/BENCHMARKS.md).
+# chunk of max_num_batched_tokens, or of max_prefill_tokens where larger): its transient tensors (mHC streams,
+# projections, the routed pairs' gate, up and down outputs, the indexer's scores over the context), workspaces,
+# the decode graphs' pool and allocator slack. A fixed share of the device (8% before) kept ~11 GiB back on an
+# H200, 8 GiB of it never used: ~11 expert slots a layer (ops/BENCHMARKS.md).
 ACTIVATION_BYTES_PER_TOKEN = 1 << 20  # per token of a step, an upper bound at the release's shapes
 SCORE_BYTES_PER_CONTEXT = 4  # per (token of a step, token of its context): the indexer's scores and top-k
 BASE_RESERVE = 2 << 30  # workspaces, the decode graphs' pool, allocator slack

@@ -3,8 +3,8 @@
 Every step first gives each decoding request its one token, then spends what is left of the
 budget on prefill chunks (requests already prefilling first, then newly admitted ones), so a
 long prompt never stalls running decodes; a step with no decoding request may take a larger budget
-(`max_prefill_tokens`: fewer, longer chunks for a lone long prompt). A prefill the prefix cache stops one token short, to snapshot
-there, runs on through its last token in the same step when the budget allows (its state is saved partway
+(`max_prefill_tokens`: fewer, longer chunks for a lone long prompt). A prefill the prefix cache stops one
+token short, to snapshot there, runs on through its last token in the same step when the budget allows (its state is saved partway
 through the step); otherwise, a step where some prompt has only its last token left runs those tokens
 and the decodes alone: a one-token step is a decode step (a CUDA graph), so that request's first token
 does not wait for a step of other requests' prefill chunks, which start one short step later.

@@ -1,6 +1,6 @@
 # Sourced by the ops/gpu_*.sh scripts (from the repository root): wheels a CUDA machine without network lacks
-# are installed from .whl/ into /tmp/site (each built for the machine's Python where .whl holds wheels for several); the repository and that folder go on PYTHONPATH; Python prints as it
-# goes. A machine with torch and triton but nothing else of ours needs fla-core, transformers, llguidance,
+# are installed from .whl/ into /tmp/site (each package's build for the machine's Python, where .whl holds builds
+# for several); the repository and that folder go on PYTHONPATH; Python prints as it goes. A machine with torch and triton but nothing else of ours needs fla-core, transformers, llguidance,
 # pydantic, pydantic-core, pydantic-settings, annotated-types, typing-inspection, python-dotenv, jsonschema,
 # jsonschema-specifications, referencing, rpds-py, cryptography, cffi and pycparser.
 if compgen -G ".whl/*.whl" >/dev/null; then

@@ -30,9 +30,10 @@ def test_the_readahead_starts_before_torch_or_the_kernels_are_imported(tmp_path:
     (snapshot / "model-00001.safetensors").write_bytes(b"\0" * 64)
     prebuilt = tmp_path / "prebuilt"  # an image's kernels: seeding them imports the kernels (torch, triton)
     prebuilt.mkdir()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("GLMFLASH_")}
     run = subprocess.run([sys.executable, "-c", PROBE, "boot", "--model", str(snapshot), "--cache-dir",
                           str(tmp_path / "cache")], capture_output=True, text=True, timeout=120,
-                         env={**{k: v for k, v in os.environ.items() if not k.startswith("GLMFLASH_")}, "GLMFLASH_PREBUILT_KERNELS": str(prebuilt)})
+                         env={**env, "GLMFLASH_PREBUILT_KERNELS": str(prebuilt)})
     assert run.returncode == 0, run.stderr
     seen = json.loads(run.stdout.strip().splitlines()[-1])
     assert seen == {"torch": False, "triton": False, "files": [str(snapshot / "model-00001.safetensors")]}
