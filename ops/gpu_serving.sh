@@ -30,6 +30,8 @@
 #          python3 -m ops.soak --serve WORK_DIR/slice --device cuda --seconds SOAK_S --streams 32 --max-tokens 256
 # EXPERT_BUDGET_GIB runs every server in hybrid mode (GLMFLASH_MOE_VRAM_BUDGET_GIB: that many GiB of routed experts
 # on the GPU, the rest in host RAM), e.g. SLICE_GIB=20 EXPERT_BUDGET_GIB=4 bash ops/gpu_serving.sh OUT boot soak.
+# Any other GLMFLASH_ setting in the environment reaches every server too, e.g. GLMFLASH_MAX_PREFILL_TOKENS=8192 with
+# EXPERT_BUDGET_GIB for the long part's prompt in longer steps.
 # SLICE_GIB is 12 by default (10.6 GiB: 2 MoE layers of 288 experts), what fits beside the other parts: each
 # boot run reads the slice six times and writes it once (~1.5 GB/s on an H200 machine's disk). The issue's
 # >= 20 GB (SLICE_GIB=20: 18.8 GiB, 4 layers, one of them DSA) fits a run without the tests:
