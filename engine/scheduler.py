@@ -49,10 +49,10 @@ class SchedulerLimits:
     max_waiting: int = 256
     max_prefill_tokens: int | None = None  # tokens per step when none of it decodes (None: max_num_batched_tokens)
 
-    def budget(self, decoding: bool) -> int:
-        """Tokens of the next step: a step with decoding requests keeps max_num_batched_tokens, so their next
-        tokens never wait on a longer chunk; one of prompts alone may take max_prefill_tokens."""
-        return self.max_num_batched_tokens if decoding or self.max_prefill_tokens is None else \
+    def budget(self, generating: bool) -> int:
+        """Tokens of the next step: while some request generates, max_num_batched_tokens, so its next tokens never
+        wait on a longer chunk; a step of prompts alone may take max_prefill_tokens."""
+        return self.max_num_batched_tokens if generating or self.max_prefill_tokens is None else \
             self.max_prefill_tokens
 
 
@@ -100,7 +100,8 @@ class Scheduler:
     def _plan(self) -> list[tuple[Sequence, int]]:
         plan: dict[Sequence, int] = {}
         decoding = [s for s in self.running if s.num_to_compute == 1 and s.num_computed >= len(s.prompt_token_ids)]
-        budget = self.limits.budget(bool(decoding))
+        # Any request past its prompt (a verify's restored request runs several tokens again) keeps steps short.
+        budget = self.limits.budget(any(s.num_computed >= len(s.prompt_token_ids) for s in self.running))
         prefilling = [s for s in self.running if s not in decoding]
         finishing = [s for s in prefilling if s.num_to_compute == 1]
         if finishing:  # prompts' last tokens (the prefix cache held them back for a snapshot)

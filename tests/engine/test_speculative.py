@@ -83,6 +83,16 @@ def test_the_mtp_layers_own_drafts_change_no_token(snapshot, k):
     assert stats.proposed > 0 and stats.verify_steps > 0 and stats.verified >= stats.verify_steps
 
 
+def test_longer_steps_for_prompts_alone_change_no_token(snapshot, monkeypatch):
+    """max_prefill_tokens with drafts, some rejected (restored requests run tokens again): steps of prompts alone
+    take the longer budget, steps beside generating requests keep 16, and every token is plain decoding's."""
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    truth = plain_outputs(snapshot, PROMPTS, params)
+    force_drafts(monkeypatch, truth, right=0.6)
+    llm = spec_llm(snapshot, 2, max_prefill_tokens=64)
+    assert [o.token_ids for o in llm.generate(PROMPTS, params)] == list(truth.values())
+
+
 def run_counting_steps(llm: LLM, prompts: list[list[int]], params: SamplingParams) -> tuple[list[list[int]], int]:
     seqs = [Sequence(str(i), list(p), params) for i, p in enumerate(prompts)]
     for seq in seqs:
