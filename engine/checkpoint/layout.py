@@ -182,7 +182,7 @@ def quantized_in_release(cfg: ModelConfig, spec: TensorSpec) -> bool:
     method = cfg.quant.method
     if spec.role != "linear" or method == "none":
         return False
-    layer = re.match(r"^layers\.(\d+)\.", spec.name)
+    layer = layer_of(spec.name)
     mtp = in_mtp_layer(cfg, spec.name)
     if method in ("nvfp4_ct", "nvfp4_modelopt") and not mtp:
         return spec.is_expert
@@ -190,14 +190,23 @@ def quantized_in_release(cfg: ModelConfig, spec: TensorSpec) -> bool:
         return False
     if ".mlp." in spec.name:
         return True
-    dsa = mtp or cfg.layer_kinds[int(layer.group(1))] == "dsa"
+    dsa = mtp or cfg.layer_kinds[layer] == "dsa"
     return dsa and re.search(r"self_attn\.(q_a_proj|q_b_proj|kv_a_proj_with_mqa|o_proj)$", spec.name) is not None
+
+
+_LAYER_NAME = re.compile(r"^layers\.(\d+)\.")
+
+
+def layer_of(name: str) -> int | None:
+    """The layer index of a `layers.N.*` layout name; None for the others (embeddings, head, vision tower)."""
+    layer = _LAYER_NAME.match(name)
+    return None if layer is None else int(layer.group(1))
 
 
 def in_mtp_layer(cfg: ModelConfig, name: str) -> bool:
     """Whether a layout name is an MTP layer's (a layer index past the decoder layers)."""
-    layer = re.match(r"^layers\.(\d+)\.", name)
-    return layer is not None and int(layer.group(1)) >= cfg.num_layers
+    layer = layer_of(name)
+    return layer is not None and layer >= cfg.num_layers
 
 
 def stacked_expert_name(layer: int, proj: str) -> str:

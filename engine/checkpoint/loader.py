@@ -27,8 +27,8 @@ from typing import Callable, Iterable
 import torch
 
 from engine.checkpoint.layout import (EXPERT_KEY, TEXT_PREFIX, VISION_PREFIX, TensorSpec, checkpoint_key,
-                                     expert_formats, mtp_layer_indices, mtp_specs, stacked_expert_name, text_specs,
-                                     unlike_expert_layers, vision_specs)
+                                     expert_formats, layer_of, mtp_layer_indices, mtp_specs, stacked_expert_name,
+                                     text_specs, unlike_expert_layers, vision_specs)
 from engine.checkpoint.availability import ExpertAvailability, ExpertUnit
 from engine.checkpoint.shards import (CheckpointError, Chunk, ReadTiming, StoredTensor, plan_chunks, read_chunk,
                                       read_chunks, read_header, staging_buffer)
@@ -129,8 +129,8 @@ def logical_name(key: str, num_layers: int) -> str | None:
         name = key[len("model."):]
     else:
         name = key
-    layer = re.match(r"^layers\.(\d+)\.", name)
-    if layer and int(layer.group(1)) >= num_layers:  # MTP layer(s) not asked for
+    layer = layer_of(name)
+    if layer is not None and layer >= num_layers:  # MTP layer(s) not asked for
         return None
     return name
 

@@ -11,7 +11,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-import re
 import threading
 from contextlib import nullcontext
 from importlib import metadata
@@ -20,7 +19,7 @@ from typing import Callable
 
 import torch
 
-from engine.checkpoint.layout import is_expert_stack, unlike_expert_layers
+from engine.checkpoint.layout import is_expert_stack, layer_of, unlike_expert_layers
 from engine.checkpoint.loader import LoadedWeights
 from engine.offload.host_memory import host_empty
 from engine.memory_plan import WeightBytes, spare_entries
@@ -32,7 +31,6 @@ from engine.checkpoint.prepared_store import (PIECE_BYTES, PreparedPlan, Prepare
 FORMAT_VERSION = 3  # 2: pieces checksummed with CRC-32 instead of BLAKE2b; 3: the vision tower kept too
 FIELDS = {"tensor": ("data",), "dense": ("data",), "fp8_block": ("data", "scale_inv"),
           "nvfp4": ("packed", "scale", "global_scale")}
-_LAYER_NAME = re.compile(r"^layers\.(\d+)\.")
 DTYPES = {str(d).removeprefix("torch."): d for d in (torch.float32, torch.bfloat16, torch.float16, torch.uint8,
                                                      torch.float8_e4m3fn, torch.int64)}
 
@@ -71,13 +69,13 @@ def below_layer(meta: dict, layers: int | None) -> dict:
     if layers is None:
         return meta
     return {**meta, "weights": {name: record for name, record in meta["weights"].items()
-                                if (m := _LAYER_NAME.match(name)) is None or int(m.group(1)) < layers}}
+                                if (layer := layer_of(name)) is None or layer < layers}}
 
 
 def holds_layer(meta: dict, layer: int) -> bool:
     """Whether the recorded layout has weights of layer `layer` (an MTP layer: the snapshot was written with
     drafts on)."""
-    return any(name.startswith(f"layers.{layer}.") for name in meta["weights"])
+    return any(layer_of(name) == layer for name in meta["weights"])
 
 
 def describe(weights: LoadedWeights) -> dict:
