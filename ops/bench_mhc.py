@@ -1,5 +1,9 @@
 """mHC op speed on CUDA: the Triton kernels next to the torch path and the HBM roofline.
 
+Ops: `mhc_pre` (the mix with its own reduction, the collapse and the sublayer's norm), `mhc_post` (the combine
+alone) and `post_then_pre`, what a decode site costs in the model: the combine handed the next site's `fn` (which
+at up to 16 tokens reduces for it as it writes the streams), then that site's mix from those partials.
+
 Each op runs over 90 distinct sites (45 layers x 2, as in the release model) captured in one CUDA
 graph, so every site reads its own `fn` from HBM and no launch gaps are timed: the figure is the
 per-site cost inside a decode graph. The eager median of one call (triton.testing.do_bench, L2
@@ -40,18 +44,31 @@ def make_sites(t: int, dtype: torch.dtype) -> list[dict[str, torch.Tensor]]:
     for i in range(SITES):
         fn = (2.0 * torch.randn(n, k, device="cuda") / k ** 0.5).to(dtype)
         base, scale = torch.randn(n, device="cuda"), 0.5 + torch.rand(3, device="cuda")
-        _, post, comb = torch_ref.mhc_pre(streams[i % pool], fn, base, scale, EPS, HC_EPS, ITERS)
+        norm = (0.5 + torch.rand(D, device="cuda")).to(dtype)
+        _, post, comb = torch_ref.mhc_pre(streams[i % pool], fn, base, scale, norm, EPS, HC_EPS, ITERS)
         sites.append({"streams": streams[i % pool], "out": outs[i % pool], "fn": fn, "base": base,
-                      "scale": scale, "post": post, "comb": comb})
+                      "scale": scale, "norm": norm, "post": post, "comb": comb})
+    for i, site in enumerate(sites):
+        site["next"] = sites[(i + 1) % SITES]
     return sites
 
 
-def pre_call(impl: str, s: dict[str, torch.Tensor]) -> Callable[[], Any]:
-    return lambda: PRE[impl](s["streams"], s["fn"], s["base"], s["scale"], EPS, HC_EPS, ITERS)
+def pre_call(impl: str, s: dict[str, Any]) -> Callable[[], Any]:
+    return lambda: PRE[impl](s["streams"], s["fn"], s["base"], s["scale"], s["norm"], EPS, HC_EPS, ITERS)
 
 
-def post_call(impl: str, s: dict[str, torch.Tensor]) -> Callable[[], Any]:
+def post_call(impl: str, s: dict[str, Any]) -> Callable[[], Any]:
     return lambda: POST[impl](s["streams"], s["out"], s["post"], s["comb"])
+
+
+def post_then_pre_call(impl: str, s: dict[str, Any]) -> Callable[[], Any]:
+    following = s["next"]
+
+    def run() -> Any:
+        streams, partials = POST[impl](s["streams"], s["out"], s["post"], s["comb"], following["fn"])
+        return PRE[impl](streams, following["fn"], following["base"], following["scale"], following["norm"], EPS,
+                         HC_EPS, ITERS, partials)
+    return run
 
 
 def graph_us_per_site(calls: list[Callable[[], Any]], replays: int = 10) -> float:
@@ -76,18 +93,19 @@ def graph_us_per_site(calls: list[Callable[[], Any]], replays: int = 10) -> floa
 
 
 def op_bytes(op: str, t: int, dtype: torch.dtype) -> int:
-    """What the op must move at least once: fn + streams in, collapse + post/comb out; or streams in and out."""
-    act, mixes = t * S * D * dtype.itemsize, t * (S + S * S) * 4
-    if op == "mhc_pre":
-        return (2 + S) * S * S * D * dtype.itemsize + act + t * D * dtype.itemsize + mixes
-    return 2 * act + t * D * dtype.itemsize + mixes
+    """What the op must move at least once: fn + streams + norm in, normed collapse + post/comb out; or streams and
+    the sublayer's output in, streams out; or both, the streams read once less."""
+    act, mixes, row = t * S * D * dtype.itemsize, t * (S + S * S) * 4, t * D * dtype.itemsize
+    pre = (2 + S) * S * S * D * dtype.itemsize + D * dtype.itemsize + act + row + mixes
+    post = 2 * act + row + mixes
+    return {"mhc_pre": pre, "mhc_post": post, "post_then_pre": pre + post - act}[op]
 
 
 def bench(tokens: list[int], dtype: torch.dtype, copy_gbps: float) -> list[dict[str, Any]]:
     rows = []
     for t in tokens:
         sites = make_sites(t, dtype)
-        for op, make in (("mhc_pre", pre_call), ("mhc_post", post_call)):
+        for op, make in (("mhc_pre", pre_call), ("mhc_post", post_call), ("post_then_pre", post_then_pre_call)):
             nbytes = op_bytes(op, t, dtype)
             for impl in ("triton", "torch"):
                 graph_us = graph_us_per_site([make(impl, s) for s in sites])
@@ -96,7 +114,7 @@ def bench(tokens: list[int], dtype: torch.dtype, copy_gbps: float) -> list[dict[
                 rows.append({"op": op, "tokens": t, "impl": impl, "graph_us": round(graph_us, 2),
                              "eager_us": round(eager_us, 2), "bytes": nbytes, "gbps": round(gbps, 1),
                              "of_copy_bw": round(gbps / copy_gbps, 3)})
-                print(f"{op:9s} T={t:<5d} {impl:6s} graph {graph_us:9.2f} us/site   eager {eager_us:9.2f} us   "
+                print(f"{op:13s} T={t:<5d} {impl:6s} graph {graph_us:9.2f} us/site   eager {eager_us:9.2f} us   "
                       f"{nbytes / 1e6:8.2f} MB  {gbps:7.1f} GB/s  {gbps / copy_gbps:6.1%} of copy")
         del sites
         torch.cuda.empty_cache()

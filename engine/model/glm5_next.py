@@ -8,6 +8,7 @@ import torch
 from engine.cache import PagedLatents, RequestSlots
 from engine.config import ModelConfig
 from engine.experts import ExpertExecutor, default_executor
+from engine.kernels.mhc import MhcPartials
 from engine.model.batch import ForwardBatch
 from engine.model.dsa import DsaMixer
 from engine.model.kda import KdaMixer
@@ -18,14 +19,12 @@ from engine.model.moe import MoE
 
 
 class DecoderLayer:
-    """Two mHC sites: (mix, input norm, KDA or DSA, combine) then (mix, post norm, MLP or MoE, combine)."""
+    """Two mHC sites: (mix and input norm, KDA or DSA, combine) then (mix and post norm, MLP or MoE, combine)."""
 
     def __init__(self, cfg: ModelConfig, w: dict, index: int, experts: ExpertExecutor) -> None:
         p = f"layers.{index}."
-        self.eps = cfg.rms_norm_eps
-        self.attn_hc = HyperConnection.from_weights(cfg, w, p, "attn")
-        self.ffn_hc = HyperConnection.from_weights(cfg, w, p, "ffn")
-        self.input_norm, self.post_norm = w[p + "input_layernorm.weight"], w[p + "post_attention_layernorm.weight"]
+        self.attn_hc = HyperConnection.from_weights(cfg, w, p, "attn", "input_layernorm")
+        self.ffn_hc = HyperConnection.from_weights(cfg, w, p, "ffn", "post_attention_layernorm")
         self.is_kda = cfg.layer_kinds[index] == "kda"
         kinds_before = cfg.layer_kinds[:index]
         self.mixer = (KdaMixer(cfg, w, p, kinds_before.count("kda")) if self.is_kda
@@ -33,15 +32,15 @@ class DecoderLayer:
         self.mlp = (MoE(cfg, w, p, index, experts) if cfg.mlp_kinds[index] == "moe"
                     else DenseMlp(w, p + "mlp.", cfg.swiglu_limit))
 
-    def __call__(self, streams: torch.Tensor, batch: ForwardBatch, slots: RequestSlots,
-                 cache: PagedLatents) -> torch.Tensor:
-        x, post, comb = self.attn_hc.collapse(streams)
-        x = rms_norm(x, self.input_norm, self.eps)
+    def __call__(self, streams: torch.Tensor, batch: ForwardBatch, slots: RequestSlots, cache: PagedLatents,
+                 partials: MhcPartials | None = None,
+                 following: HyperConnection | None = None) -> tuple[torch.Tensor, MhcPartials | None]:
+        """-> (the new streams, the `following` site's partials where the combine computed them)."""
+        x, post, comb = self.attn_hc.collapse(streams, partials)
         y = self.mixer(x, batch, slots) if self.is_kda else self.mixer(x, batch, slots, cache)
-        streams = self.attn_hc.expand(streams, y, post, comb)
-        x, post, comb = self.ffn_hc.collapse(streams)
-        y = self.mlp(rms_norm(x, self.post_norm, self.eps))
-        return self.ffn_hc.expand(streams, y, post, comb)
+        streams, partials = self.attn_hc.expand(streams, y, post, comb, self.ffn_hc)
+        x, post, comb = self.ffn_hc.collapse(streams, partials)
+        return self.ffn_hc.expand(streams, self.mlp(x), post, comb, following)
 
 
 class Glm5NextModel:
@@ -77,8 +76,10 @@ class Glm5NextModel:
             rows, values = batch.embeds
             x[rows] = values.to(x.dtype)
         streams = x.unsqueeze(1).expand(-1, self.cfg.hc_mult, -1).contiguous()
-        for layer in self.layers:
-            streams = layer(streams, batch, slots, cache)
+        partials = None
+        for index, layer in enumerate(self.layers):
+            following = self.layers[index + 1].attn_hc if index + 1 < len(self.layers) else None
+            streams, partials = layer(streams, batch, slots, cache, partials, following)
             if layer_outputs is not None:
                 layer_outputs.append(streams.clone())
         if hidden_out is not None:  # every row collapsed once, the logits' rows taken from it

@@ -65,7 +65,7 @@ def test_layer_outputs_match_and_divergence_is_named(tiny_dir, reference, prompt
     assert first_divergent_layer(ours, ref_layers) is None
     assert all(d.cosine > 0.99999 for d in compare_layers(ours, ref_layers))
 
-    llm.model.layers[5].post_norm.mul_(1.01)  # a 1% weight error in one layer
+    llm.model.layers[5].ffn_hc.norm.mul_(1.01)  # a 1% weight error in one layer
     bad = first_divergent_layer(llm.layer_outputs(ids), ref_layers)
     assert bad is not None and bad.layer == 5
 

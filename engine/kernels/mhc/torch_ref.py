@@ -5,12 +5,15 @@ from __future__ import annotations
 import torch
 
 from engine.kernels.dispatch import register
+from engine.kernels.norm.torch_ref import rms_norm
 
 
 @register("mhc_pre", "torch")
-def mhc_pre(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor,
-            eps: float, hc_eps: float, sinkhorn_iters: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """streams [T, S, D] -> (sublayer input [T, D], post [T, S] fp32, comb [T, S, S] fp32 indexed [a, b])."""
+def mhc_pre(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, norm: torch.Tensor,
+            eps: float, hc_eps: float, sinkhorn_iters: int,
+            partials: None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """streams [T, S, D] -> (sublayer input, RMSNorm'd by `norm` [T, D], post [T, S] fp32, comb [T, S, S] fp32
+    indexed [a, b]). This path reduces from the streams: its mhc_post hands no partials on."""
     t, s, _ = streams.shape
     flat = streams.reshape(t, -1).float()
     flat = flat * torch.rsqrt(flat.square().mean(-1, keepdim=True) + eps)
@@ -25,11 +28,14 @@ def mhc_pre(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: 
         comb = comb / (comb.sum(dim=-1, keepdim=True) + hc_eps)
         comb = comb / (comb.sum(dim=-2, keepdim=True) + hc_eps)
     collapsed = (pre.unsqueeze(-1) * streams).sum(dim=1).to(streams.dtype)
-    return collapsed, post, comb
+    return rms_norm(collapsed, norm, eps), post, comb
 
 
 @register("mhc_post", "torch")
-def mhc_post(streams: torch.Tensor, out: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
-    """H_new[:, b] = post[b] * out + sum_a comb[a, b] * H[:, a], in the activation dtype."""
+def mhc_post(streams: torch.Tensor, out: torch.Tensor, post: torch.Tensor, comb: torch.Tensor,
+             next_fn: torch.Tensor | None = None) -> tuple[torch.Tensor, None]:
+    """H_new[:, b] = post[b] * out + sum_a comb[a, b] * H[:, a], in the activation dtype; no partials for the
+    next site (`next_fn` is the fused path's)."""
     dtype = streams.dtype
-    return post.to(dtype).unsqueeze(-1) * out.unsqueeze(-2) + torch.matmul(comb.to(dtype).transpose(-1, -2), streams)
+    mixed = post.to(dtype).unsqueeze(-1) * out.unsqueeze(-2) + torch.matmul(comb.to(dtype).transpose(-1, -2), streams)
+    return mixed, None

@@ -99,7 +99,8 @@ def test_mhc_matches_float64_spec():
     fn = torch.randn((2 + s) * s, s * d, generator=g, dtype=torch.float64) * 0.2
     base, scale = torch.randn((2 + s) * s, generator=g, dtype=torch.float64), torch.rand(3, generator=g, dtype=torch.float64) + 0.5
     eps = 1e-6
-    x, post, comb = mhc_pre(streams, fn, base, scale, 1e-5, eps, 20)
+    norm = torch.rand(d, generator=g, dtype=torch.float64) + 0.5
+    x, post, comb = mhc_pre(streams, fn, base, scale, norm, 1e-5, eps, 20)
     flat = streams.reshape(t, -1)
     m = (flat / torch.sqrt(flat.square().mean(-1, keepdim=True) + 1e-5)) @ fn.t()
     pre = torch.sigmoid(m[:, :s] * scale[0] + base[:s]) + eps
@@ -110,10 +111,12 @@ def test_mhc_matches_float64_spec():
         c = c / (c.sum(2, keepdim=True) + eps)
         c = c / (c.sum(1, keepdim=True) + eps)
     tol = 1e-5  # the op computes the mixing weights in fp32 by design
-    assert torch.allclose(x, (pre.unsqueeze(-1) * streams).sum(1), atol=tol)
+    collapsed = (pre.unsqueeze(-1) * streams).sum(1)
+    assert torch.allclose(x, norm * collapsed / torch.sqrt(collapsed.square().mean(-1, keepdim=True) + 1e-5), atol=tol)
     assert torch.allclose(post, want_post, atol=tol) and torch.allclose(comb, c, atol=tol)
     y = torch.randn(t, d, generator=g, dtype=torch.float64)
-    out = mhc_post(streams, y, post, comb)
+    out, partials = mhc_post(streams, y, post, comb, fn)
+    assert partials is None  # the portable path's next mix reduces from the streams
     want = torch.stack([want_post[:, b, None] * y + sum(c[:, a, b, None] * streams[:, a] for a in range(s))
                         for b in range(s)], dim=1)
     assert torch.allclose(out, want, atol=tol)
