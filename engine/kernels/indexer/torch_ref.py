@@ -36,6 +36,14 @@ def top_pools(scores: torch.Tensor, visible: torch.Tensor, select: int) -> torch
     return chosen.masked_fill(~ok.gather(-1, chosen), -1)
 
 
+def every_visible_pool(positions: torch.Tensor, n_pools: int, kpool: int) -> torch.Tensor:
+    """Pool ids [T, n_pools] where a row may choose every pool (n_pools <= select): its pools complete before its
+    position in id order, -1 after. The same set top_pools chooses, without scoring or sorting a pool (attention
+    over the chosen pools does not depend on their order beyond summation order)."""
+    ids = torch.arange(n_pools, device=positions.device).expand(positions.shape[0], -1)
+    return ids.masked_fill(ids >= ((positions + 1) // kpool).unsqueeze(-1), -1)
+
+
 @register("index_select", "torch")
 def index_select(q: torch.Tensor, weights: torch.Tensor, pool_keys: torch.Tensor, page_table: torch.Tensor,
                  seqs: torch.Tensor | None, positions: torch.Tensor, n_pools: int, per_page: int, kpool: int,
@@ -48,6 +56,8 @@ def index_select(q: torch.Tensor, weights: torch.Tensor, pool_keys: torch.Tensor
     fp32 where the cache is fp8 (`engine.quant.quantize_fp8_groups`).
     Returns pool ids [T, min(select, n_pools)], -1 where the query sees fewer pools than that.
     """
+    if n_pools <= select:
+        return every_visible_pool(positions, n_pools, kpool)
     tables = page_table if seqs is None else page_table[seqs]
     every_pool = torch.arange(n_pools, device=q.device)
     scores = torch.empty(q.shape[0], n_pools, dtype=torch.float32, device=q.device)

@@ -1,6 +1,7 @@
 """The indexer's pool scores on CUDA: one program per query and block of pools reads the pooled keys through the
 page table and reduces the heads in registers, for every sequence of a step in one launch (the torch path
-gathers each query's pool keys first). The top-k stays torch's stable sort, so ties break as in the reference."""
+gathers each query's pool keys first). The top-k stays torch's stable sort, so ties break as in the reference; a
+row that may choose every pool (up to index_topk tokens of context) is neither scored nor sorted."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import triton
 import triton.language as tl
 
 from engine.kernels.dispatch import register
-from engine.kernels.indexer.torch_ref import top_pools
+from engine.kernels.indexer.torch_ref import every_visible_pool, top_pools
 
 BLOCK_P = 64  # pools per program
 
@@ -55,6 +56,8 @@ def index_select(q: torch.Tensor, weights: torch.Tensor, pool_keys: torch.Tensor
                  select: int, key_scales: torch.Tensor | None = None) -> torch.Tensor:
     """As the torch reference (engine.kernels.indexer.torch_ref.index_select); an fp8 cache's keys dequantized to
     the queries' dtype as they are read."""
+    if n_pools <= select:
+        return every_visible_pool(positions, n_pools, kpool)
     t, hi, d = q.shape
     scores = torch.empty(t, n_pools, dtype=torch.float32, device=q.device)
     if t and n_pools:

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
-from engine.kernels.indexer.torch_ref import index_pool, index_select
+from engine.kernels.indexer.torch_ref import index_pool, index_select, top_pools
 from engine.kernels.mhc.torch_ref import mhc_post, mhc_pre
 from engine.kernels.sparse_mla.torch_ref import attended_tokens, sparse_mla
 
@@ -120,3 +121,19 @@ def test_mhc_matches_float64_spec():
     want = torch.stack([want_post[:, b, None] * y + sum(c[:, a, b, None] * streams[:, a] for a in range(s))
                         for b in range(s)], dim=1)
     assert torch.allclose(out, want, atol=tol)
+
+
+@pytest.mark.parametrize("n_pools,select", [(5, 5), (3, 8)])
+def test_a_row_that_may_choose_every_pool_chooses_each_complete_one_unscored(n_pools, select):
+    """Where every pool fits the selection, index_select returns the pools complete before each query (the set the
+    scores' top-k would choose, whatever the scores), -1 for the rest, without scoring them."""
+    kpool, positions = 4, torch.tensor([0, 3, 6, 11, 19, 40])
+    q, weights = torch.randn(6, 2, 8), torch.randn(6, 2)
+    keys = torch.full((64, 8), float("nan"))  # never read: a scored row would carry NaN into its choice
+    chosen = index_select(q, weights, keys, unpaged(6), None, positions, n_pools, n_pools, kpool, select=select)
+    assert chosen.shape == (6, n_pools)
+    visible = ((positions + 1) // kpool).clamp(max=n_pools)
+    for row, sees in zip(chosen, visible.tolist()):
+        want = top_pools(torch.randn(1, n_pools), torch.tensor([sees]), select)[0]
+        assert sorted(row[row >= 0].tolist()) == sorted(want[want >= 0].tolist()) == list(range(sees))
+        assert (row[sees:] == -1).all()
