@@ -28,9 +28,11 @@ from typing import Any, Callable
 import torch
 
 from engine.kernels.kda import fla_prefill, torch_ref, triton_decode, triton_spans
+from engine.weights import DenseWeight
 from ops.bench_engine import copy_bandwidth
 
 CONV = 4
+RANK = 128  # the gates' low-rank width in the release
 LOWER_BOUND, EPS = -5.0, 1e-5
 TILE_SWEEP = [(16, 4), (32, 4), (32, 8), (64, 4), (64, 8), (128, 4), (128, 8)]  # (block_v, num_warps)
 
@@ -69,15 +71,21 @@ def decode_layers(b: int, layers: int, heads: int, dim: int, dtype: torch.dtype)
     """kda_decode arguments per layer: own states and parameters, shared activations (hot in L2 in the model)."""
     p = heads * dim
     shared = {"qkv": torch.randn(b, 3 * p, device="cuda", dtype=dtype),
-              "f": torch.randn(b, p, device="cuda", dtype=dtype),
+              "forget_low": torch.randn(b, RANK, device="cuda", dtype=dtype),
               "beta_logits": torch.randn(b, heads, device="cuda", dtype=dtype),
-              "gate_out": torch.randn(b, p, device="cuda", dtype=dtype),
+              "gate_low": torch.randn(b, RANK, device="cuda", dtype=dtype),
               "slots": torch.randperm(b, device="cuda"), "lower_bound": LOWER_BOUND, "eps": EPS}
-    return [{**shared, "conv_state": torch.randn(b, 3 * p, CONV - 1, device="cuda", dtype=dtype),
+    return [{**shared, "f_b": up_projection(p, dtype), "g_b": up_projection(p, dtype),
+             "conv_state": torch.randn(b, 3 * p, CONV - 1, device="cuda", dtype=dtype),
              "conv_weight": torch.randn(3 * p, CONV, device="cuda") * 0.5,
              "rec_state": torch.randn(b, heads, dim, dim, device="cuda") * 0.1,
              "decay_rate": torch.rand(heads, device="cuda") + 0.5, "dt_bias": torch.randn(p, device="cuda"),
              "o_norm": torch.ones(dim, device="cuda", dtype=dtype)} for _ in range(layers)]
+
+
+def up_projection(p: int, dtype: torch.dtype) -> DenseWeight:
+    """A gate's low-rank up-projection [P, RANK], as the release stores it (16-bit, dense)."""
+    return DenseWeight((torch.randn(p, RANK, device="cuda") * RANK ** -0.5).to(dtype))
 
 
 def fla_recurrence(args: dict[str, Any], heads: int, dim: int) -> Callable[[], Any]:
@@ -87,7 +95,8 @@ def fla_recurrence(args: dict[str, Any], heads: int, dim: int) -> Callable[[], A
     b = args["qkv"].shape[0]
     q, k, v = (x.reshape(b, 1, heads, dim) for x in args["qkv"].chunk(3, dim=-1))
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
-    g, beta = args["f"].view(b, 1, heads, dim), args["beta_logits"].view(b, 1, heads)
+    f = args["forget_low"] @ args["f_b"].data.t()  # fla takes the projected gate
+    g, beta = f.view(b, 1, heads, dim), args["beta_logits"].view(b, 1, heads)
     a_log = args["decay_rate"].log()
     return lambda: fused_recurrent_kda_fwd(
         q, k, v, g, beta, A_log=a_log, dt_bias=args["dt_bias"], initial_state=args["rec_state"],
@@ -111,11 +120,12 @@ def spans_args(b: int, n: int, heads: int, dim: int, dtype: torch.dtype) -> dict
 
 
 def decode_bytes(b: int, heads: int, dim: int, elt: int) -> int:
-    """Fewest bytes one layer's decode moves: fp32 state and conv state read + written, activations, params."""
+    """Fewest bytes one layer's decode moves: fp32 state and conv state read + written, activations, params (the
+    gates' up-projections among them)."""
     p = heads * dim
     states = 2 * b * (heads * dim * dim * 4 + 3 * p * (CONV - 1) * elt)
-    activations = b * (3 * p + 3 * p + heads) * elt  # qkv, f, gate_out, o, beta
-    params = 3 * p * CONV * 4 + p * 4 + heads * 4 + dim * elt
+    activations = b * (3 * p + 2 * RANK + p + heads) * elt  # qkv, the gates' low-rank inputs, o, beta
+    params = 3 * p * CONV * 4 + p * 4 + heads * 4 + dim * elt + 2 * p * RANK * elt
     return states + activations + params
 
 

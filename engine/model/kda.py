@@ -28,12 +28,11 @@ class KdaMixer:
 
     def __call__(self, x: torch.Tensor, batch: ForwardBatch, slots: RequestSlots) -> torch.Tensor:
         qkv, forget_low, gate_low, beta_logits = self.inputs(x)
-        forget, gate_out = linear(forget_low, self.f_b), linear(gate_low, self.g_b)
         rec, conv = slots.recurrent[self.state_index], slots.conv[self.state_index]
         meta = batch.decode
-        if meta is not None and meta.per_request == 1:
-            o = self._decode(qkv, forget, beta_logits, gate_out, rec, conv, meta.slots)
-            return linear(o, self.o)
+        if meta is not None and meta.per_request == 1:  # the gates' up-projections inside the decode op
+            return linear(self._decode(qkv, forget_low, beta_logits, gate_low, rec, conv, meta.slots), self.o)
+        forget, gate_out = linear(forget_low, self.f_b), linear(gate_low, self.g_b)
         if meta is not None:  # a verify: every request's tokens and drafts, as equal spans of static shape
             o = self._spans(qkv, forget, beta_logits, gate_out, rec, conv, meta.request_slots,
                             *batch.layout(("verify", self.conv.shape[-1]), lambda: _equal_spans(meta, self.conv)),
@@ -46,17 +45,18 @@ class KdaMixer:
             batch.snapshot_saves.save_kda(rec, conv, self.state_index)
         if batch.one_token_spans:  # decoding requests in a mixed step: the fused step of a pure decode batch
             rows = batch.one_token_rows
-            o[rows] = self._decode(qkv[rows], forget[rows], beta_logits[rows], gate_out[rows], rec, conv,
+            o[rows] = self._decode(qkv[rows], forget_low[rows], beta_logits[rows], gate_low[rows], rec, conv,
                                    batch.one_token.slots)
         return linear(o, self.o)
 
-    def _decode(self, qkv: torch.Tensor, forget: torch.Tensor, beta_logits: torch.Tensor, gate_out: torch.Tensor,
-                rec: torch.Tensor, conv: torch.Tensor, slot_ids: torch.Tensor) -> torch.Tensor:
-        """One token per request: conv, gates, delta-rule step and gated output norm in one op."""
+    def _decode(self, qkv: torch.Tensor, forget_low: torch.Tensor, beta_logits: torch.Tensor,
+                gate_low: torch.Tensor, rec: torch.Tensor, conv: torch.Tensor, slot_ids: torch.Tensor) -> torch.Tensor:
+        """One token per request: the gates' up-projections, conv, gates, delta-rule step and gated output norm in
+        one op."""
         cfg = self.cfg
         return kernel("kda_decode", qkv.device.type)(
-            qkv, forget, beta_logits, gate_out, conv, self.conv, rec, slot_ids, self.decay_rate, self.dt_bias,
-            self.o_norm, cfg.gate_lower_bound, cfg.rms_norm_eps)
+            qkv, forget_low, self.f_b, beta_logits, gate_low, self.g_b, conv, self.conv, rec, slot_ids,
+            self.decay_rate, self.dt_bias, self.o_norm, cfg.gate_lower_bound, cfg.rms_norm_eps)
 
     def _prefill(self, qkv: torch.Tensor, forget: torch.Tensor, beta_logits: torch.Tensor, gate_out: torch.Tensor,
                  rec: torch.Tensor, conv: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:

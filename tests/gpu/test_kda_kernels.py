@@ -7,11 +7,12 @@ import pytest
 import torch
 
 from engine.kernels.kda import fla_prefill, torch_ref, triton_decode
+from engine.weights import DenseWeight
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (none on this machine)")]
 
-H, D, CONV = 64, 128, 4
+H, D, CONV, RANK = 64, 128, 4, 128
 DEVICE = "cuda"
 DECODE_TOL = {torch.float32: 1e-4, torch.bfloat16: 1e-2}
 PREFILL_TOL = {torch.float32: 5e-3, torch.bfloat16: 1e-2}  # fla's fp32 matmuls may run in TF32
@@ -28,8 +29,12 @@ def decode_args(b: int, num_slots: int, dtype: torch.dtype, seed: int) -> dict:
         return torch.randn(*shape, generator=gen, device=DEVICE)
 
     p = H * D
-    return {"qkv": rnd(b, 3 * p).to(dtype), "f": rnd(b, p).to(dtype), "beta_logits": rnd(b, H).to(dtype),
-            "gate_out": rnd(b, p).to(dtype), "conv_state": rnd(num_slots, 3 * p, CONV - 1).to(dtype),
+    # the gates' low-rank inputs as the mixer hands them over: columns of its stacked projection's output
+    stacked = rnd(b, 3 * RANK).to(dtype)
+    return {"qkv": rnd(b, 3 * p).to(dtype), "forget_low": stacked[:, :RANK],
+            "f_b": DenseWeight((rnd(p, RANK) * RANK ** -0.5).to(dtype)), "beta_logits": rnd(b, H).to(dtype),
+            "gate_low": stacked[:, 2 * RANK:], "g_b": DenseWeight((rnd(p, RANK) * RANK ** -0.5).to(dtype)),
+            "conv_state": rnd(num_slots, 3 * p, CONV - 1).to(dtype),
             "conv_weight": rnd(3 * p, CONV) * 0.5, "rec_state": rnd(num_slots, H, D, D) * 0.3,
             "slots": torch.randperm(num_slots, generator=gen, device=DEVICE)[:b], "decay_rate": rnd(H).exp(),
             "dt_bias": rnd(p), "o_norm": (1 + 0.1 * rnd(D)).to(dtype), "lower_bound": -5.0, "eps": 1e-5}
@@ -83,7 +88,7 @@ def test_decode_replays_in_a_cuda_graph():
     torch.cuda.current_stream().wait_stream(stream)
     for step in range(1, 4):
         new = decode_args(b, 9, dtype, seed=step)
-        for name in ("qkv", "f", "beta_logits", "gate_out"):
+        for name in ("qkv", "forget_low", "beta_logits", "gate_low"):
             static[name].copy_(new[name])
         graph.replay()
         want = triton_decode.kda_decode(**{**static, "conv_state": eager_conv, "rec_state": eager_rec})

@@ -12,6 +12,8 @@ import torch
 import torch.nn.functional as F
 
 from engine.kernels.dispatch import kernel, register
+from engine.kernels.linear.torch_ref import linear
+from engine.weights import Weight
 
 CHUNK = 64
 
@@ -138,17 +140,20 @@ def forget_gate(f: torch.Tensor, dt_bias: torch.Tensor, decay_rate: torch.Tensor
 
 
 @register("kda_decode", "torch")
-def kda_decode(qkv: torch.Tensor, f: torch.Tensor, beta_logits: torch.Tensor, gate_out: torch.Tensor,
-               conv_state: torch.Tensor, conv_weight: torch.Tensor, rec_state: torch.Tensor, slots: torch.Tensor,
-               decay_rate: torch.Tensor, dt_bias: torch.Tensor, o_norm: torch.Tensor, lower_bound: float,
-               eps: float) -> torch.Tensor:
-    """One token for each of B requests: short conv, gates, delta-rule step and gated output norm.
+def kda_decode(qkv: torch.Tensor, forget_low: torch.Tensor, f_b: Weight, beta_logits: torch.Tensor,
+               gate_low: torch.Tensor, g_b: Weight, conv_state: torch.Tensor, conv_weight: torch.Tensor,
+               rec_state: torch.Tensor, slots: torch.Tensor, decay_rate: torch.Tensor, dt_bias: torch.Tensor,
+               o_norm: torch.Tensor, lower_bound: float, eps: float) -> torch.Tensor:
+    """One token for each of B requests: the gates' up-projections, short conv, gates, delta-rule step and gated
+    output norm.
 
-    qkv [B, 3P] pre-conv q|k|v, f and gate_out [B, P], beta_logits [B, H], all in the activation dtype.
+    qkv [B, 3P] pre-conv q|k|v, forget_low and gate_low [B, R] (the gates' low-rank inputs, up-projected by f_b and
+    g_b [P, R]), beta_logits [B, H], all in the activation dtype.
     conv_state [S, 3P, c-1] and rec_state [S, H, d, d] are updated in place at rows `slots` [B].
     Returns o [B, P] in the activation dtype, ready for o_proj.
     """
     b, h, d = qkv.shape[0], decay_rate.shape[0], o_norm.shape[0]
+    f, gate_out = linear(forget_low, f_b), linear(gate_low, g_b)
     mixed, conv_state[slots] = short_conv(qkv.unsqueeze(1), conv_state[slots], conv_weight)
     q, k, v = mixed.view(b, 3, h, d).unbind(1)
     g = forget_gate(f, dt_bias, decay_rate, lower_bound)

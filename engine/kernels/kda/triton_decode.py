@@ -1,12 +1,16 @@
-"""Fused KDA decode for CUDA: short conv, gates, delta-rule step and gated output norm in two launches.
+"""Fused KDA decode for CUDA: the gates' low-rank up-projections, short conv, gates, delta-rule step and gated
+output norm in two launches.
 
 Decode is bound by the fp32 state (64 heads x 128 x 128 x 4 B = 4 MiB per layer, read and written
 once), so the step kernel spreads each head's state over dv-tiles: program (request, head, dv-tile)
 holds a [d, BV] slice and recomputes the head's conv, L2 norms and gate (a few KiB, mostly L2 hits)
 instead of waiting on another launch. The per-head output RMS needs every dv-tile, so a second small
 kernel, one program per (request, head), applies the norm and gate; it also shifts the conv state,
-which the step kernel's programs all read and so must not overwrite. Shapes decide every launch
-parameter and slots stay on the device: the op is CUDA-graph capturable.
+which the step kernel's programs all read and so must not overwrite. With 16-bit dense up-projections each
+program computes its head's forget (step) or output gate (norm) from the rank-R inputs: 2 x [D, R] of weights,
+where two GEMV launches a layer wrote [B, H*D] and the kernels read them back. Inputs are read through their row
+strides (views of the mixer's stacked projection, copied by nothing). Shapes decide every launch parameter and
+slots stay on the device: the op is CUDA-graph capturable.
 """
 
 from __future__ import annotations
@@ -16,6 +20,8 @@ import triton
 import triton.language as tl
 
 from engine.kernels.dispatch import register
+from engine.kernels.linear.triton_linear import linear
+from engine.weights import DenseWeight, Weight
 
 _TARGET_PROGRAMS = 256  # about two programs per SM on an H200 (132 SMs)
 
@@ -45,9 +51,26 @@ def _delta_rule(s, q, k, v, g, beta):
 
 
 @triton.jit
-def _step_kernel(qkv, f, beta_logits, conv_state, conv_weight, rec_state, slots, decay_rate, dt_bias, out,
-                 lower_bound, scale, P: tl.constexpr, H: tl.constexpr, D: tl.constexpr, BV: tl.constexpr,
-                 CONV: tl.constexpr):
+def _head_gate(x_ptr, w_ptr, row, i_h, stride_x, act: tl.constexpr, D: tl.constexpr, R: tl.constexpr,
+               LOW_RANK: tl.constexpr):
+    """Head i_h's D gate inputs of `row` in fp32: w[i_h*D:(i_h+1)*D] @ x[row] rounded to the activations' dtype as
+    the separate GEMV rounds (LOW_RANK: x [B, R], w [H*D, R]), or read as they are (x [B, H*D])."""
+    o_d = tl.arange(0, D)
+    if LOW_RANK:
+        acc = tl.zeros([D], dtype=tl.float32)
+        for r0 in tl.static_range(0, R, 32):
+            rr = r0 + tl.arange(0, 32)
+            w = tl.load(w_ptr + (i_h * D + o_d)[:, None] * R + rr[None, :], mask=rr[None, :] < R, other=0.0)
+            x = tl.load(x_ptr + row * stride_x + rr, mask=rr < R, other=0.0)
+            acc += tl.sum(w.to(tl.float32) * x.to(tl.float32)[None, :], axis=1)
+        return acc.to(act).to(tl.float32)
+    return tl.load(x_ptr + row * stride_x + i_h * D + o_d).to(tl.float32)
+
+
+@triton.jit
+def _step_kernel(qkv, f, f_b, beta_logits, conv_state, conv_weight, rec_state, slots, decay_rate, dt_bias, out,
+                 lower_bound, scale, stride_qkv, stride_f, stride_beta, P: tl.constexpr, H: tl.constexpr,
+                 D: tl.constexpr, BV: tl.constexpr, CONV: tl.constexpr, R: tl.constexpr, LOW_RANK: tl.constexpr):
     """Program (request b, head h, dv-tile): the head's conv/norms/gate, then its [D, BV] state slice."""
     i_bh = tl.program_id(0)
     i_v = tl.program_id(1)
@@ -61,15 +84,16 @@ def _step_kernel(qkv, f, beta_logits, conv_state, conv_weight, rec_state, slots,
     p_s = rec_state + (slot * H + i_h) * D * D + o_k[:, None] * D + o_v[None, :]
     s = tl.load(p_s)
 
-    x_row = qkv + i_b.to(tl.int64) * 3 * P
+    x_row = qkv + i_b.to(tl.int64) * stride_qkv
     state_row = conv_state + slot * 3 * P * (CONV - 1)
     q = _l2norm(_conv_silu(x_row, state_row, conv_weight, i_h * D + o_k, CONV)) * scale
     k = _l2norm(_conv_silu(x_row, state_row, conv_weight, P + i_h * D + o_k, CONV))
     v = _conv_silu(x_row, state_row, conv_weight, 2 * P + i_h * D + o_v, CONV)
 
-    gate = tl.load(f + i_b * P + i_h * D + o_k).to(tl.float32) + tl.load(dt_bias + i_h * D + o_k).to(tl.float32)
+    forget = _head_gate(f, f_b, i_b.to(tl.int64), i_h, stride_f, out.dtype.element_ty, D, R, LOW_RANK)
+    gate = forget + tl.load(dt_bias + i_h * D + o_k).to(tl.float32)
     g = lower_bound * tl.sigmoid(tl.load(decay_rate + i_h).to(tl.float32) * gate)
-    logit = tl.load(beta_logits + i_b * H + i_h)
+    logit = tl.load(beta_logits + i_b * stride_beta + i_h)
     beta = tl.sigmoid(logit.to(tl.float32)).to(logit.dtype).to(tl.float32)
 
     s, o = _delta_rule(s, q, k, v, g, beta)
@@ -90,28 +114,29 @@ def _shift_conv_state(x_row, state_row, ch, CONV: tl.constexpr, CP2: tl.constexp
 
 
 @triton.jit
-def _gated_norm(out, gate_out, o_norm, row, i_h, eps, P: tl.constexpr, D: tl.constexpr):
-    """Row `row`, head `i_h` of o: RMSNorm(o) * o_norm * sigmoid(gate), in place."""
+def _gated_norm(out, gate, o_norm, row, i_h, eps, P: tl.constexpr, D: tl.constexpr):
+    """Row `row`, head `i_h` of o: RMSNorm(o) * o_norm * sigmoid(gate [D] fp32), in place."""
     o_d = tl.arange(0, D)
     p_o = out + row * P + i_h * D + o_d
     o = tl.load(p_o).to(tl.float32)
     normed = tl.load(o_norm + o_d).to(tl.float32) * (o * tl.rsqrt(tl.sum(o * o, axis=0) / D + eps))
-    gate = tl.load(gate_out + row * P + i_h * D + o_d).to(tl.float32)
     tl.store(p_o, (normed * tl.sigmoid(gate)).to(out.dtype.element_ty))
 
 
 @triton.jit
-def _norm_kernel(qkv, gate_out, conv_state, slots, o_norm, out, eps,
-                 P: tl.constexpr, H: tl.constexpr, D: tl.constexpr, CONV: tl.constexpr, CP2: tl.constexpr):
+def _norm_kernel(qkv, gate_in, g_b, conv_state, slots, o_norm, out, eps, stride_qkv, stride_gate,
+                 P: tl.constexpr, H: tl.constexpr, D: tl.constexpr, CONV: tl.constexpr, CP2: tl.constexpr,
+                 R: tl.constexpr, LOW_RANK: tl.constexpr):
     """Program (request b, head h): RMSNorm(o) * o_norm * sigmoid(gate) in place, then the conv state shift."""
     i_bh = tl.program_id(0)
     i_b = i_bh // H
     i_h = i_bh % H
     o_d = tl.arange(0, D)
-    _gated_norm(out, gate_out, o_norm, i_b, i_h, eps, P, D)
+    gate = _head_gate(gate_in, g_b, i_b.to(tl.int64), i_h, stride_gate, out.dtype.element_ty, D, R, LOW_RANK)
+    _gated_norm(out, gate, o_norm, i_b, i_h, eps, P, D)
 
     slot = tl.load(slots + i_b).to(tl.int64)
-    x_row = qkv + i_b.to(tl.int64) * 3 * P
+    x_row = qkv + i_b.to(tl.int64) * stride_qkv
     state_row = conv_state + slot * 3 * P * (CONV - 1)
     for part in tl.static_range(3):
         _shift_conv_state(x_row, state_row, part * P + i_h * D + o_d, CONV, CP2)
@@ -127,11 +152,25 @@ def decode_launch_config(batch: int, heads: int, dim: int) -> tuple[int, int]:
     return block_v, 4
 
 
+def _low_rank(weight: Weight, x: torch.Tensor) -> torch.Tensor | None:
+    """The up-projection's [N, R] data where the kernels compute it in registers (16-bit dense, the activations'
+    dtype), else None."""
+    if isinstance(weight, DenseWeight) and weight.data.dtype == x.dtype and weight.data.is_contiguous():
+        return weight.data
+    return None
+
+
+def _rows(x: torch.Tensor) -> torch.Tensor:
+    """x with unit column stride (a view of a stacked projection already has it: no copy)."""
+    return x if x.stride(-1) == 1 else x.contiguous()
+
+
 @register("kda_decode", "triton")
-def kda_decode(qkv: torch.Tensor, f: torch.Tensor, beta_logits: torch.Tensor, gate_out: torch.Tensor,
-               conv_state: torch.Tensor, conv_weight: torch.Tensor, rec_state: torch.Tensor, slots: torch.Tensor,
-               decay_rate: torch.Tensor, dt_bias: torch.Tensor, o_norm: torch.Tensor, lower_bound: float,
-               eps: float, *, block_v: int | None = None, num_warps: int | None = None) -> torch.Tensor:
+def kda_decode(qkv: torch.Tensor, forget_low: torch.Tensor, f_b: Weight, beta_logits: torch.Tensor,
+               gate_low: torch.Tensor, g_b: Weight, conv_state: torch.Tensor, conv_weight: torch.Tensor,
+               rec_state: torch.Tensor, slots: torch.Tensor, decay_rate: torch.Tensor, dt_bias: torch.Tensor,
+               o_norm: torch.Tensor, lower_bound: float, eps: float, *, block_v: int | None = None,
+               num_warps: int | None = None) -> torch.Tensor:
     """Same contract as the torch reference `kda_decode`; block_v/num_warps override the launch heuristic."""
     b, h, d = qkv.shape[0], decay_rate.shape[0], o_norm.shape[0]
     p, conv = h * d, conv_weight.shape[1]
@@ -141,12 +180,19 @@ def kda_decode(qkv: torch.Tensor, f: torch.Tensor, beta_logits: torch.Tensor, ga
     default_bv, default_warps = decode_launch_config(b, h, d)
     block_v, num_warps = block_v or default_bv, num_warps or default_warps
     assert d % block_v == 0
-    qkv, f, beta_logits, gate_out = (t.contiguous() for t in (qkv, f, beta_logits, gate_out))
+    f_w, g_w = _low_rank(f_b, forget_low), _low_rank(g_b, gate_low)
+    low_rank = f_w is not None and g_w is not None and f_w.shape[1] == g_w.shape[1]
+    # Formats the kernels do not read (FP8 blocks, NVFP4) take the linear op first, then the kernels read its output.
+    f, gate = (forget_low, gate_low) if low_rank else (linear(forget_low, f_b), linear(gate_low, g_b))
+    f_w, g_w = (f_w, g_w) if low_rank else (f, gate)  # never read without low_rank
+    rank = f_w.shape[1] if low_rank else 1
+    qkv, f, beta_logits, gate = (_rows(t) for t in (qkv, f, beta_logits, gate))
     out = torch.empty(b, p, dtype=qkv.dtype, device=qkv.device)
     _step_kernel[(b * h, d // block_v)](
-        qkv, f, beta_logits, conv_state, conv_weight.contiguous(), rec_state, slots, decay_rate.contiguous(),
-        dt_bias.contiguous(), out, lower_bound, d ** -0.5, P=p, H=h, D=d, BV=block_v, CONV=conv,
-        num_warps=num_warps)
-    _norm_kernel[(b * h,)](qkv, gate_out, conv_state, slots, o_norm.contiguous(), out, eps,
-                           P=p, H=h, D=d, CONV=conv, CP2=triton.next_power_of_2(conv), num_warps=4)
+        qkv, f, f_w, beta_logits, conv_state, conv_weight.contiguous(), rec_state, slots, decay_rate.contiguous(),
+        dt_bias.contiguous(), out, lower_bound, d ** -0.5, qkv.stride(0), f.stride(0), beta_logits.stride(0),
+        P=p, H=h, D=d, BV=block_v, CONV=conv, R=rank, LOW_RANK=low_rank, num_warps=num_warps)
+    _norm_kernel[(b * h,)](qkv, gate, g_w, conv_state, slots, o_norm.contiguous(), out, eps, qkv.stride(0),
+                           gate.stride(0), P=p, H=h, D=d, CONV=conv, CP2=triton.next_power_of_2(conv), R=rank,
+                           LOW_RANK=low_rank, num_warps=4)
     return out

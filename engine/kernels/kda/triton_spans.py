@@ -91,7 +91,9 @@ def _spans_step_kernel(qkv, f, beta_logits, conv_state, conv_weight, rec_state, 
 def _rows_norm_kernel(gate_out, o_norm, out, eps, P: tl.constexpr, H: tl.constexpr, D: tl.constexpr):
     """Program (token row, head h): the gated output norm in place."""
     i_rh = tl.program_id(0)
-    _gated_norm(out, gate_out, o_norm, (i_rh // H).to(tl.int64), i_rh % H, eps, P, D)
+    row, i_h = (i_rh // H).to(tl.int64), i_rh % H
+    gate = tl.load(gate_out + row * P + i_h * D + tl.arange(0, D)).to(tl.float32)
+    _gated_norm(out, gate, o_norm, row, i_h, eps, P, D)
 
 
 @triton.jit

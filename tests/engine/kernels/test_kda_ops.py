@@ -14,30 +14,47 @@ import torch
 from engine.kernels.kda import torch_ref
 from engine.kernels.kda.torch_ref import kda_chunk, kda_step, short_conv
 from engine.kernels.kda.triton_decode import kda_decode as triton_kda_decode
+from engine.kernels.linear.torch_ref import linear
+from engine.quant import quantize_fp8_block
+from engine.weights import DenseWeight, Fp8BlockWeight
+from tests.engine.kernels.sm90 import assert_compiles_for_sm90
 
 SLOTS = 6
 CONV = 4
+RANK = 40  # the gates' low-rank width: not a multiple of the kernels' 32-wide steps
 
 
 def decode_inputs(b: int, h: int, d: int, dtype: torch.dtype, seed: int) -> dict:
-    """One decode step's arguments; states for SLOTS requests, `b` of them (in shuffled order) stepping."""
+    """One decode step's arguments; states for SLOTS requests, `b` of them (in shuffled order) stepping. The gates'
+    low-rank inputs are columns of a wider buffer, as the mixer's stacked projection hands them over."""
     gen = torch.Generator().manual_seed(seed)
 
     def rnd(*shape: int) -> torch.Tensor:
         return torch.randn(*shape, generator=gen)
 
     p = h * d
-    return {"qkv": rnd(b, 3 * p).to(dtype), "f": rnd(b, p).to(dtype), "beta_logits": rnd(b, h).to(dtype),
-            "gate_out": rnd(b, p).to(dtype), "conv_state": rnd(SLOTS, 3 * p, CONV - 1).to(dtype),
+    stacked = rnd(b, 3 * RANK).to(dtype)
+    return {"qkv": rnd(b, 3 * p).to(dtype), "forget_low": stacked[:, :RANK],
+            "f_b": DenseWeight((rnd(p, RANK) * RANK ** -0.5).to(dtype)), "beta_logits": rnd(b, h).to(dtype),
+            "gate_low": stacked[:, 2 * RANK:], "g_b": DenseWeight((rnd(p, RANK) * RANK ** -0.5).to(dtype)),
+            "conv_state": rnd(SLOTS, 3 * p, CONV - 1).to(dtype),
             "conv_weight": rnd(3 * p, CONV) * 0.5, "rec_state": rnd(SLOTS, h, d, d) * 0.1,
             "slots": torch.randperm(SLOTS, generator=gen)[:b], "decay_rate": rnd(h).exp(), "dt_bias": rnd(p),
             "o_norm": (1 + 0.1 * rnd(d)).to(dtype), "lower_bound": -5.0, "eps": 1e-5}
 
 
-def unfused_decode(qkv, f, beta_logits, gate_out, conv_state, conv_weight, rec_state, slots, decay_rate, dt_bias,
-                   o_norm, lower_bound, eps):
-    """The mixer's single-token path before the fused op: conv, gate, beta, kda_step, gated norm, separately."""
+def with_gates(args: dict) -> dict:
+    """Decode arguments with the gates up-projected ([B, P] f and gate_out, as kda_spans takes them)."""
+    rest = {k: v for k, v in args.items() if k not in ("forget_low", "f_b", "gate_low", "g_b")}
+    return {**rest, "f": linear(args["forget_low"], args["f_b"]), "gate_out": linear(args["gate_low"], args["g_b"])}
+
+
+def unfused_decode(qkv, forget_low, f_b, beta_logits, gate_low, g_b, conv_state, conv_weight, rec_state, slots,
+                   decay_rate, dt_bias, o_norm, lower_bound, eps):
+    """The mixer's single-token path before the fused op: up-projections, conv, gate, beta, kda_step, gated norm,
+    separately."""
     b, h, d = qkv.shape[0], decay_rate.shape[0], o_norm.shape[0]
+    f, gate_out = forget_low @ f_b.data.t(), gate_low @ g_b.data.t()
     mixed, conv_state[slots] = short_conv(qkv.unsqueeze(1), conv_state[slots], conv_weight)
     q, k, v = mixed.squeeze(1).view(b, 3, h, d).unbind(1)
     gate = f.float() + dt_bias
@@ -92,6 +109,22 @@ def test_triton_decode_matches_reference(dtype, tol, b, h, d, block_v):
     untouched = torch.ones(SLOTS, dtype=torch.bool)
     untouched[slots] = False
     assert torch.equal(rec[untouched], decode_inputs(b, h, d, dtype, seed=0)["rec_state"][untouched])
+
+
+def test_triton_decode_takes_quantized_up_projections_through_the_linear_op():
+    """Gates whose up-projections the kernels do not read in registers (FP8 blocks) are projected by the linear
+    op first: the same result as the reference given the same weights."""
+    def fp8(args: dict) -> dict:
+        quantized = {k: Fp8BlockWeight(*quantize_fp8_block(args[k].data)) for k in ("f_b", "g_b")}
+        return {**args, **quantized}
+
+    first = fp8(decode_inputs(3, 2, 16, torch.float32, seed=0))
+    got = triton_kda_decode(**{**first, "conv_state": first["conv_state"].clone(),
+                               "rec_state": first["rec_state"].clone()})
+    want = torch_ref.kda_decode(**first)
+    assert rel(got, want) < 1e-5
+    dense = decode_inputs(3, 2, 16, torch.float32, seed=0)
+    assert rel(want, torch_ref.kda_decode(**dense)) > 1e-3  # the FP8 weights differ: the test sees which it ran
 
 
 def prefill_inputs(lengths: list[int], h: int = 3, d: int = 16, seed: int = 0):
@@ -151,7 +184,7 @@ def test_l2_normalized_matches_float64(dtype):
 
 def spans_inputs(lengths: list[int], h: int, d: int, dtype: torch.dtype, seed: int = 0) -> dict:
     """`kda_spans` arguments: multi-token spans of these lengths, one after another, on shuffled slots."""
-    first = decode_inputs(sum(lengths), h, d, dtype, seed)
+    first = with_gates(decode_inputs(sum(lengths), h, d, dtype, seed))
     slots = torch.randperm(SLOTS, generator=torch.Generator().manual_seed(seed + 1))[:len(lengths)]
     rows = torch_ref.ConvRows.of(lengths, CONV - 1, torch.device("cpu"))
     return {**first, "slots": slots, "cu_seqlens": torch.tensor([0] + lengths).cumsum(0), "conv_rows": rows,
@@ -167,8 +200,11 @@ def test_spans_reference_equals_decode_steps(lengths):
     bounds = args["cu_seqlens"].tolist()
     for i, slot in enumerate(args["slots"].tolist()):
         for t in range(bounds[i], bounds[i + 1]):
-            one = {k: args[k][t:t + 1] for k in ("qkv", "f", "beta_logits", "gate_out")}
-            want = torch_ref.kda_decode(**one, conv_state=conv, conv_weight=args["conv_weight"], rec_state=rec,
+            one = {k: args[k][t:t + 1] for k in ("qkv", "beta_logits")}
+            # an identity up-projection hands the decode op the span's own gates
+            identity = DenseWeight(torch.eye(args["f"].shape[1]))
+            want = torch_ref.kda_decode(**one, forget_low=args["f"][t:t + 1], f_b=identity,
+                                        gate_low=args["gate_out"][t:t + 1], g_b=identity, conv_state=conv, conv_weight=args["conv_weight"], rec_state=rec,
                                         slots=torch.tensor([slot]), decay_rate=args["decay_rate"],
                                         dt_bias=args["dt_bias"], o_norm=args["o_norm"],
                                         lower_bound=args["lower_bound"], eps=args["eps"])
@@ -201,3 +237,20 @@ def test_triton_spans_past_the_short_limit_take_the_chunked_path(monkeypatch):
     got_args, want_args = spans_inputs([3, 6], 2, 16, torch.float32), spans_inputs([3, 6], 2, 16, torch.float32)
     assert torch.equal(triton_spans.kda_spans(**got_args), torch_ref.kda_spans(**want_args))
     assert torch.equal(got_args["rec_state"], want_args["rec_state"])
+
+
+@pytest.mark.parametrize("low_rank", [True, False])
+def test_the_decode_kernels_compile_for_sm90(low_rank, tmp_path):
+    """Both builds at the release's shapes (64 heads of 128, rank 128, bf16) compile for the GPU: the interpreter
+    takes code the compiler would reject."""
+    assert_compiles_for_sm90(f"""
+from engine.kernels.kda.triton_decode import _norm_kernel, _step_kernel
+compile_for_sm90(_step_kernel, dict(qkv="*bf16", f="*bf16", f_b="*bf16", beta_logits="*bf16", conv_state="*bf16",
+                 conv_weight="*fp32", rec_state="*fp32", slots="*i64", decay_rate="*fp32", dt_bias="*fp32",
+                 out="*bf16"), dict(P=8192, H=64, D=128, BV=32, CONV=4, R=128, LOW_RANK={low_rank}), 4,
+                 dict(lower_bound="fp32", scale="fp32"))
+compile_for_sm90(_norm_kernel, dict(qkv="*bf16", gate_in="*bf16", g_b="*bf16", conv_state="*bf16", slots="*i64",
+                 o_norm="*bf16", out="*bf16"), dict(P=8192, H=64, D=128, CONV=4, CP2=4, R=128, LOW_RANK={low_rank}),
+                 4, dict(eps="fp32"))
+print("compiled")
+""", tmp_path)
