@@ -210,6 +210,12 @@ def _split(length: int, block: int, others: int) -> tuple[int, int]:
     return triton.cdiv(length, chunk), chunk
 
 
+def _empty_partials(splits: int, t: int, s: int, device: torch.device) -> MhcPartials:
+    _, np_, gp = _pads(s)
+    return MhcPartials(torch.empty(splits, t, np_, dtype=torch.float32, device=device),
+                       torch.empty(splits, t, gp, dtype=torch.float32, device=device))
+
+
 def _reduce(x: torch.Tensor, fn: torch.Tensor) -> MhcPartials:
     """The site's partials read from the streams x [T, S, D] (contiguous)."""
     t, s, d = x.shape
@@ -221,8 +227,7 @@ def _reduce(x: torch.Tensor, fn: torch.Tensor) -> MhcPartials:
     bk = 64 if native and t > DECODE_MAX_ROWS else 32
     n_t = triton.cdiv(t, bt)
     splits, chunk = _split(d, bk, n_t)
-    partials = MhcPartials(torch.empty(splits, t, np_, dtype=torch.float32, device=x.device),
-                           torch.empty(splits, t, gp, dtype=torch.float32, device=x.device))
+    partials = _empty_partials(splits, t, s, x.device)
     _pre_partial_kernel[(n_t, splits)](x, fn, *partials, t, d, CHUNK=chunk, S=s, N=n, NP=np_, GP=gp, BT=bt, BK=bk,
                                         NATIVE_DOT=native, num_warps=4, num_stages=2 if t <= DECODE_MAX_ROWS else 3)
     return partials
@@ -239,7 +244,8 @@ def mhc_pre(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: 
     if partials is None:
         partials = _reduce(x, fn.contiguous())
     splits = partials.dots.shape[0]
-    assert partials.dots.shape[1:] == (t, _pads(s)[1]) and partials.gram.shape[:2] == (splits, t)
+    _, np_, gp = _pads(s)
+    assert partials.dots.shape[1:] == (t, np_) and partials.gram.shape == (splits, t, gp)
     u = torch.empty(t, d, dtype=x.dtype, device=x.device)
     post = torch.empty(t, s, dtype=torch.float32, device=x.device)
     comb = torch.empty(t, s, s, dtype=torch.float32, device=x.device)
@@ -248,7 +254,7 @@ def mhc_pre(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: 
     # One warp: the 4 x 4 Sinkhorn reductions stay in warp shuffles, no barriers on the serial chain.
     _pre_finish_kernel[(t, d_splits)](x, *partials, base, scale, norm, u, post, comb, t, d, splits, eps, hc_eps,
                                       d_chunk, ITERS=sinkhorn_iters, S=s, SP=triton.next_power_of_2(s),
-                                      NP=_pads(s)[1], GP=_pads(s)[2], SPLITS_P=triton.next_power_of_2(splits),
+                                      NP=np_, GP=gp, SPLITS_P=triton.next_power_of_2(splits),
                                       BD=bd, num_warps=1)
     return u, post, comb
 
@@ -269,8 +275,7 @@ def mhc_post(streams: torch.Tensor, out: torch.Tensor, post: torch.Tensor, comb:
     n, np_, gp = _pads(s)
     bd = 64  # 64 programs a token at D = 4,096, each reading its 24 x 4 x 64 of fn
     splits = triton.cdiv(d, bd)
-    partials = MhcPartials(torch.empty(splits, t, np_, dtype=torch.float32, device=x.device),
-                           torch.empty(splits, t, gp, dtype=torch.float32, device=x.device))
+    partials = _empty_partials(splits, t, s, x.device)
     _post_partial_kernel[(t, splits)](x, *args, y, next_fn.contiguous(), *partials, t, d, N=n, S=s, SP=sp, NP=np_,
                                       GP=gp, BD=bd, num_warps=2)
     return y, partials
