@@ -160,7 +160,7 @@ def _low_rank(weight: Weight, x: torch.Tensor) -> torch.Tensor | None:
     return None
 
 
-def _rows(x: torch.Tensor) -> torch.Tensor:
+def with_unit_stride(x: torch.Tensor) -> torch.Tensor:
     """x with unit column stride (a view of a stacked projection already has it: no copy)."""
     return x if x.stride(-1) == 1 else x.contiguous()
 
@@ -186,7 +186,7 @@ def kda_decode(qkv: torch.Tensor, forget_low: torch.Tensor, f_b: Weight, beta_lo
     f, gate = (forget_low, gate_low) if low_rank else (linear(forget_low, f_b), linear(gate_low, g_b))
     f_w, g_w = (f_w, g_w) if low_rank else (f, gate)  # never read without low_rank
     rank = f_w.shape[1] if low_rank else 1
-    qkv, f, beta_logits, gate = (_rows(t) for t in (qkv, f, beta_logits, gate))
+    qkv, f, beta_logits, gate = (with_unit_stride(t) for t in (qkv, f, beta_logits, gate))
     out = torch.empty(b, p, dtype=qkv.dtype, device=qkv.device)
     _step_kernel[(b * h, d // block_v)](
         qkv, f, f_w, beta_logits, conv_state, conv_weight.contiguous(), rec_state, slots, decay_rate.contiguous(),

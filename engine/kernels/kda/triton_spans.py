@@ -19,7 +19,7 @@ import triton.language as tl
 
 from engine.kernels.dispatch import register
 from engine.kernels.kda.torch_ref import ConvRows, kda_spans as chunked_spans
-from engine.kernels.kda.triton_decode import _delta_rule, _gated_norm, _l2norm
+from engine.kernels.kda.triton_decode import _delta_rule, _gated_norm, _l2norm, with_unit_stride
 from engine.kernels.token_variants import token_variants
 
 # The longest span (tokens) the recurrence takes: its programs walk the span in series, ~1-3 us a token
@@ -39,14 +39,14 @@ def _builds(tokens: int) -> tuple:
 
 
 @triton.jit
-def _conv_silu_at(qkv, start, t, state_row, weight, ch, CONV: tl.constexpr, ROW: tl.constexpr):
+def _conv_silu_at(qkv, start, t, state_row, weight, ch, CONV: tl.constexpr, row_stride):
     """SiLU(depthwise causal conv) of channels `ch` at token t of a span whose rows start at `start`: inputs
     before the span come from its conv state. Rounded to the activation dtype like the reference."""
     y = tl.zeros(ch.shape, tl.float32)
     for j in tl.static_range(CONV):
         back = t - (CONV - 1) + j  # the input's index in the span (< 0: held in the conv state)
         inside = (ch * 0 + back) >= 0
-        x = tl.where(inside, tl.load(qkv + (start + back) * ROW + ch, mask=inside, other=0.0),
+        x = tl.where(inside, tl.load(qkv + (start + back) * row_stride + ch, mask=inside, other=0.0),
                      tl.load(state_row + ch * (CONV - 1) + (CONV - 1 + back), mask=~inside, other=0.0))
         y += x.to(tl.float32) * tl.load(weight + ch * CONV + j)
     return (y * tl.sigmoid(y)).to(qkv.dtype.element_ty).to(tl.float32)
@@ -54,8 +54,8 @@ def _conv_silu_at(qkv, start, t, state_row, weight, ch, CONV: tl.constexpr, ROW:
 
 @triton.jit
 def _spans_step_kernel(qkv, f, beta_logits, conv_state, conv_weight, rec_state, slots, cu_seqlens, decay_rate,
-                       dt_bias, out, lower_bound, scale, P: tl.constexpr, H: tl.constexpr, D: tl.constexpr,
-                       BV: tl.constexpr, CONV: tl.constexpr):
+                       dt_bias, out, lower_bound, scale, stride_qkv, stride_beta, P: tl.constexpr, H: tl.constexpr,
+                       D: tl.constexpr, BV: tl.constexpr, CONV: tl.constexpr):
     """Program (span s, head h, dv-tile): the head's conv/norms/gate per token, its [D, BV] state slice kept
     in registers across the span's tokens."""
     i_sh = tl.program_id(0)
@@ -75,11 +75,11 @@ def _spans_step_kernel(qkv, f, beta_logits, conv_state, conv_weight, rec_state, 
     t = length * 0
     while t < length:  # not `range(length)`: Triton's interpreter (the CPU tests) cannot take a loaded bound
         row = start + t
-        q = _l2norm(_conv_silu_at(qkv, start, t, state_row, conv_weight, i_h * D + o_k, CONV, 3 * P)) * scale
-        k = _l2norm(_conv_silu_at(qkv, start, t, state_row, conv_weight, P + i_h * D + o_k, CONV, 3 * P))
-        v = _conv_silu_at(qkv, start, t, state_row, conv_weight, 2 * P + i_h * D + o_v, CONV, 3 * P)
+        q = _l2norm(_conv_silu_at(qkv, start, t, state_row, conv_weight, i_h * D + o_k, CONV, stride_qkv)) * scale
+        k = _l2norm(_conv_silu_at(qkv, start, t, state_row, conv_weight, P + i_h * D + o_k, CONV, stride_qkv))
+        v = _conv_silu_at(qkv, start, t, state_row, conv_weight, 2 * P + i_h * D + o_v, CONV, stride_qkv)
         g = lower_bound * tl.sigmoid(rate * (tl.load(f + row * P + i_h * D + o_k).to(tl.float32) + bias))
-        logit = tl.load(beta_logits + row * H + i_h)
+        logit = tl.load(beta_logits + row * stride_beta + i_h)
         beta = tl.sigmoid(logit.to(tl.float32)).to(logit.dtype).to(tl.float32)
         s, o = _delta_rule(s, q, k, v, g, beta)
         tl.store(out + row * P + i_h * D + o_v, o.to(out.dtype.element_ty))
@@ -97,8 +97,8 @@ def _rows_norm_kernel(gate_out, o_norm, out, eps, P: tl.constexpr, H: tl.constex
 
 
 @triton.jit
-def _spans_conv_state_kernel(qkv, conv_state, slots, cu_seqlens, CHANNELS: tl.constexpr, CONV: tl.constexpr,
-                             CP2: tl.constexpr, BLOCK_C: tl.constexpr):
+def _spans_conv_state_kernel(qkv, conv_state, slots, cu_seqlens, stride_qkv, CHANNELS: tl.constexpr,
+                             CONV: tl.constexpr, CP2: tl.constexpr, BLOCK_C: tl.constexpr):
     """Program (span s, channel block): the span's new conv state, its last CONV-1 inputs (from the conv state
     before it when the span is shorter). Loads finish before any store: neighbours may be other threads."""
     i_s = tl.program_id(0)
@@ -111,7 +111,7 @@ def _spans_conv_state_kernel(qkv, conv_state, slots, cu_seqlens, CHANNELS: tl.co
     used = (ch < CHANNELS) & (taps < CONV - 1)
     inside = used & (back >= 0)
     state_row = conv_state + slot * CHANNELS * (CONV - 1) + ch * (CONV - 1)
-    new = tl.where(inside, tl.load(qkv + (start + back) * CHANNELS + ch, mask=inside, other=0.0),
+    new = tl.where(inside, tl.load(qkv + (start + back) * stride_qkv + ch, mask=inside, other=0.0),
                    tl.load(state_row + (CONV - 1 + back), mask=used & (back < 0), other=0.0))
     tl.debug_barrier()
     tl.store(state_row + taps, new, mask=used)
@@ -136,15 +136,17 @@ def kda_spans(qkv: torch.Tensor, f: torch.Tensor, beta_logits: torch.Tensor, gat
     assert conv_state.is_contiguous() and rec_state.is_contiguous() and rec_state.dtype == torch.float32
     assert conv_state.dtype == qkv.dtype, "the conv state holds inputs in the activation dtype"
     block_v = block_v or min(d, SPAN_BLOCK_V)
-    qkv, f, beta_logits, gate_out = (t.contiguous() for t in (qkv, f, beta_logits, gate_out))
+    # q|k|v and beta are views of the mixer's stacked projection: read through their row strides, not copied
+    qkv, beta_logits = with_unit_stride(qkv), with_unit_stride(beta_logits)
+    f, gate_out = f.contiguous(), gate_out.contiguous()
     out = torch.empty(n, p, dtype=qkv.dtype, device=qkv.device)
     _spans_step_kernel[(spans * h, d // block_v)](
         qkv, f, beta_logits, conv_state, conv_weight.contiguous(), rec_state, slots, cu_seqlens,
-        decay_rate.contiguous(), dt_bias.contiguous(), out, lower_bound, d ** -0.5, P=p, H=h, D=d, BV=block_v,
-        CONV=conv, num_warps=4)
+        decay_rate.contiguous(), dt_bias.contiguous(), out, lower_bound, d ** -0.5, qkv.stride(0),
+        beta_logits.stride(0), P=p, H=h, D=d, BV=block_v, CONV=conv, num_warps=4)
     _rows_norm_kernel[(n * h,)](gate_out, o_norm.contiguous(), out, eps, P=p, H=h, D=d, num_warps=4)
     block_c = 256
     _spans_conv_state_kernel[(spans, triton.cdiv(3 * p, block_c))](
-        qkv, conv_state, slots, cu_seqlens, CHANNELS=3 * p, CONV=conv, CP2=triton.next_power_of_2(conv - 1),
+        qkv, conv_state, slots, cu_seqlens, qkv.stride(0), CHANNELS=3 * p, CONV=conv, CP2=triton.next_power_of_2(conv - 1),
         BLOCK_C=block_c, num_warps=4)
     return out

@@ -25,18 +25,21 @@ RANK = 40  # the gates' low-rank width: not a multiple of the kernels' 32-wide s
 
 
 def decode_inputs(b: int, h: int, d: int, dtype: torch.dtype, seed: int) -> dict:
-    """One decode step's arguments; states for SLOTS requests, `b` of them (in shuffled order) stepping. The gates'
-    low-rank inputs are columns of a wider buffer, as the mixer's stacked projection hands them over."""
+    """One decode step's arguments; states for SLOTS requests, `b` of them (in shuffled order) stepping. q|k|v, the
+    gates' low-rank inputs and beta are columns of one wider buffer, as the mixer's stacked projection hands them
+    over (the kernels read them through their row strides)."""
     gen = torch.Generator().manual_seed(seed)
 
     def rnd(*shape: int) -> torch.Tensor:
         return torch.randn(*shape, generator=gen)
 
     p = h * d
-    stacked = rnd(b, 3 * RANK).to(dtype)
-    return {"qkv": rnd(b, 3 * p).to(dtype), "forget_low": stacked[:, :RANK],
-            "f_b": DenseWeight((rnd(p, RANK) * RANK ** -0.5).to(dtype)), "beta_logits": rnd(b, h).to(dtype),
-            "gate_low": stacked[:, 2 * RANK:], "g_b": DenseWeight((rnd(p, RANK) * RANK ** -0.5).to(dtype)),
+    stacked = rnd(b, 3 * p + 3 * RANK + h).to(dtype)  # q|k|v, forget, (unused), gate, beta side by side
+    low = 3 * p
+    return {"qkv": stacked[:, :low], "forget_low": stacked[:, low:low + RANK],
+            "f_b": DenseWeight((rnd(p, RANK) * RANK ** -0.5).to(dtype)), "beta_logits": stacked[:, -h:],
+            "gate_low": stacked[:, low + 2 * RANK:low + 3 * RANK],
+            "g_b": DenseWeight((rnd(p, RANK) * RANK ** -0.5).to(dtype)),
             "conv_state": rnd(SLOTS, 3 * p, CONV - 1).to(dtype),
             "conv_weight": rnd(3 * p, CONV) * 0.5, "rec_state": rnd(SLOTS, h, d, d) * 0.1,
             "slots": torch.randperm(SLOTS, generator=gen)[:b], "decay_rate": rnd(h).exp(), "dt_bias": rnd(p),
@@ -241,10 +244,11 @@ def test_triton_spans_past_the_short_limit_take_the_chunked_path(monkeypatch):
 
 @pytest.mark.parametrize("low_rank", [True, False])
 def test_the_decode_kernels_compile_for_sm90(low_rank, tmp_path):
-    """Both builds at the release's shapes (64 heads of 128, rank 128, bf16) compile for the GPU: the interpreter
-    takes code the compiler would reject."""
+    """Both decode builds, and the short spans' kernels, at the release's shapes (64 heads of 128, rank 128, bf16)
+    compile for the GPU: the interpreter takes code the compiler would reject."""
     assert_compiles_for_sm90(f"""
 from engine.kernels.kda.triton_decode import _norm_kernel, _step_kernel
+from engine.kernels.kda.triton_spans import _spans_conv_state_kernel, _spans_step_kernel
 compile_for_sm90(_step_kernel, dict(qkv="*bf16", f="*bf16", f_b="*bf16", beta_logits="*bf16", conv_state="*bf16",
                  conv_weight="*fp32", rec_state="*fp32", slots="*i64", decay_rate="*fp32", dt_bias="*fp32",
                  out="*bf16"), dict(P=8192, H=64, D=128, BV=32, CONV=4, R=128, LOW_RANK={low_rank}), 4,
@@ -252,5 +256,12 @@ compile_for_sm90(_step_kernel, dict(qkv="*bf16", f="*bf16", f_b="*bf16", beta_lo
 compile_for_sm90(_norm_kernel, dict(qkv="*bf16", gate_in="*bf16", g_b="*bf16", conv_state="*bf16", slots="*i64",
                  o_norm="*bf16", out="*bf16"), dict(P=8192, H=64, D=128, CONV=4, CP2=4, R=128, LOW_RANK={low_rank}),
                  4, dict(eps="fp32"))
+if {low_rank}:  # the short spans' kernels (verify steps), once
+    compile_for_sm90(_spans_step_kernel, dict(qkv="*bf16", f="*bf16", beta_logits="*bf16", conv_state="*bf16",
+                     conv_weight="*fp32", rec_state="*fp32", slots="*i64", cu_seqlens="*i64", decay_rate="*fp32",
+                     dt_bias="*fp32", out="*bf16"), dict(P=8192, H=64, D=128, BV=32, CONV=4), 4,
+                     dict(lower_bound="fp32", scale="fp32"))
+    compile_for_sm90(_spans_conv_state_kernel, dict(qkv="*bf16", conv_state="*bf16", slots="*i64",
+                     cu_seqlens="*i64"), dict(CHANNELS=24576, CONV=4, CP2=4, BLOCK_C=256), 4)
 print("compiled")
 """, tmp_path)
