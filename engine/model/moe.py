@@ -18,9 +18,8 @@ class Router:
     def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """-> (expert ids [T, k], weights [T, k] fp32)."""
         c = self.cfg
-        logits = kernel("router_logits", x.device.type)(x, self.weight)
-        return kernel("route", x.device.type)(logits, self.bias, c.num_experts_per_tok, c.norm_topk_prob,
-                                              c.routed_scaling_factor)
+        return kernel("route", x.device.type)(x.float() @ self.weight.t(), self.bias, c.num_experts_per_tok,
+                                              c.norm_topk_prob, c.routed_scaling_factor)
 
 
 class MoE:

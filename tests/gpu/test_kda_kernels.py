@@ -40,6 +40,12 @@ def decode_args(b: int, num_slots: int, dtype: torch.dtype, seed: int) -> dict:
             "dt_bias": rnd(p), "o_norm": (1 + 0.1 * rnd(D)).to(dtype), "lower_bound": -5.0, "eps": 1e-5}
 
 
+def spans_gates(args: dict) -> dict:
+    """Decode arguments as kda_spans takes them: the gates up-projected ([N, P] f and gate_out)."""
+    rest = {k: v for k, v in args.items() if k not in ("forget_low", "f_b", "gate_low", "g_b")}
+    return {**rest, "f": args["forget_low"] @ args["f_b"].data.t(), "gate_out": args["gate_low"] @ args["g_b"].data.t()}
+
+
 def check_decode(b: int, dtype: torch.dtype, steps: int, **launch) -> None:
     """`steps` decode steps through both paths on separate copies of the same states."""
     first = decode_args(b, 2 * b + 1, dtype, seed=0)
@@ -134,7 +140,7 @@ def test_short_spans_match_reference(lengths, dtype, monkeypatch):
     """The Triton recurrence over short spans against the torch reference (conv, gates, chunked KDA, norm)."""
     from engine.kernels.kda import triton_spans
 
-    first = decode_args(sum(lengths), 2 * len(lengths) + 1, dtype, seed=0)
+    first = spans_gates(decode_args(sum(lengths), 2 * len(lengths) + 1, dtype, seed=0))
     slots = first["slots"][:len(lengths)]
     layout = {"slots": slots, "cu_seqlens": torch.tensor([0] + lengths, device=DEVICE).cumsum(0),
               "conv_rows": torch_ref.ConvRows.of(lengths, CONV - 1, torch.device(DEVICE)), "longest": max(lengths)}

@@ -7,12 +7,6 @@ import torch
 from engine.kernels.dispatch import register
 
 
-@register("router_logits", "torch")
-def router_logits(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """x [T, D] in the activation dtype, weight [E, D] fp32 -> logits [T, E] fp32 (the router runs in fp32)."""
-    return x.float() @ weight.t()
-
-
 @register("route", "torch")
 def route(logits: torch.Tensor, bias: torch.Tensor, top_k: int, normalize: bool,
           scaling: float) -> tuple[torch.Tensor, torch.Tensor]:

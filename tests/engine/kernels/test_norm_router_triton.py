@@ -9,7 +9,6 @@ from engine.kernels.norm import torch_ref as norm_ref
 from engine.kernels.norm import triton_norm
 from engine.kernels.router import torch_ref as router_ref
 from engine.kernels.router import triton_router
-from tests.engine.kernels.sm90 import assert_compiles_for_sm90
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -59,29 +58,3 @@ def test_route_bias_selects_but_does_not_weigh():
     chosen = dict(zip(ids[0].tolist(), weights[0].tolist()))
     assert set(chosen) == {0, 2}
     assert chosen[2] == pytest.approx(float(torch.sigmoid(torch.tensor(-4.0))), rel=1e-6)
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("tokens,experts,hidden", [(1, 288, 160), (5, 18, 96), (16, 7, 300), (17, 9, 64)])
-def test_router_logits_match_reference(tokens, experts, hidden, dtype):
-    """fp32 logits from 16-bit (or fp32) activations: products exact in fp32, so only the sums' order differs.
-    Ragged expert blocks and K steps; 17 tokens take the matmul."""
-    g = torch.Generator().manual_seed(tokens + experts)
-    wide = torch.randn(tokens, hidden + 8, generator=g).to(dtype)
-    x = wide[:, 4:hidden + 4]  # a strided view, as a stacked projection's part
-    w = torch.randn(experts, hidden, generator=g) / hidden ** 0.5
-    got = triton_router.router_logits(x, w)
-    assert got.dtype == torch.float32 and got.shape == (tokens, experts)
-    torch.testing.assert_close(got, router_ref.router_logits(x, w), rtol=1e-5, atol=1e-5)
-    exact = x.double() @ w.double().t()
-    assert (got.double() - exact).abs().max() < 1e-4
-
-
-def test_the_logits_kernel_compiles_for_sm90(tmp_path):
-    """The release's build (bf16 activations, fp32 weight) compiles for the GPU: the interpreter takes code the
-    compiler would reject."""
-    assert_compiles_for_sm90("""
-from engine.kernels.router.triton_router import _logits_kernel
-compile_for_sm90(_logits_kernel, dict(x_ptr="*bf16", w_ptr="*fp32", out_ptr="*fp32"), dict(BT=16, BE=4, BK=128), 4)
-print("compiled")
-""", tmp_path)
