@@ -32,15 +32,14 @@ class KdaMixer:
         meta = batch.decode
         if meta is not None and meta.per_request == 1:  # the gates' up-projections inside the decode op
             return linear(self._decode(qkv, forget_low, beta_logits, gate_low, rec, conv, meta.slots), self.o)
-        forget, gate_out = linear(forget_low, self.f_b), linear(gate_low, self.g_b)
         if meta is not None:  # a verify: every request's tokens and drafts, as equal spans of static shape
-            o = self._spans(qkv, forget, beta_logits, gate_out, rec, conv, meta.request_slots,
+            o = self._spans(qkv, forget_low, beta_logits, gate_low, rec, conv, meta.request_slots,
                             *batch.layout(("verify", self.conv.shape[-1]), lambda: _equal_spans(meta, self.conv)),
                             meta.per_request)
             return linear(o, self.o)
         o = torch.empty(x.shape[0], self.cfg.linear_dim, dtype=x.dtype, device=x.device)
         if batch.multi_token_spans:  # first: a prompt's last token may be a one-token row of this step
-            o[batch.prefill_layout[0]] = self._prefill(qkv, forget, beta_logits, gate_out, rec, conv, batch)
+            o[batch.prefill_layout[0]] = self._prefill(qkv, forget_low, beta_logits, gate_low, rec, conv, batch)
         if batch.snapshot_saves is not None:
             batch.snapshot_saves.save_kda(rec, conv, self.state_index)
         if batch.one_token_spans:  # decoding requests in a mixed step: the fused step of a pure decode batch
@@ -58,20 +57,23 @@ class KdaMixer:
             qkv, forget_low, self.f_b, beta_logits, gate_low, self.g_b, conv, self.conv, rec, slot_ids,
             self.decay_rate, self.dt_bias, self.o_norm, cfg.gate_lower_bound, cfg.rms_norm_eps)
 
-    def _prefill(self, qkv: torch.Tensor, forget: torch.Tensor, beta_logits: torch.Tensor, gate_out: torch.Tensor,
-                 rec: torch.Tensor, conv: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+    def _prefill(self, qkv: torch.Tensor, forget_low: torch.Tensor, beta_logits: torch.Tensor,
+                 gate_low: torch.Tensor, rec: torch.Tensor, conv: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         """Every multi-token span at once: conv, gates, delta rule and gated norm in one op over the ragged batch."""
         rows, slot_ids, cu_seqlens = batch.prefill_layout
         history = self.conv.shape[-1] - 1
         lengths = [batch.spans[i].new for i in batch.multi_token_spans]
         layout = batch.layout((ConvRows, history), lambda: ConvRows.of(lengths, history, qkv.device))
-        return self._spans(qkv[rows], forget[rows], beta_logits[rows], gate_out[rows], rec, conv, slot_ids,
+        return self._spans(qkv[rows], forget_low[rows], beta_logits[rows], gate_low[rows], rec, conv, slot_ids,
                            cu_seqlens, layout, max(lengths))
 
-    def _spans(self, qkv: torch.Tensor, forget: torch.Tensor, beta_logits: torch.Tensor, gate_out: torch.Tensor,
+    def _spans(self, qkv: torch.Tensor, forget_low: torch.Tensor, beta_logits: torch.Tensor, gate_low: torch.Tensor,
                rec: torch.Tensor, conv: torch.Tensor, slot_ids: torch.Tensor, cu_seqlens: torch.Tensor,
                conv_rows: ConvRows, longest: int) -> torch.Tensor:
+        """Multi-token spans: the gates up-projected for their rows only (a mixed step's decoding rows take theirs
+        inside the decode op), then the spans op."""
         cfg = self.cfg
+        forget, gate_out = linear(forget_low, self.f_b), linear(gate_low, self.g_b)
         return kernel("kda_spans", qkv.device.type)(
             qkv, forget, beta_logits, gate_out, conv, self.conv, rec, slot_ids, cu_seqlens, conv_rows, longest,
             self.decay_rate, self.dt_bias, self.o_norm, cfg.gate_lower_bound, cfg.rms_norm_eps)
