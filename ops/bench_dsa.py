@@ -9,6 +9,7 @@ its sequence's pooled keys), over the measured device copy rate.
 
     python -m ops.bench_dsa       # decode B=1, 8, 64; spans 8 x 50 on 3,000; 1 x 2,048; B=1 at 32k, 128k; bf16, fp8
     python -m ops.bench_dsa --json /tmp/dsa.json
+    python -m ops.bench_dsa --launches 32x32x8x3,64x16x8x3   # the prefill spans' attention at each tiling
 """
 
 from __future__ import annotations
@@ -70,9 +71,9 @@ def select(impl: str, c: dict[str, Any]) -> torch.Tensor:
                           PAGE // KPOOL, KPOOL, SELECT, key_scales=c["key_scales"])
 
 
-def attend(impl: str, c: dict[str, Any], pool_ids: torch.Tensor) -> torch.Tensor:
+def attend(impl: str, c: dict[str, Any], pool_ids: torch.Tensor, **launch: Any) -> torch.Tensor:
     return ATTENTION[impl](c["q_latent"], c["latents"], pool_ids, c["positions"], c["table"], c["seqs"], PAGE,
-                           KPOOL, 256 ** -0.5, True, latent_scales=c["latent_scales"])
+                           KPOOL, 256 ** -0.5, True, latent_scales=c["latent_scales"], **launch)
 
 
 def step_bytes(spans: list[tuple[int, int]], itemsize: int, fp8: bool = False) -> int:
@@ -118,14 +119,43 @@ def bench(copy_gbps: float, caches: list[str]) -> list[dict[str, Any]]:
     return rows
 
 
+def parse_launch(text: str) -> triton_sparse_mla.MlaLaunch:
+    """'HxNxWxS' -> heads a program, tokens an iteration, warps, stages."""
+    block_h, block_n, warps, stages = (int(v) for v in text.split("x"))
+    return triton_sparse_mla.MlaLaunch(block_h, block_n, warps, stages)
+
+
+def sweep(copy_gbps: float, launches: list[triton_sparse_mla.MlaLaunch], caches: list[str]) -> list[dict[str, Any]]:
+    """The spans cases' Triton attention at each tiling; `max_err` against the torch path's output."""
+    rows = []
+    for name, (spans, decode) in CASES.items():
+        if decode:
+            continue
+        for cache in caches:
+            c = release_case(spans, decode, fp8=cache == "fp8")
+            pool_ids = select("triton", c)
+            want = attend("torch", c, pool_ids).float()
+            roof_us = step_bytes(spans, 2, cache == "fp8") / copy_gbps / 1e3
+            for launch in launches:
+                got = attend("triton", c, pool_ids, launch=launch).float()
+                us = triton.testing.do_bench(lambda: attend("triton", c, pool_ids, launch=launch),
+                                             return_mode="median") * 1e3
+                rows.append({"case": name, "cache": cache, "launch": launch.__dict__, "attend_us": round(us, 1),
+                             "roofline_us": round(roof_us, 1), "max_err": round((got - want).abs().max().item(), 4)})
+                print(json.dumps(rows[-1]), flush=True)
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--json", help="write the rows here too")
     parser.add_argument("--caches", type=lambda s: s.split(","), default=["auto", "fp8"])
+    parser.add_argument("--launches", type=lambda s: [parse_launch(v) for v in s.split(",")],
+                        help="time the spans cases' attention at these tilings (HxNxWxS, comma-separated) instead")
     args = parser.parse_args()
     copy_gbps = copy_bandwidth(torch.device("cuda"), 1 << 30)
     print(json.dumps({"copy_GBps": round(copy_gbps, 1)}), flush=True)
-    rows = bench(copy_gbps, args.caches)
+    rows = sweep(copy_gbps, args.launches, args.caches) if args.launches else bench(copy_gbps, args.caches)
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"copy_GBps": copy_gbps, "rows": rows}, f, indent=1)

@@ -6,6 +6,8 @@ not by the context length. Few queries (decode) split the selected tokens over p
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
@@ -13,10 +15,25 @@ import triton.language as tl
 from engine.kernels.dispatch import register
 from engine.kernels.token_variants import token_variants
 
-BLOCK_N = 32  # selected tokens per iteration
 MAX_SPLITS = 32
 TARGET_PROGRAMS = 264  # two waves of an H100/H200's 132 SMs
-_SHAPES_RUN: set[tuple[int, int]] = set()  # (heads, kpool) of the layers run so far
+_SHAPES_RUN: set[tuple[int, int, int]] = set()  # (heads, rank, kpool) of the layers run so far
+
+
+@dataclass(frozen=True)
+class MlaLaunch:
+    """A launch's tiling: heads a program holds, selected tokens an iteration, warps, and the loop's pipeline
+    stages (the gathered rows are copied that many iterations ahead)."""
+
+    block_h: int = 32
+    block_n: int = 32
+    num_warps: int = 8
+    num_stages: int = 3
+
+
+def launch_config(heads: int, rank: int) -> MlaLaunch:
+    """The tiling by the layer's shape: 32 heads a program (16 for fewer heads), fewer warps for narrow latents."""
+    return MlaLaunch(block_h=32 if heads >= 32 else 16, num_warps=8 if rank >= 256 else 4)
 
 
 # Per-step counts, widths and index views (sliced at any offset from one packed copy): one build for all steps.
@@ -42,9 +59,9 @@ def _sparse_mla_kernel(q_ptr, lat_ptr, lat_scale_ptr, pool_ptr, pos_ptr, table_p
     m = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l = tl.zeros([BLOCK_H], tl.float32)
     acc = tl.zeros([BLOCK_H, R], tl.float32)
-    n0 = split * chunk
-    end = tl.minimum(n0 + chunk, L)
-    while n0 < end:
+    start = split * chunk
+    end = tl.minimum(start + chunk, L)
+    for n0 in tl.range(start, end, BLOCK_N):
         j = n0 + tl.arange(0, BLOCK_N)
         in_pools = j < W * KPOOL
         pool = tl.load(pool_ptr + t * stride_pool + j // KPOOL, mask=in_pools, other=-1)
@@ -77,7 +94,6 @@ def _sparse_mla_kernel(q_ptr, lat_ptr, lat_scale_ptr, pool_ptr, pos_ptr, table_p
         else:
             acc = acc * alpha[:, None] + tl.dot(p.to(k.dtype), k)
         m = m_new
-        n0 += BLOCK_N
     if SPLIT:  # partial sums [splits, T, H, R] and their max / sum [splits, T, H], combined below
         at = (split * T + t) * H + heads
         tl.store(out_ptr + at[:, None] * R + cols[None, :], acc, mask=h_ok[:, None])
@@ -109,29 +125,30 @@ def _combine_kernel(part_ptr, m_ptr, l_ptr, out_ptr, TH, splits, R: tl.constexpr
     tl.store(out_ptr + at * R + cols, (acc / tl.where(total > 0, total, 1.0)).to(out_ptr.dtype.element_ty))
 
 
-def _head_block(heads: int) -> int:
-    return 32 if heads >= 32 else 16
-
-
-def _splits(queries: int, head_blocks: int, keys: int) -> int:
+def _splits(queries: int, head_blocks: int, keys: int, block_n: int) -> int:
     """Programs a query's selected tokens are spread over: enough for two waves when few queries run."""
-    return max(1, min(MAX_SPLITS, triton.cdiv(keys, BLOCK_N), triton.cdiv(TARGET_PROGRAMS, queries * head_blocks)))
+    return max(1, min(MAX_SPLITS, triton.cdiv(keys, block_n), triton.cdiv(TARGET_PROGRAMS, queries * head_blocks)))
 
 
 @token_variants
 def _builds(tokens: int) -> tuple:
     """A prefill of one span of `tokens` new tokens splits its queries' selected tokens over programs (and
     combines them) when they are few: a build of its own (decode batches, captured at start, take theirs)."""
-    return tuple((shape, _splits(tokens, triton.cdiv(shape[0], _head_block(shape[0])), tokens + shape[1] - 1) > 1)
-                 for shape in sorted(_SHAPES_RUN))
+    builds = []
+    for heads, rank, kpool in sorted(_SHAPES_RUN):
+        launch = launch_config(heads, rank)
+        head_blocks = triton.cdiv(heads, launch.block_h)
+        builds.append(((heads, rank, kpool), _splits(tokens, head_blocks, tokens + kpool - 1, launch.block_n) > 1))
+    return tuple(builds)
 
 
 @register("sparse_mla", "triton")
 def sparse_mla(q_latent: torch.Tensor, latents: torch.Tensor, pool_ids: torch.Tensor, positions: torch.Tensor,
                page_table: torch.Tensor, seqs: torch.Tensor | None, page_size: int, kpool: int, scale: float,
-               with_tail: bool, latent_scales: torch.Tensor | None = None) -> torch.Tensor:
+               with_tail: bool, latent_scales: torch.Tensor | None = None, *,
+               launch: MlaLaunch | None = None) -> torch.Tensor:
     """As the torch reference (engine.kernels.sparse_mla.torch_ref.sparse_mla), scores in fp32; an fp8 cache's
-    rows dequantized to the activations' dtype as they are read."""
+    rows dequantized to the activations' dtype as they are read. `launch` overrides the tiling."""
     t, h, r = q_latent.shape
     # Written as contiguous [T, H, R] (empty_like would keep the strides of a permuted einsum output).
     out = torch.empty(t, h, r, dtype=q_latent.dtype, device=q_latent.device)
@@ -141,15 +158,16 @@ def sparse_mla(q_latent: torch.Tensor, latents: torch.Tensor, pool_ids: torch.Te
         q_latent = q_latent.contiguous()
     w = pool_ids.shape[1]
     keys = w * kpool + (kpool - 1 if with_tail else 0)
-    _SHAPES_RUN.add((h, kpool))
-    block_h = _head_block(h)
-    head_blocks = triton.cdiv(h, block_h)
-    splits = _splits(t, head_blocks, keys)
-    chunk = triton.cdiv(triton.cdiv(keys, splits), BLOCK_N) * BLOCK_N
+    _SHAPES_RUN.add((h, r, kpool))
+    launch = launch or launch_config(h, r)
+    head_blocks = triton.cdiv(h, launch.block_h)
+    splits = _splits(t, head_blocks, keys, launch.block_n)
+    chunk = triton.cdiv(triton.cdiv(keys, splits), launch.block_n) * launch.block_n
     splits = max(1, triton.cdiv(keys, chunk))
-    meta = dict(R=r, KPOOL=kpool, BLOCK_H=block_h, BLOCK_N=BLOCK_N, HAS_SEQS=seqs is not None,
+    meta = dict(R=r, KPOOL=kpool, BLOCK_H=launch.block_h, BLOCK_N=launch.block_n, HAS_SEQS=seqs is not None,
                 DOT_F32=not (q_latent.is_cuda and q_latent.dtype in (torch.bfloat16, torch.float16)),
-                SCALE_GROUPS=0 if latent_scales is None else latent_scales.shape[-1], num_warps=8 if r >= 256 else 4)
+                SCALE_GROUPS=0 if latent_scales is None else latent_scales.shape[-1], num_warps=launch.num_warps,
+                num_stages=launch.num_stages)
     args = (q_latent, latents, latents if latent_scales is None else latent_scales, pool_ids, positions, page_table,
             positions if seqs is None else seqs)
     shape = (t, h, w, keys, chunk, page_size, q_latent.stride(0), q_latent.stride(1), pool_ids.stride(0),

@@ -129,7 +129,7 @@ def test_sparse_mla_split_and_whole_agree(monkeypatch):
     """Few queries spread their selected tokens over programs and combine; many queries run each whole."""
     q_latent, latents, pool_ids, positions, table, seqs = reference_inputs(torch.float32, 4, 8, 7, False)
     args = (q_latent, latents, pool_ids, positions, table, seqs, PAGE, KPOOL, 0.125, True)
-    assert triton_sparse_mla._splits(len(positions), 1, 35) > 1
+    assert triton_sparse_mla._splits(len(positions), 1, 35, 32) > 1
     split = triton_sparse_mla.sparse_mla(*args)
     monkeypatch.setattr(triton_sparse_mla, "MAX_SPLITS", 1)
     whole = triton_sparse_mla.sparse_mla(*args)
