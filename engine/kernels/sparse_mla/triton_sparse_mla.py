@@ -36,6 +36,47 @@ def launch_config(heads: int, rank: int) -> MlaLaunch:
     return MlaLaunch(block_h=32 if heads >= 32 else 16, num_warps=8 if rank >= 256 else 4)
 
 
+@triton.jit
+def _attend_block(q, m, l, acc, n0, end, t, seq, pos, tail_start, lat_ptr, lat_scale_ptr, pool_ptr, table_ptr, W,
+                  page_size, stride_pool, stride_table, scale, R: tl.constexpr, KPOOL: tl.constexpr,
+                  BLOCK_N: tl.constexpr, DOT_F32: tl.constexpr, SCALE_GROUPS: tl.constexpr):
+    """Selected tokens n0 .. n0 + BLOCK_N of query t (its pools, then its tail) gathered through the page table
+    and folded into the online softmax (m, l) and the sum acc [BLOCK_H, R]."""
+    cols = tl.arange(0, R)
+    j = n0 + tl.arange(0, BLOCK_N)
+    in_pools = j < W * KPOOL
+    pool = tl.load(pool_ptr + t * stride_pool + j // KPOOL, mask=in_pools, other=-1)
+    tail = tail_start + j - W * KPOOL
+    # Booleans combined with & and | (a tl.where between two i1 tensors breaks a layout pass on sm_90).
+    valid = ((in_pools & (pool >= 0)) | ((j >= W * KPOOL) & (tail <= pos))) & (j < end)
+    token = tl.where(valid, tl.where(in_pools, pool * KPOOL + j % KPOOL, tail), 0)
+    page = tl.load(table_ptr + seq * stride_table + token // page_size, mask=valid, other=0)
+    row = page * page_size + token % page_size
+    k = tl.load(lat_ptr + row[:, None] * R + cols[None, :], mask=valid[:, None], other=0.0)
+    if SCALE_GROUPS:  # an fp8 cache: each row's groups of R // SCALE_GROUPS elements times their scale
+        groups = tl.arange(0, SCALE_GROUPS)
+        k_scale = tl.load(lat_scale_ptr + row[:, None] * SCALE_GROUPS + groups[None, :], mask=valid[:, None],
+                          other=0.0)  # [BLOCK_N, SCALE_GROUPS]: one load a group, not one an element
+        k = tl.reshape(tl.reshape(k.to(tl.float32), [BLOCK_N, SCALE_GROUPS, R // SCALE_GROUPS])
+                       * k_scale[:, :, None], [BLOCK_N, R]).to(q.dtype)
+    if DOT_F32:  # fp32 activations (tf32 would lose ~3 digits) and the interpreter (no 16-bit tl.dot)
+        k = k.to(tl.float32)
+        s = tl.dot(q.to(tl.float32), tl.trans(k), input_precision="ieee") * scale
+    else:
+        s = tl.dot(q, tl.trans(k)) * scale
+    s = tl.where(valid[None, :], s, float("-inf"))
+    m_new = tl.maximum(m, tl.max(s, axis=1))
+    m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # a block with nothing selected yet adds nothing
+    alpha = tl.exp(m - m_use)
+    p = tl.exp(s - m_use[:, None])
+    l = l * alpha + tl.sum(p, axis=1)
+    if DOT_F32:
+        acc = acc * alpha[:, None] + tl.dot(p, k, input_precision="ieee")
+    else:
+        acc = acc * alpha[:, None] + tl.dot(p.to(k.dtype), k)
+    return m_new, l, acc
+
+
 # Per-step counts, widths and index views (sliced at any offset from one packed copy): one build for all steps.
 @triton.jit(do_not_specialize=["T", "W", "L", "chunk", "stride_pool", "stride_table"],
             do_not_specialize_on_alignment=["pool_ptr", "pos_ptr", "table_ptr", "seq_ptr"])
@@ -43,7 +84,7 @@ def _sparse_mla_kernel(q_ptr, lat_ptr, lat_scale_ptr, pool_ptr, pos_ptr, table_p
                        T, H, W, L, chunk, page_size, stride_qt, stride_qh, stride_pool, stride_table, scale,
                        R: tl.constexpr, KPOOL: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
                        HAS_SEQS: tl.constexpr, SPLIT: tl.constexpr, DOT_F32: tl.constexpr,
-                       SCALE_GROUPS: tl.constexpr):
+                       SCALE_GROUPS: tl.constexpr, PIPELINED: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
     heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     split = tl.program_id(2)
@@ -61,39 +102,18 @@ def _sparse_mla_kernel(q_ptr, lat_ptr, lat_scale_ptr, pool_ptr, pos_ptr, table_p
     acc = tl.zeros([BLOCK_H, R], tl.float32)
     start = split * chunk
     end = tl.minimum(start + chunk, L)
-    for n0 in tl.range(start, end, BLOCK_N):
-        j = n0 + tl.arange(0, BLOCK_N)
-        in_pools = j < W * KPOOL
-        pool = tl.load(pool_ptr + t * stride_pool + j // KPOOL, mask=in_pools, other=-1)
-        tail = tail_start + j - W * KPOOL
-        # Booleans combined with & and | (a tl.where between two i1 tensors breaks a layout pass on sm_90).
-        valid = ((in_pools & (pool >= 0)) | ((j >= W * KPOOL) & (tail <= pos))) & (j < end)
-        token = tl.where(valid, tl.where(in_pools, pool * KPOOL + j % KPOOL, tail), 0)
-        page = tl.load(table_ptr + seq * stride_table + token // page_size, mask=valid, other=0)
-        row = page * page_size + token % page_size
-        k = tl.load(lat_ptr + row[:, None] * R + cols[None, :], mask=valid[:, None], other=0.0)
-        if SCALE_GROUPS:  # an fp8 cache: each row's groups of R // SCALE_GROUPS elements times their scale
-            groups = tl.arange(0, SCALE_GROUPS)
-            k_scale = tl.load(lat_scale_ptr + row[:, None] * SCALE_GROUPS + groups[None, :], mask=valid[:, None],
-                              other=0.0)  # [BLOCK_N, SCALE_GROUPS]: one load a group, not one an element
-            k = tl.reshape(tl.reshape(k.to(tl.float32), [BLOCK_N, SCALE_GROUPS, R // SCALE_GROUPS])
-                           * k_scale[:, :, None], [BLOCK_N, R]).to(q.dtype)
-        if DOT_F32:  # fp32 activations (tf32 would lose ~3 digits) and the interpreter (no 16-bit tl.dot)
-            k = k.to(tl.float32)
-            s = tl.dot(q.to(tl.float32), tl.trans(k), input_precision="ieee") * scale
-        else:
-            s = tl.dot(q, tl.trans(k)) * scale
-        s = tl.where(valid[None, :], s, float("-inf"))
-        m_new = tl.maximum(m, tl.max(s, axis=1))
-        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # a block with nothing selected yet adds nothing
-        alpha = tl.exp(m - m_use)
-        p = tl.exp(s - m_use[:, None])
-        l = l * alpha + tl.sum(p, axis=1)
-        if DOT_F32:
-            acc = acc * alpha[:, None] + tl.dot(p, k, input_precision="ieee")
-        else:
-            acc = acc * alpha[:, None] + tl.dot(p.to(k.dtype), k)
-        m = m_new
+    if PIPELINED:  # a for loop: Triton copies the gathered rows of later iterations ahead
+        for n0 in tl.range(start, end, BLOCK_N):
+            m, l, acc = _attend_block(q, m, l, acc, n0, end, t, seq, pos, tail_start, lat_ptr, lat_scale_ptr, pool_ptr,
+                                      table_ptr, W, page_size, stride_pool, stride_table, scale, R, KPOOL, BLOCK_N,
+                                      DOT_F32, SCALE_GROUPS)
+    else:  # Triton 3.6's interpreter (the CPU tests) takes no runtime bound in a for loop
+        n0 = start
+        while n0 < end:
+            m, l, acc = _attend_block(q, m, l, acc, n0, end, t, seq, pos, tail_start, lat_ptr, lat_scale_ptr, pool_ptr,
+                                      table_ptr, W, page_size, stride_pool, stride_table, scale, R, KPOOL, BLOCK_N,
+                                      DOT_F32, SCALE_GROUPS)
+            n0 += BLOCK_N
     if SPLIT:  # partial sums [splits, T, H, R] and their max / sum [splits, T, H], combined below
         at = (split * T + t) * H + heads
         tl.store(out_ptr + at[:, None] * R + cols[None, :], acc, mask=h_ok[:, None])
@@ -166,7 +186,8 @@ def sparse_mla(q_latent: torch.Tensor, latents: torch.Tensor, pool_ids: torch.Te
     splits = max(1, triton.cdiv(keys, chunk))
     meta = dict(R=r, KPOOL=kpool, BLOCK_H=launch.block_h, BLOCK_N=launch.block_n, HAS_SEQS=seqs is not None,
                 DOT_F32=not (q_latent.is_cuda and q_latent.dtype in (torch.bfloat16, torch.float16)),
-                SCALE_GROUPS=0 if latent_scales is None else latent_scales.shape[-1], num_warps=launch.num_warps,
+                SCALE_GROUPS=0 if latent_scales is None else latent_scales.shape[-1], PIPELINED=q_latent.is_cuda,
+                num_warps=launch.num_warps,
                 num_stages=launch.num_stages)
     args = (q_latent, latents, latents if latent_scales is None else latent_scales, pool_ids, positions, page_table,
             positions if seqs is None else seqs)

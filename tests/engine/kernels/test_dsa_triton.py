@@ -158,7 +158,7 @@ for seqs, split, fp8 in itertools.product((True, False), repeat=3):  # fp8: the 
     cache = dict(lat_ptr="*fp8e4nv", lat_scale_ptr="*fp32") if fp8 else dict(lat_ptr="*bf16", lat_scale_ptr="*bf16")
     compile_for_sm90(_sparse_mla_kernel, {**index, **cache, "out_ptr": out, "m_ptr": "*fp32", "l_ptr": "*fp32"},
                      dict(R=512, KPOOL=4, BLOCK_H=32, BLOCK_N=32, HAS_SEQS=seqs, SPLIT=split, DOT_F32=False,
-                          SCALE_GROUPS=4 if fp8 else 0), 8, dict(scale="fp32"))
+                          SCALE_GROUPS=4 if fp8 else 0, PIPELINED=True), 8, dict(scale="fp32"))
     keys = dict(keys_ptr="*fp8e4nv", key_scale_ptr="*fp32") if fp8 else dict(keys_ptr="*bf16", key_scale_ptr="*bf16")
     compile_for_sm90(_pool_scores_kernel, {**index, **keys, "w_ptr": "*fp32", "out_ptr": "*fp32"},
                      dict(D=128, KPOOL=4, BLOCK_HI=32, BLOCK_P=64, HAS_SEQS=seqs, DOT_F32=False,
