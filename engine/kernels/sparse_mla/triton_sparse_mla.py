@@ -16,7 +16,7 @@ from engine.kernels.dispatch import register
 from engine.kernels.token_variants import token_variants
 
 MAX_SPLITS = 32
-FEW_QUERIES = 4  # from this many queries a step, the release's shape takes every head in one program
+FEW_QUERIES = 4  # from this many queries a step, the release's shape over a bf16 cache takes every head a program
 TARGET_PROGRAMS = 264  # two waves of an H100/H200's 132 SMs
 _SHAPES_RUN: set[tuple[int, int, int, bool]] = set()  # (heads, rank, kpool, fp8 cache) of the layers run so far
 
@@ -33,13 +33,13 @@ class MlaLaunch:
 
 
 def launch_config(heads: int, rank: int, fp8: bool, queries: int) -> MlaLaunch:
-    """The tiling by the layer's shape and the step's query count. At the release's shape (64 heads x 512) and
-    FEW_QUERIES or more, every head in one program, so a gathered row is read once a query, in two stages; an fp8
-    cache's 1-byte rows take 64 a stage. Measured on an H100 (ops.bench_dsa): a 2,048-token span 4.96 ms (bf16)
-    and 3.71 ms (fp8) against 10.6 and 19.7 at 32 heads x 32 tokens; decode B=64 261 against 374 us, B=8 66
-    against 69. Fewer queries split their tokens over programs, where 32 heads a program keep more of them
+    """The tiling by the layer's shape, cache and the step's query count. At the release's shape (64 heads x 512)
+    every head in one program, so a gathered row is read once a query, in two stages; an fp8 cache's 1-byte rows
+    take 64 a stage. Measured on an H100 (ops.bench_dsa): a 2,048-token span 4.96 ms (bf16) and 3.71 ms (fp8)
+    against 10.6 and 10.6-19.7 at 32 heads x 32 tokens; decode B=64 261 against 374 us, B=8 66 against 69, the fp8
+    cache at B=1 34 us. Below FEW_QUERIES a bf16 cache keeps 32 heads a program, its tokens split over more programs
     (B=1: 33 against 36-40 us). Smaller shapes: 32 heads (16 for fewer), fewer warps for narrow latents."""
-    if heads >= 64 and rank >= 256 and queries >= FEW_QUERIES:
+    if heads >= 64 and rank >= 256 and (fp8 or queries >= FEW_QUERIES):
         return MlaLaunch(block_h=64, block_n=64 if fp8 else 32, num_warps=8, num_stages=2)
     return MlaLaunch(block_h=32 if heads >= 32 else 16, num_warps=8 if rank >= 256 else 4)
 
