@@ -8,6 +8,7 @@ from engine.kernels.indexer import torch_ref as _indexer  # noqa: F401
 from engine.kernels.indexer import triton_indexer as _indexer_triton  # noqa: F401
 from engine.kernels.kda import fla_prefill as _kda_prefill  # noqa: F401
 from engine.kernels.kda import torch_ref as _kda  # noqa: F401
+from engine.kernels.kda import triton_conv as _kda_conv  # noqa: F401
 from engine.kernels.kda import triton_decode as _kda_decode  # noqa: F401
 from engine.kernels.kda import triton_spans as _kda_spans  # noqa: F401
 from engine.kernels.linear import torch_ref as _linear  # noqa: F401

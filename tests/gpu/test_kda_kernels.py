@@ -156,3 +156,22 @@ def test_short_spans_match_reference(lengths, dtype, monkeypatch):
     untouched = torch.ones(len(first["rec_state"]), dtype=torch.bool, device=DEVICE)
     untouched[slots] = False
     assert torch.equal(got_args["rec_state"][untouched], first["rec_state"][untouched])
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_ragged_conv_matches_reference(dtype):
+    """The chunked path's ragged short conv at the release's channels (3 x 64 x 128): a one-token span (its window
+    in the held inputs), a long one and a short one, against torch's conv1d on the same GPU."""
+    from engine.kernels.kda import triton_conv
+
+    gen = torch.Generator(device=DEVICE).manual_seed(5)
+    lengths, channels = [1, 3000, 17], 3 * H * D
+    x = torch.randn(sum(lengths), channels, generator=gen, device=DEVICE).to(dtype)
+    state = torch.randn(len(lengths), channels, CONV - 1, generator=gen, device=DEVICE).to(dtype)
+    weight = torch.randn(channels, CONV, generator=gen, device=DEVICE) * 0.5
+    rows = torch_ref.ConvRows.of(lengths, CONV - 1, torch.device(DEVICE))
+    got, got_state = triton_conv.short_conv_varlen(x, state, weight, rows)
+    with torch.backends.cudnn.flags(allow_tf32=False):
+        want, want_state = torch_ref.short_conv_varlen(x, state, weight, rows)
+    assert torch.equal(got_state, want_state) and not got.isnan().any()
+    assert rel(got, want) < DECODE_TOL[dtype]

@@ -65,10 +65,16 @@ def short_conv_varlen(x: torch.Tensor, state: torch.Tensor, weight: torch.Tensor
 
     Returns (y [N, C] in x's dtype, new state [B, C, k-1]).
     """
+    seq = conv_buffer(x, state, rows)
+    return _conv_silu(seq.t().unsqueeze(0), weight)[0].t()[rows.windows], seq[rows.last].transpose(1, 2)
+
+
+def conv_buffer(x: torch.Tensor, state: torch.Tensor, rows: ConvRows) -> torch.Tensor:
+    """The ragged conv's input rows [rows, C] in x's dtype: each sequence's held inputs, then its tokens."""
     seq = x.new_empty(rows.tokens.shape[0] + rows.held.numel(), x.shape[1])
     seq[rows.held.flatten()] = state.to(x.dtype).transpose(1, 2).flatten(0, 1)
     seq[rows.tokens] = x
-    return _conv_silu(seq.t().unsqueeze(0), weight)[0].t()[rows.windows], seq[rows.last].transpose(1, 2)
+    return seq
 
 
 def _conv_silu(seq: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:

@@ -13,6 +13,7 @@ import torch
 
 from engine.kernels.kda import torch_ref
 from engine.kernels.kda.torch_ref import kda_chunk, kda_step, short_conv
+from engine.kernels.kda.triton_conv import short_conv_varlen as triton_short_conv_varlen
 from engine.kernels.kda.triton_decode import kda_decode as triton_kda_decode
 from engine.kernels.linear.torch_ref import linear
 from engine.quant import quantize_fp8_block
@@ -242,11 +243,28 @@ def test_triton_spans_past_the_short_limit_take_the_chunked_path(monkeypatch):
     assert torch.equal(got_args["rec_state"], want_args["rec_state"])
 
 
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-6), (torch.bfloat16, 1e-2)])
+def test_triton_ragged_conv_matches_reference(dtype, tol):
+    """Sequences shorter than the conv's history (their windows reach into the held inputs), longer ones and a
+    token block and channel block left part-filled (19 tokens, 300 channels)."""
+    gen = torch.Generator().manual_seed(3)
+    lengths, channels = [1, 2, 9, 7], 300
+    x = torch.randn(sum(lengths), channels, generator=gen).to(dtype)
+    state = torch.randn(len(lengths), channels, CONV - 1, generator=gen).to(dtype)
+    weight = torch.randn(channels, CONV, generator=gen)
+    rows = torch_ref.ConvRows.of(lengths, CONV - 1, torch.device("cpu"))
+    got, got_state = triton_short_conv_varlen(x, state, weight, rows)
+    want, want_state = torch_ref.short_conv_varlen(x, state, weight, rows)
+    assert got.dtype == dtype and torch.equal(got_state, want_state)
+    torch.testing.assert_close(got.float(), want.float(), rtol=tol, atol=tol)
+
+
 @pytest.mark.parametrize("low_rank", [True, False])
 def test_the_decode_kernels_compile_for_sm90(low_rank, tmp_path):
     """Both decode builds, and the short spans' kernels, at the release's shapes (64 heads of 128, rank 128, bf16)
     compile for the GPU: the interpreter takes code the compiler would reject."""
     assert_compiles_for_sm90(f"""
+from engine.kernels.kda.triton_conv import _conv_silu_kernel
 from engine.kernels.kda.triton_decode import _norm_kernel, _step_kernel
 from engine.kernels.kda.triton_spans import _spans_conv_state_kernel, _spans_step_kernel
 compile_for_sm90(_step_kernel, dict(qkv="*bf16", f="*bf16", f_b="*bf16", beta_logits="*bf16", conv_state="*bf16",
@@ -263,5 +281,7 @@ if {low_rank}:  # the short spans' kernels (verify steps), once
                      dict(lower_bound="fp32", scale="fp32"))
     compile_for_sm90(_spans_conv_state_kernel, dict(qkv="*bf16", conv_state="*bf16", slots="*i64",
                      cu_seqlens="*i64"), dict(CHANNELS=24576, CONV=4, CP2=4, BLOCK_C=256), 4)
+    compile_for_sm90(_conv_silu_kernel, dict(seq_ptr="*bf16", w_ptr="*fp32", windows_ptr="*i64", y_ptr="*bf16"),
+                     dict(K=4, BLOCK_T=16, BLOCK_C=256), 4)
 print("compiled")
 """, tmp_path)
