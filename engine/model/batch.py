@@ -101,6 +101,17 @@ class ForwardBatch:
         cu_seqlens = torch.tensor([0] + [s.new for s in spans]).cumsum(0).to(dev)
         return rows, slots, cu_seqlens
 
+    @cached_property
+    def prefill_rows(self) -> torch.Tensor | slice:
+        """The multi-token spans' rows: a slice where they are every row of the step in order (a lone prompt's
+        chunk, prompts beside no decoding request), so the layers take views of their activations instead of
+        gathering copies ([N, 3P] a KDA layer, [N, 64, 512] a DSA layer); else prefill_layout's index tensor."""
+        multi = [self.spans[i] for i in self.multi_token_spans]
+        offsets = [0] + [s.offset + s.new for s in multi[:-1]]
+        if [s.offset for s in multi] == offsets and sum(s.new for s in multi) == self.token_ids.shape[0]:
+            return slice(0, self.token_ids.shape[0])
+        return self.prefill_layout[0]
+
     def layout(self, key: Hashable, build: Callable[[], T]) -> T:
         """A layout of this step that every layer of a kind reads (index tensors built on the host and moved in
         one copy): `build` makes it for the first layer that asks, the others get the same one."""

@@ -102,3 +102,18 @@ def test_sampling_is_seeded_and_stops_on_eos(tiny_dir, prompt):
     first = llm.generate([ids], SamplingParams(max_tokens=1, temperature=0.0))[0].token_ids[0]
     out = llm.generate([ids], SamplingParams(max_tokens=10, temperature=0.0, stop_token_ids=[first]))[0]
     assert out.token_ids == [first] and out.finish_reason == "stop"
+
+
+def test_prefill_rows_are_a_view_only_where_they_are_every_row_in_order():
+    """A step of prompts alone takes views of its activations; a step with a one-token row among them gathers."""
+    from engine.model.batch import ForwardBatch, SeqSpan
+
+    def step(*news: int) -> ForwardBatch:
+        offsets = torch.tensor([0, *news]).cumsum(0).tolist()
+        spans = [SeqSpan(offset, new, 0, slot, []) for slot, (offset, new) in enumerate(zip(offsets, news))]
+        return ForwardBatch(token_ids=torch.zeros(sum(news), dtype=torch.long), spans=spans)
+
+    assert step(5, 3).prefill_rows == slice(0, 8)
+    mixed = step(5, 1, 3)
+    assert torch.equal(mixed.prefill_rows, torch.tensor([0, 1, 2, 3, 4, 6, 7, 8]))
+    assert torch.equal(step(1, 4).prefill_rows, torch.tensor([1, 2, 3, 4]))
