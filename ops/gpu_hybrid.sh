@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Hybrid offload on a CUDA machine in time-boxed parts (each fits a 10-minute call), from the repo root:
-#   bash ops/gpu_hybrid.sh OUT_DIR checks|vnni|executor|whole|skew|slice|swaps|threads|offload|prefill|prefill-chunks|slice-prefill
+#   bash ops/gpu_hybrid.sh OUT_DIR checks|vnni|executor|whole|skew|slice|swaps|threads|offload|prefill|prefill-chunks|slice-prefill|expert-tiles
 # checks: the compiled CPU kernels' tests, the release-shape hybrid tests (split, graphs, swaps, pinning,
 #         the kept miss split) and the cost of one GPU<->CPU handshake per layer (ops/bench_handshake.py);
 # vnni:   the AVX-512 VNNI NVFP4 path (the default where the CPU has it): the kernels' tests, its speed against
@@ -21,11 +21,14 @@
 # prefill-chunks: the whole model's prefill of an 8,192-token prompt in steps of 2,048, 4,096 and 8,192 tokens (a lone
 #          prompt's budget, --max-prefill-tokens; decode steps keep 2,048): what a longer chunk gains once the link
 #          bounds a 2,048-token one;
+# expert-tiles: the routed experts' NVFP4 prefill kernels (ops/bench_experts.py, 2,048 and 8,192 tokens) at the default
+#          tiles and at tilings that compile without register spills on sm_90 (the default spills ~800 bytes a thread
+#          in the gate/up kernel): 8 warps; 8 warps with 64-wide K steps in two stages; 128 rows so;
 # offload: whole, swaps and skew one after the other (~6 minutes on a fresh H200 machine), each part's output
 #          under OUT_DIR/<part>.
 # Wheels the machine lacks: see ops/gpu_env.sh.
 set -uo pipefail
-out=${1:?output directory}; part=${2:?checks, vnni, executor, whole, skew, slice, swaps, threads, offload, prefill, prefill-chunks or slice-prefill}
+out=${1:?output directory}; part=${2:?checks, vnni, executor, whole, skew, slice, swaps, threads, offload, prefill, prefill-chunks, slice-prefill or expert-tiles}
 if [ "$part" = offload ]; then
   for each in whole swaps skew; do bash "$0" "$out/$each" "$each"; done
   exit 0
@@ -78,5 +81,11 @@ case "$part" in
                      --batches "" --prefills $n --reference-layers 0 --layers 8 --profile-prefill $n \
                      --json "$out/slice_prefill$n.json" 2>&1 | tail -100
                  done ;;
+  expert-tiles) for tiles in '{}' '{"num_warps": 8}' '{"num_warps": 8, "block_k": 64, "num_stages": 2}' \
+                              '{"block_m": 128, "num_warps": 8, "block_k": 64, "num_stages": 2}'; do
+                  echo "== prefill tiles $tiles"
+                  timeout 120 python3 -m ops.bench_experts --decode 1 --prefill 2048,8192 --repeats 5 \
+                    --prefill-tiles "$tiles" 2>&1 | grep -E "^(prefill|NVIDIA)"
+                done ;;
   *) echo "unknown part: $part" >&2; exit 2 ;;
 esac
