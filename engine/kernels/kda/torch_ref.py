@@ -183,6 +183,21 @@ def kda_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tens
     return out
 
 
+def chunked_delta_rule(qkv: torch.Tensor, f: torch.Tensor, beta_logits: torch.Tensor, conv_state: torch.Tensor,
+                       conv_weight: torch.Tensor, rec_state: torch.Tensor, slots: torch.Tensor,
+                       cu_seqlens: torch.Tensor, conv_rows: ConvRows, decay_rate: torch.Tensor,
+                       dt_bias: torch.Tensor, lower_bound: float) -> torch.Tensor:
+    """`kda_spans` before its gated norm: one ragged short conv, the gates and one chunked KDA (fla's on CUDA).
+    Returns o [N, H, d] in the activation dtype."""
+    h = decay_rate.shape[0]
+    mixed, conv_state[slots] = kernel("short_conv_varlen", qkv.device.type)(qkv, conv_state[slots], conv_weight,
+                                                                            conv_rows)
+    q, k, v = mixed.view(-1, 3, h, mixed.shape[1] // (3 * h)).unbind(1)
+    g = forget_gate(f, dt_bias, decay_rate, lower_bound)
+    return kernel("kda_prefill", qkv.device.type)(q, k, v, g, torch.sigmoid(beta_logits), rec_state, slots,
+                                                  cu_seqlens)
+
+
 @register("kda_spans", "torch")
 def kda_spans(qkv: torch.Tensor, f: torch.Tensor, beta_logits: torch.Tensor, gate_out: torch.Tensor,
               conv_state: torch.Tensor, conv_weight: torch.Tensor, rec_state: torch.Tensor, slots: torch.Tensor,
@@ -191,11 +206,6 @@ def kda_spans(qkv: torch.Tensor, f: torch.Tensor, beta_logits: torch.Tensor, gat
     """`kda_decode` for B multi-token spans in one flat ragged batch (span i is rows cu_seqlens[i]:cu_seqlens[i+1],
     `conv_rows` their places in the conv buffer, `longest` the longest span's tokens): one ragged short conv,
     the gates, one chunked KDA (fla's on CUDA) and the gated norm. Returns o [N, P] in the activation dtype."""
-    h, d = decay_rate.shape[0], o_norm.shape[0]
-    mixed, conv_state[slots] = kernel("short_conv_varlen", qkv.device.type)(qkv, conv_state[slots], conv_weight,
-                                                                            conv_rows)
-    q, k, v = mixed.view(-1, 3, h, d).unbind(1)
-    g = forget_gate(f, dt_bias, decay_rate, lower_bound)
-    out = kernel("kda_prefill", qkv.device.type)(q, k, v, g, torch.sigmoid(beta_logits), rec_state, slots,
-                                                 cu_seqlens)
-    return gated_rms_norm(out, gate_out.view(-1, h, d), o_norm, eps).flatten(1)
+    out = chunked_delta_rule(qkv, f, beta_logits, conv_state, conv_weight, rec_state, slots, cu_seqlens, conv_rows,
+                             decay_rate, dt_bias, lower_bound)
+    return gated_rms_norm(out, gate_out.view(out.shape), o_norm, eps).flatten(1)

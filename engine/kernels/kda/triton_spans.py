@@ -18,7 +18,7 @@ import triton
 import triton.language as tl
 
 from engine.kernels.dispatch import register
-from engine.kernels.kda.torch_ref import ConvRows, kda_spans as chunked_spans
+from engine.kernels.kda.torch_ref import ConvRows, chunked_delta_rule
 from engine.kernels.kda.triton_decode import _delta_rule, _gated_norm, _l2norm, with_unit_stride
 from engine.kernels.token_variants import token_variants
 
@@ -124,14 +124,17 @@ def kda_spans(qkv: torch.Tensor, f: torch.Tensor, beta_logits: torch.Tensor, gat
               dt_bias: torch.Tensor, o_norm: torch.Tensor, lower_bound: float, eps: float,
               *, block_v: int | None = None) -> torch.Tensor:
     """Same contract as the torch reference `kda_spans`; spans longer than SHORT_SPAN_TOKENS take its chunked
-    path (fla's chunk_kda on CUDA)."""
+    form (fla's chunk_kda on CUDA) and this module's gated norm."""
     _SHAPES_RUN.add((decay_rate.shape[0], o_norm.shape[0]))
-    if longest > SHORT_SPAN_TOKENS:
-        return chunked_spans(qkv, f, beta_logits, gate_out, conv_state, conv_weight, rec_state, slots, cu_seqlens,
-                             conv_rows, longest, decay_rate, dt_bias, o_norm, lower_bound, eps)
     n, spans = qkv.shape[0], slots.shape[0]
     h, d = decay_rate.shape[0], o_norm.shape[0]
     p, conv = h * d, conv_weight.shape[1]
+    if longest > SHORT_SPAN_TOKENS:  # the chunked form, then the gated norm in one launch (not ~8 torch passes)
+        out = chunked_delta_rule(qkv, f, beta_logits, conv_state, conv_weight, rec_state, slots, cu_seqlens,
+                                 conv_rows, decay_rate, dt_bias, lower_bound).reshape(n, p)
+        _rows_norm_kernel[(n * h,)](gate_out.contiguous(), o_norm.contiguous(), out, eps, P=p, H=h, D=d,
+                                    num_warps=4)
+        return out
     assert d & (d - 1) == 0 and d >= 16, "head dim must be a power of two >= 16"
     assert conv_state.is_contiguous() and rec_state.is_contiguous() and rec_state.dtype == torch.float32
     assert conv_state.dtype == qkv.dtype, "the conv state holds inputs in the activation dtype"

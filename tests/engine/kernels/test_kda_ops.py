@@ -234,13 +234,18 @@ def test_triton_spans_match_reference(dtype, tol, lengths, h, d, block_v):
     assert torch.equal(got_args["rec_state"][untouched], spans_inputs(lengths, h, d, dtype)["rec_state"][untouched])
 
 
-def test_triton_spans_past_the_short_limit_take_the_chunked_path(monkeypatch):
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+def test_triton_spans_past_the_short_limit_take_the_chunked_path(monkeypatch, dtype, tol):
+    """The chunked form (the same states as the reference's, bit for bit), then the gated norm in one launch."""
     from engine.kernels.kda import triton_spans
 
     monkeypatch.setattr(triton_spans, "SHORT_SPAN_TOKENS", 4)
-    got_args, want_args = spans_inputs([3, 6], 2, 16, torch.float32), spans_inputs([3, 6], 2, 16, torch.float32)
-    assert torch.equal(triton_spans.kda_spans(**got_args), torch_ref.kda_spans(**want_args))
+    got_args, want_args = spans_inputs([3, 6], 2, 16, dtype), spans_inputs([3, 6], 2, 16, dtype)
+    got, want = triton_spans.kda_spans(**got_args), torch_ref.kda_spans(**want_args)
+    assert got.dtype == dtype and got.shape == want.shape
+    torch.testing.assert_close(got.float(), want.float(), rtol=tol, atol=tol)
     assert torch.equal(got_args["rec_state"], want_args["rec_state"])
+    assert torch.equal(got_args["conv_state"], want_args["conv_state"])
 
 
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-6), (torch.bfloat16, 1e-2)])
