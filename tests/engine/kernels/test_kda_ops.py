@@ -176,12 +176,13 @@ def test_l2_normalized_matches_float64(dtype):
     """The q/k norm the CUDA prefill hands fla: x / sqrt(sum x^2 + 1e-6) per head, stored in x's dtype."""
     from engine.kernels.kda.fla_prefill import l2_normalized
 
-    x = (torch.randn(37, 4, 128, generator=torch.Generator().manual_seed(0)) * 3).to(dtype)
+    # q as the conv's output holds it: a strided view of [N, 3, H, d]; 5 heads fill part of a power-of-two tile
+    x = (torch.randn(37, 3, 5, 128, generator=torch.Generator().manual_seed(0)) * 3).to(dtype)[:, 1]
     x[0, 0] = 0  # an all-zero head: eps keeps it finite (zero)
     x64 = x.double()
     want = x64 / torch.sqrt(x64.square().sum(-1, keepdim=True) + 1e-6)
     got = l2_normalized(x)
-    assert got.dtype == dtype and torch.equal(got[0, 0], torch.zeros(128, dtype=dtype))
+    assert got.dtype == dtype and got.is_contiguous() and torch.equal(got[0, 0], torch.zeros(128, dtype=dtype))
     tol = 1e-6 if dtype == torch.float32 else 2 ** -8
     torch.testing.assert_close(got.double(), want, rtol=tol, atol=tol)
 
@@ -269,6 +270,7 @@ def test_the_decode_kernels_compile_for_sm90(low_rank, tmp_path):
     """Both decode builds, and the short spans' kernels, at the release's shapes (64 heads of 128, rank 128, bf16)
     compile for the GPU: the interpreter takes code the compiler would reject."""
     assert_compiles_for_sm90(f"""
+from engine.kernels.kda.fla_prefill import _l2_normalized_kernel
 from engine.kernels.kda.triton_conv import _conv_silu_kernel
 from engine.kernels.kda.triton_decode import _norm_kernel, _step_kernel
 from engine.kernels.kda.triton_spans import _spans_conv_state_kernel, _spans_step_kernel
@@ -288,5 +290,7 @@ if {low_rank}:  # the short spans' kernels (verify steps), once
                      cu_seqlens="*i64"), dict(CHANNELS=24576, CONV=4, CP2=4, BLOCK_C=256), 4)
     compile_for_sm90(_conv_silu_kernel, dict(seq_ptr="*bf16", w_ptr="*fp32", windows_ptr="*i64", y_ptr="*bf16"),
                      dict(K=4, BLOCK_T=16, BLOCK_C=256), 4)
+    compile_for_sm90(_l2_normalized_kernel, dict(x_ptr="*bf16", out_ptr="*bf16"), dict(H=64, D=128, BH=64), 4,
+                     dict(eps="fp32"))
 print("compiled")
 """, tmp_path)
