@@ -10,6 +10,7 @@ from engine.kernels.kda import fla_prefill as _kda_prefill  # noqa: F401
 from engine.kernels.kda import torch_ref as _kda  # noqa: F401
 from engine.kernels.kda import triton_conv as _kda_conv  # noqa: F401
 from engine.kernels.kda import triton_decode as _kda_decode  # noqa: F401
+from engine.kernels.kda import triton_gates as _kda_gates  # noqa: F401
 from engine.kernels.kda import triton_spans as _kda_spans  # noqa: F401
 from engine.kernels.linear import torch_ref as _linear  # noqa: F401
 from engine.kernels.linear import triton_linear as _linear_triton  # noqa: F401

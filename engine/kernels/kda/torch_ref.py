@@ -139,6 +139,7 @@ def gated_rms_norm(o: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, ep
     return (normed * torch.sigmoid(gate.float())).to(o.dtype)
 
 
+@register("forget_gate", "torch")
 def forget_gate(f: torch.Tensor, dt_bias: torch.Tensor, decay_rate: torch.Tensor, lower_bound: float) -> torch.Tensor:
     """Lower-bound log-decay in fp32: lower_bound * sigmoid(exp(A_log)[h] * (f + dt_bias)). f [T, H*d] -> [T, H, d]."""
     h = decay_rate.shape[0]
@@ -193,7 +194,7 @@ def chunked_delta_rule(qkv: torch.Tensor, f: torch.Tensor, beta_logits: torch.Te
     mixed, conv_state[slots] = kernel("short_conv_varlen", qkv.device.type)(qkv, conv_state[slots], conv_weight,
                                                                             conv_rows)
     q, k, v = mixed.view(-1, 3, h, mixed.shape[1] // (3 * h)).unbind(1)
-    g = forget_gate(f, dt_bias, decay_rate, lower_bound)
+    g = kernel("forget_gate", qkv.device.type)(f, dt_bias, decay_rate, lower_bound)
     return kernel("kda_prefill", qkv.device.type)(q, k, v, g, torch.sigmoid(beta_logits), rec_state, slots,
                                                   cu_seqlens)
 

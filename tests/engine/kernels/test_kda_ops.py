@@ -15,6 +15,7 @@ from engine.kernels.kda import torch_ref
 from engine.kernels.kda.torch_ref import kda_chunk, kda_step, short_conv
 from engine.kernels.kda.triton_conv import short_conv_varlen as triton_short_conv_varlen
 from engine.kernels.kda.triton_decode import kda_decode as triton_kda_decode
+from engine.kernels.kda.triton_gates import forget_gate as triton_forget_gate
 from engine.kernels.linear.torch_ref import linear
 from engine.quant import quantize_fp8_block
 from engine.weights import DenseWeight, Fp8BlockWeight
@@ -265,6 +266,19 @@ def test_triton_ragged_conv_matches_reference(dtype, tol):
     torch.testing.assert_close(got.float(), want.float(), rtol=tol, atol=tol)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_triton_forget_gate_matches_reference(dtype):
+    """From a strided view of the up-projection (a column block of a wider output), 3 heads of 16 over 45 rows:
+    2,160 gate values, the last program part-filled."""
+    gen = torch.Generator().manual_seed(4)
+    f = torch.randn(45, 80, generator=gen).to(dtype)[:, 16:64]
+    dt_bias, decay_rate = torch.randn(48, generator=gen), torch.randn(3, generator=gen).exp()
+    got = triton_forget_gate(f, dt_bias, decay_rate, -5.0)
+    want = torch_ref.forget_gate(f, dt_bias, decay_rate, -5.0)
+    assert got.dtype == torch.float32 and got.shape == want.shape == (45, 3, 16)
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+
+
 @pytest.mark.parametrize("low_rank", [True, False])
 def test_the_decode_kernels_compile_for_sm90(low_rank, tmp_path):
     """Both decode builds, and the short spans' kernels, at the release's shapes (64 heads of 128, rank 128, bf16)
@@ -272,6 +286,7 @@ def test_the_decode_kernels_compile_for_sm90(low_rank, tmp_path):
     assert_compiles_for_sm90(f"""
 from engine.kernels.kda.fla_prefill import _l2_normalized_kernel
 from engine.kernels.kda.triton_conv import _conv_silu_kernel
+from engine.kernels.kda.triton_gates import _forget_gate_kernel
 from engine.kernels.kda.triton_decode import _norm_kernel, _step_kernel
 from engine.kernels.kda.triton_spans import _spans_conv_state_kernel, _spans_step_kernel
 compile_for_sm90(_step_kernel, dict(qkv="*bf16", f="*bf16", f_b="*bf16", beta_logits="*bf16", conv_state="*bf16",
@@ -292,5 +307,7 @@ if {low_rank}:  # the short spans' kernels (verify steps), once
                      dict(K=4, BLOCK_T=16, BLOCK_C=256), 4)
     compile_for_sm90(_l2_normalized_kernel, dict(x_ptr="*bf16", out_ptr="*bf16"), dict(H=64, D=128, BH=64), 4,
                      dict(eps="fp32"))
+    compile_for_sm90(_forget_gate_kernel, dict(f_ptr="*bf16", bias_ptr="*fp32", rate_ptr="*fp32", out_ptr="*fp32"),
+                     dict(P=8192, D=128, BLOCK=1024), 4, dict(lower_bound="fp32"))
 print("compiled")
 """, tmp_path)
