@@ -135,9 +135,11 @@ def test_prefill_matches_reference(lengths, dtype):
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-@pytest.mark.parametrize("lengths", [[2, 50, 17], [128], [3, 3, 3, 3, 3, 3, 3, 3]])
-def test_short_spans_match_reference(lengths, dtype, monkeypatch):
-    """The Triton recurrence over short spans against the torch reference (conv, gates, chunked KDA, norm)."""
+@pytest.mark.parametrize("lengths", [[2, 50, 17], [128], [3, 3, 3, 3, 3, 3, 3, 3], [300, 1, 40]])
+def test_spans_match_reference(lengths, dtype, monkeypatch):
+    """The Triton recurrence over short spans, and past SHORT_SPAN_TOKENS the chunked form on CUDA (the ragged
+    conv, forget gate and q/k norm kernels, fla's chunk_kda, the gated norm kernel), against the torch reference
+    (conv, gates, chunked KDA, norm)."""
     from engine.kernels.kda import triton_spans
 
     first = spans_gates(decode_args(sum(lengths), 2 * len(lengths) + 1, dtype, seed=0))
