@@ -30,24 +30,26 @@ def _pool_scores_kernel(q_ptr, w_ptr, keys_ptr, key_scale_ptr, table_ptr, seq_pt
         seq = tl.load(seq_ptr + t)
     else:
         seq = t
-    seen = pools < (tl.load(pos_ptr + t) + 1) // KPOOL  # the complete pools before the query; the rest is masked
-    page = tl.load(table_ptr + seq * stride_table + pools // per_page, mask=seen, other=0)
-    rows = page * per_page + pools % per_page
-    keys = tl.load(keys_ptr + rows[:, None] * stride_keys + dims[None, :], mask=seen[:, None], other=0.0)
-    q = tl.load(q_ptr + t * stride_qt + heads[:, None] * stride_qh + dims[None, :], mask=(heads < HI)[:, None],
-                other=0.0)
-    weights = tl.load(w_ptr + t * stride_wt + heads, mask=heads < HI, other=0.0)
-    if SCALE_GROUPS:  # an fp8 cache: each key's groups of D // SCALE_GROUPS elements times their scale
-        key_scale = tl.load(key_scale_ptr + rows[:, None] * SCALE_GROUPS + dims[None, :] // (D // SCALE_GROUPS),
-                            mask=seen[:, None], other=0.0)
-        keys = (keys.to(tl.float32) * key_scale).to(q.dtype)
-    if DOT_F32:  # fp32 activations and the interpreter (no 16-bit tl.dot); 16-bit products are exact in fp32
-        dots = tl.dot(q.to(tl.float32), tl.trans(keys.to(tl.float32)), input_precision="ieee")
-    else:
-        dots = tl.dot(q, tl.trans(keys))
-    scores = tl.maximum(dots * scale, 0.0)  # [heads, pools]
-    index = tl.sum(weights[:, None] * scores, axis=0)
-    tl.store(out_ptr + t * stride_out + pools, index, mask=pools < n_pools)
+    visible = (tl.load(pos_ptr + t) + 1) // KPOOL  # the complete pools before the query; top_pools masks the rest
+    if tl.program_id(1) * BLOCK_P < visible:  # a block past them is left unwritten (a prompt's later half, causal)
+        seen = pools < visible
+        page = tl.load(table_ptr + seq * stride_table + pools // per_page, mask=seen, other=0)
+        rows = page * per_page + pools % per_page
+        keys = tl.load(keys_ptr + rows[:, None] * stride_keys + dims[None, :], mask=seen[:, None], other=0.0)
+        q = tl.load(q_ptr + t * stride_qt + heads[:, None] * stride_qh + dims[None, :], mask=(heads < HI)[:, None],
+                    other=0.0)
+        weights = tl.load(w_ptr + t * stride_wt + heads, mask=heads < HI, other=0.0)
+        if SCALE_GROUPS:  # an fp8 cache: each key's groups of D // SCALE_GROUPS elements times their scale
+            key_scale = tl.load(key_scale_ptr + rows[:, None] * SCALE_GROUPS + dims[None, :] // (D // SCALE_GROUPS),
+                                mask=seen[:, None], other=0.0)
+            keys = (keys.to(tl.float32) * key_scale).to(q.dtype)
+        if DOT_F32:  # fp32 activations and the interpreter (no 16-bit tl.dot); 16-bit products are exact in fp32
+            dots = tl.dot(q.to(tl.float32), tl.trans(keys.to(tl.float32)), input_precision="ieee")
+        else:
+            dots = tl.dot(q, tl.trans(keys))
+        scores = tl.maximum(dots * scale, 0.0)  # [heads, pools]
+        index = tl.sum(weights[:, None] * scores, axis=0)
+        tl.store(out_ptr + t * stride_out + pools, index, mask=pools < n_pools)
 
 
 @register("index_select", "triton")

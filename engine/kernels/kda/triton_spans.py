@@ -150,6 +150,6 @@ def kda_spans(qkv: torch.Tensor, f: torch.Tensor, beta_logits: torch.Tensor, gat
     _rows_norm_kernel[(n * h,)](gate_out, o_norm.contiguous(), out, eps, P=p, H=h, D=d, num_warps=4)
     block_c = 256
     _spans_conv_state_kernel[(spans, triton.cdiv(3 * p, block_c))](
-        qkv, conv_state, slots, cu_seqlens, qkv.stride(0), CHANNELS=3 * p, CONV=conv, CP2=triton.next_power_of_2(conv - 1),
-        BLOCK_C=block_c, num_warps=4)
+        qkv, conv_state, slots, cu_seqlens, qkv.stride(0), CHANNELS=3 * p, CONV=conv,
+        CP2=triton.next_power_of_2(conv - 1), BLOCK_C=block_c, num_warps=4)
     return out

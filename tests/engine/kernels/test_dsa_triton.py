@@ -55,6 +55,21 @@ def test_index_select_matches_reference(dtype, as_decode):
     assert (got[positions < KPOOL - 1] == -1).all() and (got >= 0).any()
 
 
+@pytest.mark.parametrize("as_decode", [False, True])
+def test_index_select_skips_pool_blocks_a_query_cannot_see(as_decode):
+    """Past 64 pools a short sequence's queries skip the blocks after their position (left unwritten, masked by the
+    top-k): the same choice as the reference."""
+    lengths = [300, 20]
+    _, pool_keys, table, seqs, positions, _, iq, iw = paged_case(lengths, torch.float32, 4, 64, 8, seed=2)
+    if as_decode:
+        table, seqs, n_pools = table[seqs], None, table.shape[1] * PAGE // KPOOL
+    else:
+        n_pools = max(lengths) // KPOOL
+    assert n_pools > triton_indexer.BLOCK_P
+    args = (iq, iw, pool_keys, table, seqs, positions, n_pools, PAGE // KPOOL, KPOOL, 6)
+    assert torch.equal(triton_indexer.index_select(*args), indexer_ref.index_select(*args))
+
+
 def reference_inputs(dtype: torch.dtype, heads: int, select: int, seed: int, as_decode: bool):
     lengths = [3, 37, 70, 12]
     latents, pool_keys, table, seqs, positions, q_latent, iq, iw = paged_case(lengths, dtype, heads, 64, select,

@@ -210,7 +210,8 @@ def test_spans_reference_equals_decode_steps(lengths):
             # an identity up-projection hands the decode op the span's own gates
             identity = DenseWeight(torch.eye(args["f"].shape[1]))
             want = torch_ref.kda_decode(**one, forget_low=args["f"][t:t + 1], f_b=identity,
-                                        gate_low=args["gate_out"][t:t + 1], g_b=identity, conv_state=conv, conv_weight=args["conv_weight"], rec_state=rec,
+                                        gate_low=args["gate_out"][t:t + 1], g_b=identity, conv_state=conv,
+                                        conv_weight=args["conv_weight"], rec_state=rec,
                                         slots=torch.tensor([slot]), decay_rate=args["decay_rate"],
                                         dt_bias=args["dt_bias"], o_norm=args["o_norm"],
                                         lower_bound=args["lower_bound"], eps=args["eps"])
