@@ -91,26 +91,25 @@ class ForwardBatch:
         return torch.tensor([self.spans[i].offset for i in self.one_token_spans], device=self.token_ids.device)
 
     @cached_property
-    def prefill_layout(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(rows [N], slots [B], cu_seqlens [B+1]) of the multi-token spans, built once per step: every
+    def prefill_layout(self) -> tuple[torch.Tensor | slice, torch.Tensor, torch.Tensor]:
+        """(rows, slots [B], cu_seqlens [B+1]) of the multi-token spans, built once per step: every
         KDA layer reuses the same tensors (fla memoises its chunk list by the cu_seqlens tensor)."""
         spans = [self.spans[i] for i in self.multi_token_spans]
         dev = self.token_ids.device
-        rows = torch.cat([torch.arange(s.offset, s.offset + s.new) for s in spans]).to(dev)
         slots = torch.tensor([s.slot for s in spans], device=dev)
         cu_seqlens = torch.tensor([0] + [s.new for s in spans]).cumsum(0).to(dev)
-        return rows, slots, cu_seqlens
+        return self.prefill_rows, slots, cu_seqlens
 
     @cached_property
     def prefill_rows(self) -> torch.Tensor | slice:
         """The multi-token spans' rows: a slice where they are every row of the step in order (a lone prompt's
         chunk, prompts beside no decoding request), so the layers take views of their activations instead of
-        gathering copies ([N, 3P] a KDA layer, [N, 64, 512] a DSA layer); else prefill_layout's index tensor."""
+        gathering copies ([N, 3P] a KDA layer, [N, 64, 512] a DSA layer); else an index tensor [N]."""
         multi = [self.spans[i] for i in self.multi_token_spans]
         offsets = [0] + [s.offset + s.new for s in multi[:-1]]
         if [s.offset for s in multi] == offsets and sum(s.new for s in multi) == self.token_ids.shape[0]:
             return slice(0, self.token_ids.shape[0])
-        return self.prefill_layout[0]
+        return torch.cat([torch.arange(s.offset, s.offset + s.new) for s in multi]).to(self.token_ids.device)
 
     def layout(self, key: Hashable, build: Callable[[], T]) -> T:
         """A layout of this step that every layer of a kind reads (index tensors built on the host and moved in

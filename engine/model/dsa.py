@@ -185,7 +185,7 @@ class DsaMixer:
         cfg, layer = self.cfg, self.cache_index
         out = torch.empty_like(q_abs)
         if batch.multi_token_spans:  # first: a prompt's last token may be a one-token row of this step
-            prefill, slot_ids = batch.prefill_rows, batch.prefill_layout[1]
+            prefill, slot_ids = batch.prefill_layout[:2]
             multi = [batch.spans[i] for i in batch.multi_token_spans]
             rows = batch.layout(SpanRows, lambda: SpanRows.of(multi, cache, cfg.index_kpool, q_abs.device))
             cache.write_latents(layer, rows.latents, latent[prefill])

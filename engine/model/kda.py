@@ -39,7 +39,7 @@ class KdaMixer:
             return linear(o, self.o)
         o = torch.empty(x.shape[0], self.cfg.linear_dim, dtype=x.dtype, device=x.device)
         if batch.multi_token_spans:  # first: a prompt's last token may be a one-token row of this step
-            o[batch.prefill_rows] = self._prefill(qkv, forget_low, beta_logits, gate_low, rec, conv, batch)
+            o[batch.prefill_layout[0]] = self._prefill(qkv, forget_low, beta_logits, gate_low, rec, conv, batch)
         if batch.snapshot_saves is not None:
             batch.snapshot_saves.save_kda(rec, conv, self.state_index)
         if batch.one_token_spans:  # decoding requests in a mixed step: the fused step of a pure decode batch
@@ -60,7 +60,7 @@ class KdaMixer:
     def _prefill(self, qkv: torch.Tensor, forget_low: torch.Tensor, beta_logits: torch.Tensor,
                  gate_low: torch.Tensor, rec: torch.Tensor, conv: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         """Every multi-token span at once: conv, gates, delta rule and gated norm in one op over the ragged batch."""
-        rows, (_, slot_ids, cu_seqlens) = batch.prefill_rows, batch.prefill_layout
+        rows, slot_ids, cu_seqlens = batch.prefill_layout
         history = self.conv.shape[-1] - 1
         lengths = [batch.spans[i].new for i in batch.multi_token_spans]
         layout = batch.layout((ConvRows, history), lambda: ConvRows.of(lengths, history, qkv.device))

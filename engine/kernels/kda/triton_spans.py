@@ -5,9 +5,9 @@ ragged short conv, the gates, fla's chunk_kda in about a dozen launches with the
 gated norm) costs ~1.5 ms of host time per layer whatever the length, and such steps are host-bound. Here
 program (span, head, dv-tile) keeps its [d, BV] slice of the fp32 state in registers and walks the span's
 tokens: the short conv reads the span's earlier rows (or the conv state before the span), then the gates
-and the delta-rule step as in `triton_decode`; a second launch applies the gated norm per (token, head),
-a third writes each span's new conv state. Its work grows with the longest span, so spans longer than
-SHORT_SPAN_TOKENS take the chunked path. The exact recurrence is the reference's math in fp32 (the
+and the delta-rule step as in `triton_decode`; a second launch writes each span's new conv state. Its work
+grows with the longest span, so spans longer than SHORT_SPAN_TOKENS take the chunked path. Either way one
+launch applies the gated norm per (token, head). The exact recurrence is the reference's math in fp32 (the
 chunked form is the same recurrence regrouped).
 """
 
@@ -126,28 +126,38 @@ def kda_spans(qkv: torch.Tensor, f: torch.Tensor, beta_logits: torch.Tensor, gat
     """Same contract as the torch reference `kda_spans`; spans longer than SHORT_SPAN_TOKENS take its chunked
     form (fla's chunk_kda on CUDA) and this module's gated norm."""
     _SHAPES_RUN.add((decay_rate.shape[0], o_norm.shape[0]))
-    n, spans = qkv.shape[0], slots.shape[0]
-    h, d = decay_rate.shape[0], o_norm.shape[0]
-    p, conv = h * d, conv_weight.shape[1]
-    if longest > SHORT_SPAN_TOKENS:  # the chunked form, then the gated norm in one launch (not ~8 torch passes)
+    n, h, d = qkv.shape[0], decay_rate.shape[0], o_norm.shape[0]
+    if longest > SHORT_SPAN_TOKENS:
         out = chunked_delta_rule(qkv, f, beta_logits, conv_state, conv_weight, rec_state, slots, cu_seqlens,
-                                 conv_rows, decay_rate, dt_bias, lower_bound).reshape(n, p)
-        _rows_norm_kernel[(n * h,)](gate_out.contiguous(), o_norm.contiguous(), out, eps, P=p, H=h, D=d,
-                                    num_warps=4)
-        return out
+                                 conv_rows, decay_rate, dt_bias, lower_bound).reshape(n, h * d)
+    else:
+        out = _recurrence(qkv, f, beta_logits, conv_state, conv_weight, rec_state, slots, cu_seqlens, decay_rate,
+                          dt_bias, lower_bound, d, block_v)
+    # the gated norm in one launch either way (the torch form takes ~8 passes over fp32 copies)
+    _rows_norm_kernel[(n * h,)](gate_out.contiguous(), o_norm.contiguous(), out, eps, P=h * d, H=h, D=d,
+                                num_warps=4)
+    return out
+
+
+def _recurrence(qkv: torch.Tensor, f: torch.Tensor, beta_logits: torch.Tensor, conv_state: torch.Tensor,
+                conv_weight: torch.Tensor, rec_state: torch.Tensor, slots: torch.Tensor, cu_seqlens: torch.Tensor,
+                decay_rate: torch.Tensor, dt_bias: torch.Tensor, lower_bound: float, d: int,
+                block_v: int | None) -> torch.Tensor:
+    """Short spans token by token: o [N, H*d] before the gated norm; the spans' conv states updated in place."""
+    n, spans = qkv.shape[0], slots.shape[0]
+    h = decay_rate.shape[0]
+    p, conv = h * d, conv_weight.shape[1]
     assert d & (d - 1) == 0 and d >= 16, "head dim must be a power of two >= 16"
     assert conv_state.is_contiguous() and rec_state.is_contiguous() and rec_state.dtype == torch.float32
     assert conv_state.dtype == qkv.dtype, "the conv state holds inputs in the activation dtype"
     block_v = block_v or min(d, SPAN_BLOCK_V)
     # q|k|v and beta are views of the mixer's stacked projection: read through their row strides, not copied
     qkv, beta_logits = with_unit_stride(qkv), with_unit_stride(beta_logits)
-    f, gate_out = f.contiguous(), gate_out.contiguous()
     out = torch.empty(n, p, dtype=qkv.dtype, device=qkv.device)
     _spans_step_kernel[(spans * h, d // block_v)](
-        qkv, f, beta_logits, conv_state, conv_weight.contiguous(), rec_state, slots, cu_seqlens,
+        qkv, f.contiguous(), beta_logits, conv_state, conv_weight.contiguous(), rec_state, slots, cu_seqlens,
         decay_rate.contiguous(), dt_bias.contiguous(), out, lower_bound, d ** -0.5, qkv.stride(0),
         beta_logits.stride(0), P=p, H=h, D=d, BV=block_v, CONV=conv, num_warps=4)
-    _rows_norm_kernel[(n * h,)](gate_out, o_norm.contiguous(), out, eps, P=p, H=h, D=d, num_warps=4)
     block_c = 256
     _spans_conv_state_kernel[(spans, triton.cdiv(3 * p, block_c))](
         qkv, conv_state, slots, cu_seqlens, qkv.stride(0), CHANNELS=3 * p, CONV=conv,
