@@ -86,6 +86,24 @@ def test_index_select_picks_top_visible_pools():
         assert got == want and (chosen[i] >= 0).sum() == min(5, int(visible[i]))
 
 
+@pytest.mark.parametrize("select", [1, 7, 40])
+def test_top_pools_is_a_stable_descending_sort(select):
+    """The top-k over packed keys chooses, in order, what a stable descending sort of the scores chooses: exact ties
+    (zeros of either sign, repeated values) break toward the earlier pool, negative, huge and infinite scores rank as
+    floats do, and pools past a query's visible ones are never chosen."""
+    g = torch.Generator().manual_seed(3)
+    scores = torch.randn(64, 40, generator=g)
+    scores[scores.abs() < 0.6] = 0.0
+    scores[:, ::5] = -0.0
+    scores[:, 3::9] = 1.25
+    scores[0, 4], scores[1, 6], scores[2, 8] = float("inf"), -1e30, torch.finfo(torch.float32).min
+    visible = torch.randint(0, 41, (64,), generator=g)
+    chosen = top_pools(scores, visible, select)
+    for row, sees, got in zip(scores, visible.tolist(), chosen.tolist()):
+        order = sorted(range(sees), key=lambda p: (-row[p].item(), p))[:select]
+        assert got == order + [-1] * (min(select, 40) - len(order))
+
+
 def test_index_pool_is_softmax_weighted_mean():
     g = torch.Generator().manual_seed(2)
     keys, gates, ape = torch.randn(3, 4, 8, generator=g), torch.randn(3, 4, 8, generator=g), torch.randn(4, 8, generator=g)
