@@ -378,12 +378,19 @@ def auto_slots(cfg: ModelConfig, fmt: str, device: torch.device, options: Engine
     return plan.expert_slots
 
 
-def profiled(device: torch.device, run: Callable[[], Any]):
-    """`run()` under torch's profiler (the device's kernels too, where there is a GPU), waited for -> the profile."""
+# Ops that move data without math: where they are called from says which copy a kernel could fold in.
+DATA_MOVES = frozenset(("aten::copy_", "aten::contiguous", "aten::to", "aten::_to_copy", "aten::clone",
+                        "aten::reshape", "aten::index", "aten::index_put_", "aten::cat", "aten::gather",
+                        "aten::scatter_", "aten::fill_", "aten::zero_"))
+
+
+def profiled(device: torch.device, run: Callable[[], Any], stacks: bool = False):
+    """`run()` under torch's profiler (the device's kernels too, where there is a GPU), waited for -> the profile;
+    `stacks`: each op's Python call site recorded too."""
     from torch.profiler import ProfilerActivity, profile
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
-    with profile(activities=activities) as prof:
+    with profile(activities=activities, with_stack=stacks) as prof:
         run()
         sync(device)
     return prof
@@ -431,17 +438,45 @@ def profile_prefill(llm: LLM, device: torch.device, length: int) -> None:
     llm.generate(prompt, params)
     sync(device)
     start = time.perf_counter()
-    prof = profiled(device, lambda: llm.generate(prompt, params))
+    prof = profiled(device, lambda: llm.generate(prompt, params), stacks=True)
     wall = time.perf_counter() - start
     table = prof.key_averages()
     for sort in (["cuda_time_total"] if device.type == "cuda" else []) + ["cpu_time_total"]:
         print(f"profile: prefill of {length} tokens, {llm.config.num_layers} layers, by {sort}", flush=True)
         print(table.table(sort_by=sort, row_limit=40, max_name_column_width=90), flush=True)
+    print(f"profile: prefill of {length} tokens, data movement by call site", flush=True)
+    for line in data_moves_by_site(prof, device):
+        print(line, flush=True)
     print(f"profile_prefill{length}_wall_ms={wall * 1e3:.1f}", flush=True)
     if device.type == "cuda":
         kernels, seconds = device_kernels(prof)
         print(f"profile_prefill{length}_kernels={kernels} profile_prefill{length}_kernel_ms={seconds * 1e3:.1f}",
               flush=True)
+
+
+def data_moves_by_site(prof, device: torch.device, rows: int = 25) -> list[str]:
+    """The DATA_MOVES ops of a profile recorded with stacks (the outermost of nested ones, e.g. a `contiguous`
+    and not the copy inside it), by their innermost project call site, the costliest first (device time on
+    CUDA, else host time): `ms calls op site`."""
+    timed_on = "device_time_total" if device.type == "cuda" else "cpu_time_total"
+    sites: dict[tuple[str, str], list[float]] = {}
+    for event in prof.events():
+        if event.name not in DATA_MOVES:
+            continue
+        site, parent = "(outside the engine)", event.cpu_parent
+        while parent is not None and parent.name not in DATA_MOVES:
+            if ".py(" in parent.name and ("engine/" in parent.name or "worker/" in parent.name):
+                site = parent.name[parent.name.find("engine/") if "engine/" in parent.name else
+                                   parent.name.find("worker/"):]
+                break
+            parent = parent.cpu_parent
+        if parent is not None and parent.name in DATA_MOVES:
+            continue  # inside an outer move, counted there
+        totals = sites.setdefault((event.name, site), [0.0, 0])
+        totals[0] += getattr(event, timed_on) / 1e3
+        totals[1] += 1
+    ranked = sorted(sites.items(), key=lambda item: -item[1][0])[:rows]
+    return [f"{ms:9.1f} ms {calls:6d}x {op:18s} {site}" for (op, site), (ms, calls) in ranked]
 
 
 if __name__ == "__main__":
