@@ -1,7 +1,8 @@
 """The indexer's pool scores on CUDA: one program per query and block of pools reads the pooled keys through the
 page table and reduces the heads in registers, for every sequence of a step in one launch (the torch path
-gathers each query's pool keys first). The top-k stays torch's stable sort, so ties break as in the reference; a
-row that may choose every pool (up to index_topk tokens of context) is neither scored nor sorted."""
+gathers each query's pool keys first). The choice is the reference's `top_pools` (a top-k over unique keys that
+breaks ties as a stable sort would); a row that may choose every pool (up to index_topk tokens of context) is
+neither scored nor ranked."""
 
 from __future__ import annotations
 
