@@ -24,6 +24,7 @@ import dataclasses
 import json
 import logging
 import math
+import re
 import time
 from typing import Any, Callable
 
@@ -382,6 +383,7 @@ def auto_slots(cfg: ModelConfig, fmt: str, device: torch.device, options: Engine
 DATA_MOVES = frozenset(("aten::copy_", "aten::contiguous", "aten::to", "aten::_to_copy", "aten::clone",
                         "aten::reshape", "aten::index", "aten::index_put_", "aten::cat", "aten::gather",
                         "aten::scatter_", "aten::fill_", "aten::zero_"))
+PROJECT_FRAME = re.compile(r"(?<![\w.])(?:engine|worker)/[\w/]+\.py\(\d+\): \S+")  # a profiler's Python frame of ours
 
 
 def profiled(device: torch.device, run: Callable[[], Any], stacks: bool = False):
@@ -456,8 +458,8 @@ def profile_prefill(llm: LLM, device: torch.device, length: int) -> None:
 
 def data_moves_by_site(prof, device: torch.device, rows: int = 25) -> list[str]:
     """The DATA_MOVES ops of a profile recorded with stacks (the outermost of nested ones, e.g. a `contiguous`
-    and not the copy inside it), by their innermost project call site, the costliest first (device time on
-    CUDA, else host time): `ms calls op site`."""
+    and not the copy inside it), by the innermost project function that called them (named by its file and
+    first line), the costliest first (device time on CUDA, else host time): `ms calls op site`."""
     timed_on = "device_time_total" if device.type == "cuda" else "cpu_time_total"
     sites: dict[tuple[str, str], list[float]] = {}
     for event in prof.events():
@@ -465,9 +467,9 @@ def data_moves_by_site(prof, device: torch.device, rows: int = 25) -> list[str]:
             continue
         site, parent = "(outside the engine)", event.cpu_parent
         while parent is not None and parent.name not in DATA_MOVES:
-            if ".py(" in parent.name and ("engine/" in parent.name or "worker/" in parent.name):
-                site = parent.name[parent.name.find("engine/") if "engine/" in parent.name else
-                                   parent.name.find("worker/"):]
+            frame = PROJECT_FRAME.search(parent.name)
+            if frame:
+                site = frame.group(0)
                 break
             parent = parent.cpu_parent
         if parent is not None and parent.name in DATA_MOVES:
