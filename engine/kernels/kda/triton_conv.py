@@ -2,11 +2,12 @@
 
 The portable `short_conv_varlen` runs torch's depthwise conv1d over the buffer transposed to [C, rows] in fp32,
 then SiLU, a cast and a gather of the token windows: at a 32,768-token prompt ~15 ms of device time a KDA layer in
-the conv alone (an H100 profile), ~7% of the whole model's prefill at that length over its 34 KDA layers. Here program (token block, channel block) loads the k rows of each token's window straight from the
-row-major buffer (neighbouring tokens share rows in L2), sums them against the fp32 weights and applies SiLU:
-bound by reading the buffer once and writing the output. fla's causal_conv1d does the same arithmetic but
-keeps a k-wide state per sequence and autotunes at its first call, where our buffer already holds the k-1 held
-inputs and a start must not tune in its serving path.
+the conv alone (an H100 profile), ~7% of the whole model's prefill at that length over its 34 KDA layers.
+Here program (token block, channel block) loads the k rows of each token's window straight from the row-major
+buffer (neighbouring tokens share rows in L2), sums them against the fp32 weights and applies SiLU: bound by
+reading the buffer once and writing the output. fla's causal_conv1d does the same arithmetic but keeps a k-wide
+state per sequence and autotunes at its first call, where our buffer already holds the k-1 held inputs and a start
+must not tune in its serving path.
 """
 
 from __future__ import annotations
