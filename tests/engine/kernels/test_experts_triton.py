@@ -9,6 +9,7 @@ import triton.language as tl
 
 from engine.experts import TorchExperts, TritonExperts
 from engine.kernels.experts import DecodeTiles, PrefillTiles, align_by_expert, moe_decode, moe_prefill
+from engine.kernels.experts import prefill
 from engine.kernels.experts.dequant import E2M1_UNIT, e2m1_values, to_code_order
 from engine.quant import quantize_fp8_block, quantize_nvfp4, unpack_e2m1
 from engine.weights import DenseWeight, Fp8BlockWeight, Nvfp4Weight
@@ -153,6 +154,18 @@ def test_several_row_tiles_and_k_steps(run, tokens, dtype):
     check(nvfp4_layer(5), torch.randn(tokens, D, generator=g).to(dtype), ids, w, run)
 
 
+def test_long_prompts_take_128_row_blocks_in_bf16_and_match_the_reference():
+    """From 128 pairs an expert on, bf16 takes 128-row blocks over 64-wide K in 2 stages over 8 warps (the tile that
+    halves the dequantization per FLOP); fp32 keeps 32 rows; the result still matches the reference."""
+    tokens, topk = 200, 4  # 800 pairs over 6 experts: 133 an expert
+    assert prefill._tile(tokens * topk, E, PrefillTiles(), False) == (128, 64, 8, 2)
+    assert prefill._tile(tokens * topk, E, PrefillTiles(), True) == (32, 32, 4, 3)
+    assert prefill._tile(100 * topk, E, PrefillTiles(), False) == (64, 128, 4, 3)
+    g = gen(6)
+    ids, w = routes(tokens, topk, g)
+    check(nvfp4_layer(6), torch.randn(tokens, D, generator=g).to(torch.bfloat16), ids, w, moe_prefill)
+
+
 def dead_pairs(tokens: int, topk: int, g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
     """Routes where expert 0 takes only pairs of weight zero (a hybrid step's misses): at the start, in the
     middle and at the end of a token's pairs, and every pair of the last token."""
@@ -214,6 +227,24 @@ compile_for_sm90(_gate_up_gemv, dict(x_ptr="*bf16", ids_ptr="*i64", rw_ptr="*fp3
                  dict(D=4096, TOPK=8, BN=32, BK=256), 4, dict(limit="fp32"))
 compile_for_sm90(_down_gemv, dict(h_ptr="*fp32", ids_ptr="*i64", rw_ptr="*fp32", dw_ptr="*fp8e4nv", ds_ptr="*fp32",
                                   out_ptr="*bf16"), dict(I=2048, TOPK=8, BN=16, BK=512), 4)
+print("compiled")
+""", tmp_path)
+
+
+def test_the_prefill_kernels_compile_for_sm90_in_both_launch_shapes(tmp_path):
+    """NVFP4 in bf16 at the release's widths, in the launch shape of up to 64 rows and in the 128-row one."""
+    assert_compiles_for_sm90("""
+from engine.kernels.experts.prefill import PrefillTiles, _down_kernel, _gate_up_kernel, _tile
+stack = dict(w_ptr="*i32", s_ptr="*fp8e4nv", g_ptr="*fp32")
+for pairs in (16384, 65536):  # 57 and 228 pairs an expert
+    rows, block_k, warps, stages = _tile(pairs, 288, PrefillTiles(), False)
+    common = dict(FP4=True, BLOCK_M=rows, BLOCK_N=64, BLOCK_K=block_k, NUM_STAGES=stages, DOT_F32=False)
+    compile_for_sm90(_gate_up_kernel, dict(x_ptr="*bf16", rows_ptr="*i32", block_expert_ptr="*i32", h_ptr="*bf16",
+                                           **{"g" + k[0] + "_ptr": v for k, v in stack.items()},
+                                           **{"u" + k[0] + "_ptr": v for k, v in stack.items()}),
+                     dict(K=4096, N_TILES=32, TOPK=8, H_CODE_ORDER=True, **common), warps, dict(limit="fp32"))
+    compile_for_sm90(_down_kernel, dict(h_ptr="*bf16", rows_ptr="*i32", block_expert_ptr="*i32", route_ptr="*fp32",
+                                        y_ptr="*bf16", **stack), dict(K=2048, N_TILES=64, **common), warps)
 print("compiled")
 """, tmp_path)
 

@@ -52,14 +52,14 @@ def test_the_fp8_linear_launches_the_builds_its_pick_names(monkeypatch):
     assert {launched[t] for t in warmed} == set(launched.values())
 
 
-@pytest.mark.parametrize("experts", [288, 38])
-def test_the_expert_tile_each_count_takes_is_one_the_warm_up_takes(monkeypatch, experts):
+@pytest.mark.parametrize("experts,rows", [(288, [16, 32, 64]), (38, [16, 32, 64, 128])])
+def test_the_expert_tile_each_count_takes_is_one_the_warm_up_takes(monkeypatch, experts, rows):
     monkeypatch.setattr(prefill, "_LAYERS_RUN", {(8, experts, prefill.PrefillTiles(), False)})
     monkeypatch.setattr(token_variants, "_VARIANTS", [prefill._builds])
     warmed = [2048, *covering_lengths(2048, done=[2048])]
     heights = {t: prefill._builds(t)[0][0] for t in range(1, 2049)}
-    assert sorted({heights[t] for t in warmed}) == sorted(set(heights.values())) == [16, 32, 64]
-    assert len(warmed) == 3
+    assert sorted({heights[t] for t in warmed}) == sorted(set(heights.values())) == rows
+    assert len(warmed) == len(rows)
 
 
 def test_a_short_prefill_warms_the_kda_recurrence_and_a_long_one_the_chunked_path(monkeypatch):
