@@ -465,7 +465,10 @@ def data_moves_by_site(prof, device: torch.device, rows: int = 25) -> list[str]:
     for event in prof.events():
         if event.name not in DATA_MOVES:
             continue
-        site, parent = "(outside the engine)", event.cpu_parent
+        # Python frames come as the op's stack (innermost first) or as parent events, by torch version.
+        site = next((frame.group(0) for line in event.stack or () if (frame := PROJECT_FRAME.search(line))),
+                    "(outside the engine)")
+        parent = event.cpu_parent
         while parent is not None and parent.name not in DATA_MOVES:
             frame = PROJECT_FRAME.search(parent.name)
             if frame:
