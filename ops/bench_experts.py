@@ -39,11 +39,13 @@ class Case:
     of_copy: float
     torch_us: float
     rel_err: float
+    tflops: float  # the pairs' multiply-adds (gate, up and down) over the Triton time
 
 
-def synthetic_layer(hidden: int, inter: int, experts: int, device: str) -> tuple:
-    """gate, up, down NVFP4 stacks: random codes, e4m3 scales in [0.5, 4), one global per expert."""
-    from engine.weights import Nvfp4Weight
+def synthetic_layer(hidden: int, inter: int, experts: int, device: str, weights: str = "nvfp4") -> tuple:
+    """gate, up, down stacks: NVFP4 (random codes, e4m3 scales in [0.5, 4), one global per expert) or those
+    dequantized to bf16 (the kernels' dense path: what the GEMMs cost without the dequantization)."""
+    from engine.weights import DenseWeight, Nvfp4Weight
 
     def stack(rows: int, cols: int) -> Nvfp4Weight:
         packed = torch.randint(0, 256, (experts, rows, cols // 2), dtype=torch.uint8, device=device)
@@ -51,7 +53,11 @@ def synthetic_layer(hidden: int, inter: int, experts: int, device: str) -> tuple
         scale = torch.randint(0x30, 0x48, (experts, rows, cols // 16), dtype=torch.uint8, device=device)
         return Nvfp4Weight(packed, scale.view(torch.float8_e4m3fn), torch.full((experts, 1), 1e-3, device=device))
 
-    return stack(inter, hidden), stack(inter, hidden), stack(hidden, inter)
+    stacks = stack(inter, hidden), stack(inter, hidden), stack(hidden, inter)
+    if weights == "nvfp4":
+        return stacks
+    return tuple(DenseWeight(torch.stack([w[e].dequantize(torch.bfloat16) for e in range(experts)]))
+                 for w in stacks)
 
 
 def routing(tokens: int, experts: int, topk: int, device: str, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -116,7 +122,7 @@ def run(args: argparse.Namespace) -> dict:
     from engine.kernels.experts import DecodeTiles, PrefillTiles
 
     dims = TINY if args.tiny else REAL
-    layers = {i: synthetic_layer(dims["hidden"], dims["inter"], dims["experts"], args.device)
+    layers = {i: synthetic_layer(dims["hidden"], dims["inter"], dims["experts"], args.device, args.weights)
               for i in range(args.layers)}
     expert_bytes = sum(w[0].nbytes() for w in layers[0])
     triton_experts = TritonExperts(layers, 10.0, decode_tiles=DecodeTiles(**json.loads(args.decode_tiles)),
@@ -139,9 +145,10 @@ def run(args: argparse.Namespace) -> dict:
             read = ids.unique().numel() * expert_bytes
             gbps = read / seconds / 1e9
             cases.append(Case(path, tokens, ids.unique().numel(), read, seconds * 1e6, gbps, gbps / copy,
-                              torch_seconds * 1e6, ((got - want).norm() / want.norm()).item()))
+                              torch_seconds * 1e6, ((got - want).norm() / want.norm()).item(),
+                              6 * ids.numel() * dims["hidden"] * dims["inter"] / seconds / 1e12))
     name = torch.cuda.get_device_name() if args.device == "cuda" else "cpu (Triton interpreter)"
-    return {"device": name, "dims": dims, "layers": args.layers, "expert_bytes": expert_bytes, "copy_gbps": copy,
+    return {"device": name, "dims": dims, "weights": args.weights, "layers": args.layers, "expert_bytes": expert_bytes, "copy_gbps": copy,
             "cases": [vars(c) for c in cases]}
 
 
@@ -158,6 +165,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--prefill", type=_ints, help="prefill token counts (default 512,2048; tiny: 40)")
     parser.add_argument("--iters", type=int, default=20, help="decode calls per CUDA graph replay")
     parser.add_argument("--repeats", type=int, default=10)
+    parser.add_argument("--weights", default="nvfp4", choices=["nvfp4", "bf16"],
+                        help="bf16: the same experts dequantized (the GEMMs without the dequantization)")
     parser.add_argument("--copy-mib", type=int, default=1024)
     parser.add_argument("--decode-tiles", default="{}", help="JSON overrides of DecodeTiles fields")
     parser.add_argument("--prefill-tiles", default="{}", help="JSON overrides of PrefillTiles fields")
@@ -168,12 +177,13 @@ def main(argv: list[str] | None = None) -> dict:
     if args.layers < 2 and not args.tiny:
         parser.error("--layers must be >= 2 so that L2 does not hold the weights between calls")
     result = run(args)
-    print(f"{result['device']}: copy {result['copy_gbps']:.1f} GB/s, {result['expert_bytes'] / 1e6:.2f} MB per expert")
+    print(f"{result['device']}: {result['weights']} experts, copy {result['copy_gbps']:.1f} GB/s, "
+          f"{result['expert_bytes'] / 1e6:.2f} MB per expert")
     print(f"{'path':8} {'T':>5} {'experts':>7} {'MB':>9} {'triton us':>10} {'GB/s':>7} {'of copy':>7} "
-          f"{'torch us':>10} {'rel err':>8}")
+          f"{'torch us':>10} {'rel err':>8} {'TFLOP/s':>8}")
     for c in result["cases"]:
         print(f"{c['path']:8} {c['tokens']:5d} {c['experts_read']:7d} {c['bytes'] / 1e6:9.1f} {c['triton_us']:10.1f} "
-              f"{c['gbps']:7.0f} {c['of_copy']:7.1%} {c['torch_us']:10.1f} {c['rel_err']:8.1e}")
+              f"{c['gbps']:7.0f} {c['of_copy']:7.1%} {c['torch_us']:10.1f} {c['rel_err']:8.1e} {c['tflops']:8.1f}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=2)
