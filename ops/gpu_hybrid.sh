@@ -21,9 +21,10 @@
 # prefill-chunks: the whole model's prefill of an 8,192-token prompt in steps of 2,048, 4,096 and 8,192 tokens (a lone
 #          prompt's budget, --max-prefill-tokens; decode steps keep 2,048): what a longer chunk gains once the link
 #          bounds a 2,048-token one;
-# expert-tiles: the routed experts' NVFP4 prefill kernels (ops/bench_experts.py, 2,048 and 8,192 tokens) at the default
-#          tiles and at tilings that compile without register spills on sm_90 (the default spills ~800 bytes a thread
-#          in the gate/up kernel): 8 warps; 8 warps with 64-wide K steps in two stages; 128 rows so;
+# expert-tiles: the routed experts' prefill kernels (ops/bench_experts.py, 8,192 and 32,768 tokens: 227 and 910 pairs an
+#          expert) at the default launch shapes (128 rows from 128 pairs an expert on), at the former 64-row one, and
+#          on the same experts dequantized to bf16 (the GEMMs without the dequantization: what a dequantize-first
+#          path could reach);
 # offload: whole, swaps and skew one after the other (~6 minutes on a fresh H200 machine), each part's output
 #          under OUT_DIR/<part>.
 # Wheels the machine lacks: see ops/gpu_env.sh.
@@ -81,11 +82,10 @@ case "$part" in
                      --batches "" --prefills $n --reference-layers 0 --layers 8 --profile-prefill $n \
                      --json "$out/slice_prefill$n.json" 2>&1 | tail -100
                  done ;;
-  expert-tiles) for tiles in '{}' '{"num_warps": 8}' '{"num_warps": 8, "block_k": 64, "num_stages": 2}' \
-                              '{"block_m": 128, "num_warps": 8, "block_k": 64, "num_stages": 2}'; do
-                  echo "== prefill tiles $tiles"
-                  timeout 120 python3 -m ops.bench_experts --decode 1 --prefill 2048,8192 --repeats 5 \
-                    --prefill-tiles "$tiles" 2>&1 | grep -E "^(prefill|NVIDIA)"
+  expert-tiles) for run in nvfp4:'{}' nvfp4:'{"block_m": 64, "block_k": 128, "num_warps": 4, "num_stages": 3}' bf16:'{}'; do
+                  echo "== ${run%%:*} experts, prefill tiles ${run#*:}"
+                  timeout 120 python3 -m ops.bench_experts --decode 1 --prefill 8192,32768 --repeats 3 \
+                    --weights "${run%%:*}" --prefill-tiles "${run#*:}" 2>&1 | grep -E "^(prefill|path|NVIDIA)"
                 done ;;
   *) echo "unknown part: $part" >&2; exit 2 ;;
 esac
