@@ -38,6 +38,7 @@ class PrefillTiles:
     None follow the rows: up to 64 rows, 128-wide K (a 64-row NVFP4 scale tile of 512 bytes, 4 per thread,
     the least cp.async pipelines; at 64 they load synchronously) in 3 stages over 4 warps; at 128 rows,
     64-wide K in 2 stages over 8 warps, the shape that holds 128 rows in registers without spilling on sm_90.
+    weights_first puts the dequantized weights first in the MMA (`_zeros` says why); to be timed before default.
     """
 
     block_m: int | None = None
@@ -45,6 +46,7 @@ class PrefillTiles:
     block_k: int | None = None
     num_warps: int | None = None
     num_stages: int | None = None
+    weights_first: bool = False
 
 
 class Launch(NamedTuple):
@@ -119,17 +121,35 @@ def align_by_expert(expert_ids: torch.Tensor, num_experts: int, block_m: int) ->
 
 @triton.jit
 def _dot_step(acc, a, w_ptr, s_ptr, cols, k0, stride_wn, stride_sn, FP4: tl.constexpr, BLOCK_K: tl.constexpr,
-              DOT_F32: tl.constexpr):
-    """acc + a [M, BLOCK_K] @ (the expert's rows `cols`, columns k0 ..)^T, the tile dequantized to a's dtype.
+              DOT_F32: tl.constexpr, WEIGHTS_FIRST: tl.constexpr):
+    """acc + a [M, BLOCK_K] @ (the expert's rows `cols`, columns k0 ..)^T, the tile dequantized to a's dtype;
+    WEIGHTS_FIRST: acc^T + that tile @ a^T instead (acc [N, M]; see `_zeros`).
 
     DOT_F32 multiplies in IEEE fp32 instead: fp32 activations (tf32 would lose ~3 digits) and the
     interpreter, whose tl.dot cannot multiply 16-bit floats.
     """
-    if DOT_F32:
-        w = weight_tile(w_ptr, s_ptr, cols, k0, stride_wn, stride_sn, FP4, BLOCK_K, tl.float32)
-        return tl.dot(a.to(tl.float32), tl.trans(w), acc, input_precision="ieee")
-    w = weight_tile(w_ptr, s_ptr, cols, k0, stride_wn, stride_sn, FP4, BLOCK_K, a.dtype)
-    return tl.dot(a, tl.trans(w), acc)
+    dtype: tl.constexpr = tl.float32 if DOT_F32 else a.dtype
+    precision: tl.constexpr = "ieee" if DOT_F32 else None
+    w = weight_tile(w_ptr, s_ptr, cols, k0, stride_wn, stride_sn, FP4, BLOCK_K, dtype)
+    if WEIGHTS_FIRST:  # one return: the compiler types every return statement, taken or not
+        acc = tl.dot(w, tl.trans(a.to(dtype)), acc, input_precision=precision)
+    else:
+        acc = tl.dot(a.to(dtype), tl.trans(w), acc, input_precision=precision)
+    return acc
+
+
+@triton.jit
+def _zeros(BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, WEIGHTS_FIRST: tl.constexpr):
+    """A kernel's fp32 accumulator: [M, N], or [N, M] with the weights as the MMA's first operand. On sm_90 that
+    operand may come from registers (the dequantized tile never goes through shared memory) while the rows
+    stream into shared memory, so the MMA runs asynchronously beside the next tile's dequantization."""
+    return tl.zeros((BLOCK_N, BLOCK_M) if WEIGHTS_FIRST else (BLOCK_M, BLOCK_N), tl.float32)
+
+
+@triton.jit
+def _rows_first(acc, WEIGHTS_FIRST: tl.constexpr):
+    """An accumulator of `_zeros` as [M, N]."""
+    return tl.trans(acc) if WEIGHTS_FIRST else acc
 
 
 @triton.jit
@@ -146,7 +166,7 @@ def _gate_up_kernel(x_ptr, rows_ptr, block_expert_ptr, h_ptr, gw_ptr, gs_ptr, gg
                     stride_we, stride_wn, stride_se, stride_sn, stride_ge, stride_gn, limit,
                     K: tl.constexpr, N_TILES: tl.constexpr, TOPK: tl.constexpr, FP4: tl.constexpr,
                     H_CODE_ORDER: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                    NUM_STAGES: tl.constexpr, DOT_F32: tl.constexpr):
+                    NUM_STAGES: tl.constexpr, DOT_F32: tl.constexpr, WEIGHTS_FIRST: tl.constexpr):
     block = tl.program_id(0) // N_TILES  # feature tiles of one row block run side by side
     cols = (tl.program_id(0) % N_TILES) * BLOCK_N + tl.arange(0, BLOCK_N)
     expert, pair, live = sorted_block(rows_ptr, block_expert_ptr, block, pairs, BLOCK_M)
@@ -157,14 +177,18 @@ def _gate_up_kernel(x_ptr, rows_ptr, block_expert_ptr, h_ptr, gw_ptr, gs_ptr, gg
     uw_ptr += expert * stride_we
     gs_ptr += expert * stride_se
     us_ptr += expert * stride_se
-    acc_gate = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    acc_up = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    acc_gate = _zeros(BLOCK_M, BLOCK_N, WEIGHTS_FIRST)
+    acc_up = _zeros(BLOCK_M, BLOCK_N, WEIGHTS_FIRST)
     for k0 in tl.range(0, K, BLOCK_K, num_stages=NUM_STAGES):
         x = tl.load(x_rows + (k0 + tl.arange(0, BLOCK_K))[None, :], mask=live[:, None], other=0.0)
-        acc_gate = _dot_step(acc_gate, x, gw_ptr, gs_ptr, cols, k0, stride_wn, stride_sn, FP4, BLOCK_K, DOT_F32)
-        acc_up = _dot_step(acc_up, x, uw_ptr, us_ptr, cols, k0, stride_wn, stride_sn, FP4, BLOCK_K, DOT_F32)
-    gate = acc_gate * global_multiplier(gg_ptr + expert * stride_ge, cols, stride_gn, FP4)[None, :]
-    up = acc_up * global_multiplier(ug_ptr + expert * stride_ge, cols, stride_gn, FP4)[None, :]
+        acc_gate = _dot_step(acc_gate, x, gw_ptr, gs_ptr, cols, k0, stride_wn, stride_sn, FP4, BLOCK_K, DOT_F32,
+                             WEIGHTS_FIRST)
+        acc_up = _dot_step(acc_up, x, uw_ptr, us_ptr, cols, k0, stride_wn, stride_sn, FP4, BLOCK_K, DOT_F32,
+                           WEIGHTS_FIRST)
+    gate_global = global_multiplier(gg_ptr + expert * stride_ge, cols, stride_gn, FP4)
+    gate = _rows_first(acc_gate, WEIGHTS_FIRST) * gate_global[None, :]
+    up_global = global_multiplier(ug_ptr + expert * stride_ge, cols, stride_gn, FP4)
+    up = _rows_first(acc_up, WEIGHTS_FIRST) * up_global[None, :]
     h = clamped_swiglu(gate, up, limit)
     h_cols = cols
     if H_CODE_ORDER:  # h meets an NVFP4 down stack
@@ -178,7 +202,7 @@ def _down_kernel(h_ptr, rows_ptr, block_expert_ptr, route_ptr, y_ptr, w_ptr, s_p
                  stride_we, stride_wn, stride_se, stride_sn, stride_ge, stride_gn,
                  K: tl.constexpr, N_TILES: tl.constexpr, FP4: tl.constexpr,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                 NUM_STAGES: tl.constexpr, DOT_F32: tl.constexpr):
+                 NUM_STAGES: tl.constexpr, DOT_F32: tl.constexpr, WEIGHTS_FIRST: tl.constexpr):
     block = tl.program_id(0) // N_TILES
     cols = (tl.program_id(0) % N_TILES) * BLOCK_N + tl.arange(0, BLOCK_N)
     expert, pair, live = sorted_block(rows_ptr, block_expert_ptr, block, pairs, BLOCK_M)
@@ -187,11 +211,12 @@ def _down_kernel(h_ptr, rows_ptr, block_expert_ptr, route_ptr, y_ptr, w_ptr, s_p
     h_rows = h_ptr + pair[:, None] * stride_hp
     w_ptr += expert * stride_we
     s_ptr += expert * stride_se
-    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    acc = _zeros(BLOCK_M, BLOCK_N, WEIGHTS_FIRST)
     for k0 in tl.range(0, K, BLOCK_K, num_stages=NUM_STAGES):
         h = tl.load(h_rows + (k0 + tl.arange(0, BLOCK_K))[None, :], mask=live[:, None], other=0.0)
-        acc = _dot_step(acc, h, w_ptr, s_ptr, cols, k0, stride_wn, stride_sn, FP4, BLOCK_K, DOT_F32)
+        acc = _dot_step(acc, h, w_ptr, s_ptr, cols, k0, stride_wn, stride_sn, FP4, BLOCK_K, DOT_F32, WEIGHTS_FIRST)
     route = tl.load(route_ptr + pair, mask=live, other=0.0)
+    acc = _rows_first(acc, WEIGHTS_FIRST)
     y = acc * global_multiplier(g_ptr + expert * stride_ge, cols, stride_gn, FP4)[None, :] * route[:, None]
     tl.store(y_ptr + pair[:, None] * stride_yp + cols[None, :], y.to(y_ptr.dtype.element_ty), mask=live[:, None])
 
@@ -239,7 +264,7 @@ def moe_prefill(x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor
     rows, block_expert = align_by_expert(expert_ids, experts, launch.block_m)
     dot_f32 = x.dtype == torch.float32 or not x.is_cuda  # see _dot_step
     common = dict(BLOCK_M=launch.block_m, NUM_STAGES=launch.num_stages, DOT_F32=dot_f32,
-                  num_warps=launch.num_warps)
+                  WEIGHTS_FIRST=tiles.weights_first, num_warps=launch.num_warps)
 
     h = torch.empty(pairs, inter, dtype=x.dtype, device=x.device)
     bn, bk = tile(inter, tiles.block_n), tile(hidden, block_k)

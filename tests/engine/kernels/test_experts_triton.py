@@ -166,6 +166,21 @@ def test_long_prompts_take_128_row_blocks_in_bf16_and_match_the_reference():
     check(nvfp4_layer(6), torch.randn(tokens, D, generator=g).to(torch.bfloat16), ids, w, moe_prefill)
 
 
+@pytest.mark.parametrize("tiles", [PrefillTiles(weights_first=True),
+                                   PrefillTiles(block_m=16, block_n=32, block_k=16, weights_first=True)],
+                         ids=["default-shape", "split"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_weights_first_in_the_mma_matches_the_reference(tiles, dtype):
+    """The accumulator transposed ([N, M]: the dequantized tile as the MMA's first operand), for NVFP4 and dense
+    stacks, rows short of a block, several row blocks and K steps."""
+    g = gen(7)
+    ids, w = routes(40, 4, g)
+    x = torch.randn(40, D, generator=g).to(dtype)
+    dense = tuple(DenseWeight((torch.randn(E, n, k, generator=g) / k**0.5).to(dtype)) for n, k in SHAPES)
+    for layer in (nvfp4_layer(7), dense):
+        check(layer, x, ids, w, lambda *a: moe_prefill(*a, tiles=tiles))
+
+
 def dead_pairs(tokens: int, topk: int, g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
     """Routes where expert 0 takes only pairs of weight zero (a hybrid step's misses): at the start, in the
     middle and at the end of a token's pairs, and every pair of the last token."""
@@ -232,13 +247,15 @@ print("compiled")
 
 
 def test_the_prefill_kernels_compile_for_sm90_in_both_launch_shapes(tmp_path):
-    """NVFP4 in bf16 at the release's widths, in the launch shape of up to 64 rows and in the 128-row one."""
+    """NVFP4 in bf16 at the release's widths, in the launch shape of up to 64 rows and in the 128-row one, with the
+    rows or the weights first in the MMA."""
     assert_compiles_for_sm90("""
 from engine.kernels.experts.prefill import PrefillTiles, _down_kernel, _gate_up_kernel, _tile
 stack = dict(w_ptr="*i32", s_ptr="*fp8e4nv", g_ptr="*fp32")
-for pairs in (16384, 65536):  # 57 and 228 pairs an expert
+for pairs, weights_first in ((16384, False), (65536, False), (16384, True), (65536, True)):  # 57 and 228 an expert
     rows, block_k, warps, stages = _tile(pairs, 288, PrefillTiles(), False)
-    common = dict(FP4=True, BLOCK_M=rows, BLOCK_N=64, BLOCK_K=block_k, NUM_STAGES=stages, DOT_F32=False)
+    common = dict(FP4=True, BLOCK_M=rows, BLOCK_N=64, BLOCK_K=block_k, NUM_STAGES=stages, DOT_F32=False,
+                  WEIGHTS_FIRST=weights_first)
     compile_for_sm90(_gate_up_kernel, dict(x_ptr="*bf16", rows_ptr="*i32", block_expert_ptr="*i32", h_ptr="*bf16",
                                            **{"g" + k[0] + "_ptr": v for k, v in stack.items()},
                                            **{"u" + k[0] + "_ptr": v for k, v in stack.items()}),
