@@ -37,7 +37,7 @@ class PrefillTiles:
     of the release's experts on an H100, 15.3 against 16.2 ms a layer). block_k, num_warps and num_stages
     None follow the rows: up to 64 rows, 128-wide K (a 64-row NVFP4 scale tile of 512 bytes, 4 per thread,
     the least cp.async pipelines; at 64 they load synchronously) in 3 stages over 4 warps; at 128 rows,
-    64-wide K in 2 stages over 8 warps, the shape that holds 128 rows in registers without spilling on sm_90.
+    64-wide K in 2 stages over 8 warps, the fastest of the 128-row shapes timed.
     weights_first puts the dequantized weights first in the MMA (`_zeros` says why); to be timed before default.
     """
 
