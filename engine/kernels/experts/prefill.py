@@ -33,12 +33,12 @@ class PrefillTiles:
 
     block_m None picks 16, 32 or 64 rows from the mean pairs per expert, so short prompts do not
     multiply mostly padding (64 rows take wgmma, fewer mma.sync), and 128 from 128 pairs an expert on: the
-    weight tile's dequantization is paid once per row block, so 128 rows halve it per FLOP (at 8,192 tokens
-    of the release's experts on an H100, 15.3 against 16.2 ms a layer). block_k, num_warps and num_stages
-    None follow the rows: up to 64 rows, 128-wide K (a 64-row NVFP4 scale tile of 512 bytes, 4 per thread,
-    the least cp.async pipelines; at 64 they load synchronously) in 3 stages over 4 warps; at 128 rows,
-    64-wide K in 2 stages over 8 warps, the fastest of the 128-row shapes timed.
-    weights_first puts the dequantized weights first in the MMA (`_zeros` says why); to be timed before default.
+    weight tile's dequantization is paid once per row block, so 128 rows halve it per FLOP. block_k None: 128
+    up to 64 rows (a 64-row NVFP4 scale tile of 512 bytes, 4 per thread, the least cp.async pipelines; at 64
+    they load synchronously), 64 at 128 rows. weights_first None: on at 128 rows, the dequantized weights as the
+    MMA's first operand (`_zeros` says why). Timed on an H100 at the release's experts (ops/bench_experts.py,
+    8,192 / 32,768 tokens, ms a layer): 64 rows 16.0 / 57.8; 128 rows on 8 warps in 2 stages 15.4 / 55.9; 128
+    rows with the weights first on 4 warps in 3 stages 12.5 / 46.9 (8 warps: 20.3 / 71.9).
     """
 
     block_m: int | None = None
@@ -46,16 +46,17 @@ class PrefillTiles:
     block_k: int | None = None
     num_warps: int | None = None
     num_stages: int | None = None
-    weights_first: bool = False
+    weights_first: bool | None = None
 
 
 class Launch(NamedTuple):
-    """The shape one prefill launch takes: rows, K block, warps, pipeline stages."""
+    """The shape one prefill launch takes: rows, K block, warps, pipeline stages, the MMA's operand order."""
 
     block_m: int
     block_k: int
     num_warps: int
     num_stages: int
+    weights_first: bool
 
 
 @triton.jit(do_not_specialize=["pairs", "blocks"])  # per-step counts: one build for all
@@ -231,8 +232,9 @@ def _tile(pairs: int, experts: int, tiles: PrefillTiles, f32: bool) -> Launch:
         block_m = min(block_m, 32)
     wide = block_m >= 128
     block_k = tiles.block_k or (64 if wide else 128)
-    return Launch(block_m, min(block_k, 32) if f32 else block_k, tiles.num_warps or (8 if wide else 4),
-                  tiles.num_stages or (2 if wide else 3))
+    weights_first = wide if tiles.weights_first is None else tiles.weights_first
+    return Launch(block_m, min(block_k, 32) if f32 else block_k, tiles.num_warps or 4, tiles.num_stages or 3,
+                  weights_first)
 
 
 _LAYERS_RUN: set[tuple[int, int, PrefillTiles, bool]] = set()  # (top-k, experts, tiles, fp32) run so far
@@ -264,7 +266,7 @@ def moe_prefill(x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor
     rows, block_expert = align_by_expert(expert_ids, experts, launch.block_m)
     dot_f32 = x.dtype == torch.float32 or not x.is_cuda  # see _dot_step
     common = dict(BLOCK_M=launch.block_m, NUM_STAGES=launch.num_stages, DOT_F32=dot_f32,
-                  WEIGHTS_FIRST=tiles.weights_first, num_warps=launch.num_warps)
+                  WEIGHTS_FIRST=launch.weights_first, num_warps=launch.num_warps)
 
     h = torch.empty(pairs, inter, dtype=x.dtype, device=x.device)
     bn, bk = tile(inter, tiles.block_n), tile(hidden, block_k)

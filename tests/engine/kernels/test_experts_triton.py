@@ -154,16 +154,18 @@ def test_several_row_tiles_and_k_steps(run, tokens, dtype):
     check(nvfp4_layer(5), torch.randn(tokens, D, generator=g).to(dtype), ids, w, run)
 
 
-def test_long_prompts_take_128_row_blocks_in_bf16_and_match_the_reference():
-    """From 128 pairs an expert on, bf16 takes 128-row blocks over 64-wide K in 2 stages over 8 warps (the tile that
-    halves the dequantization per FLOP); fp32 keeps 32 rows; the result still matches the reference."""
+@pytest.mark.parametrize("tiles", [PrefillTiles(), PrefillTiles(weights_first=False)], ids=["default", "rows-first"])
+def test_long_prompts_take_128_row_blocks_in_bf16_and_match_the_reference(tiles):
+    """From 128 pairs an expert on, bf16 takes 128-row blocks over 64-wide K with the weights first in the MMA
+    (halving the dequantization per FLOP); fp32 keeps 32 rows; the result still matches the reference."""
     tokens, topk = 200, 4  # 800 pairs over 6 experts: 133 an expert
-    assert prefill._tile(tokens * topk, E, PrefillTiles(), False) == (128, 64, 8, 2)
-    assert prefill._tile(tokens * topk, E, PrefillTiles(), True) == (32, 32, 4, 3)
-    assert prefill._tile(100 * topk, E, PrefillTiles(), False) == (64, 128, 4, 3)
+    assert prefill._tile(tokens * topk, E, PrefillTiles(), False) == (128, 64, 4, 3, True)
+    assert prefill._tile(tokens * topk, E, PrefillTiles(), True) == (32, 32, 4, 3, False)
+    assert prefill._tile(100 * topk, E, PrefillTiles(), False) == (64, 128, 4, 3, False)
     g = gen(6)
     ids, w = routes(tokens, topk, g)
-    check(nvfp4_layer(6), torch.randn(tokens, D, generator=g).to(torch.bfloat16), ids, w, moe_prefill)
+    check(nvfp4_layer(6), torch.randn(tokens, D, generator=g).to(torch.bfloat16), ids, w,
+          lambda *a: moe_prefill(*a, tiles=tiles))
 
 
 @pytest.mark.parametrize("tiles", [PrefillTiles(weights_first=True),
@@ -253,7 +255,7 @@ def test_the_prefill_kernels_compile_for_sm90_in_both_launch_shapes(tmp_path):
 from engine.kernels.experts.prefill import PrefillTiles, _down_kernel, _gate_up_kernel, _tile
 stack = dict(w_ptr="*i32", s_ptr="*fp8e4nv", g_ptr="*fp32")
 for pairs, weights_first in ((16384, False), (65536, False), (16384, True), (65536, True)):  # 57 and 228 an expert
-    rows, block_k, warps, stages = _tile(pairs, 288, PrefillTiles(), False)
+    rows, block_k, warps, stages, _ = _tile(pairs, 288, PrefillTiles(), False)
     common = dict(FP4=True, BLOCK_M=rows, BLOCK_N=64, BLOCK_K=block_k, NUM_STAGES=stages, DOT_F32=False,
                   WEIGHTS_FIRST=weights_first)
     compile_for_sm90(_gate_up_kernel, dict(x_ptr="*bf16", rows_ptr="*i32", block_expert_ptr="*i32", h_ptr="*bf16",
