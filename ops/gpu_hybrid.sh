@@ -22,9 +22,9 @@
 #          prompt's budget, --max-prefill-tokens; decode steps keep 2,048): what a longer chunk gains once the link
 #          bounds a 2,048-token one;
 # expert-tiles: the routed experts' prefill kernels (ops/bench_experts.py, 8,192 and 32,768 tokens: 227 and 910 pairs an
-#          expert) at the default launch shapes (128 rows from 128 pairs an expert on), with the weights first in the
-#          MMA (from registers, the MMA asynchronous beside the next tile's dequantization) on 8 and on 4 warps, at the
-#          former 64-row shape, and on the same experts dequantized to bf16 (the GEMMs without the dequantization);
+#          expert) at the default launch shape (from 128 pairs an expert on: 128 rows, the weights first in the MMA),
+#          at the former 128-row one (the activations first, 8 warps, 2 stages), at 64 rows, and on the same experts
+#          dequantized to bf16 (the GEMMs without the dequantization);
 # offload: whole, swaps and skew one after the other (~6 minutes on a fresh H200 machine), each part's output
 #          under OUT_DIR/<part>.
 # Wheels the machine lacks: see ops/gpu_env.sh.
@@ -82,8 +82,8 @@ case "$part" in
                      --batches "" --prefills $n --reference-layers 0 --layers 8 --profile-prefill $n \
                      --json "$out/slice_prefill$n.json" 2>&1 | tail -100
                  done ;;
-  expert-tiles) for run in nvfp4:'{}' nvfp4:'{"weights_first": true}' nvfp4:'{"weights_first": true, "num_warps": 4, "num_stages": 3}' \
-                           nvfp4:'{"block_m": 64, "block_k": 128, "num_warps": 4, "num_stages": 3}' bf16:'{}'; do
+  expert-tiles) for run in nvfp4:'{}' nvfp4:'{"weights_first": false, "num_warps": 8, "num_stages": 2}' \
+                           nvfp4:'{"block_m": 64}' bf16:'{}'; do
                   echo "== ${run%%:*} experts, prefill tiles ${run#*:}"
                   timeout 120 python3 -m ops.bench_experts --decode 1 --prefill 8192,32768 --repeats 3 \
                     --weights "${run%%:*}" --prefill-tiles "${run#*:}" 2>&1 | grep -E "^(prefill|path|NVIDIA)"
