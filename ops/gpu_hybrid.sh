@@ -23,8 +23,9 @@
 #          bounds a 2,048-token one;
 # expert-tiles: the routed experts' prefill kernels (ops/bench_experts.py, 8,192 and 32,768 tokens: 227 and 910 pairs an
 #          expert) at the default launch shape (from 128 pairs an expert on: 128 rows, the weights first in the MMA),
-#          at the former 128-row one (the activations first, 8 warps, 2 stages), at 64 rows, and on the same experts
-#          dequantized to bf16 (the GEMMs without the dequantization);
+#          at the former 128-row one (the activations first, 8 warps, 2 stages), with 128 weight rows a program on 8
+#          warps (16 a warp, as the wgmma splits them: 64 rows on 8 warps repeat each warp's dequantization), at 64
+#          rows, and on the same experts dequantized to bf16 (the GEMMs without the dequantization);
 # offload: whole, swaps and skew one after the other (~6 minutes on a fresh H200 machine), each part's output
 #          under OUT_DIR/<part>.
 # Wheels the machine lacks: see ops/gpu_env.sh.
@@ -83,6 +84,7 @@ case "$part" in
                      --json "$out/slice_prefill$n.json" 2>&1 | tail -100
                  done ;;
   expert-tiles) for run in nvfp4:'{}' nvfp4:'{"weights_first": false, "num_warps": 8, "num_stages": 2}' \
+                           nvfp4:'{"num_warps": 8, "block_n": 128, "block_k": 32}' nvfp4:'{"num_warps": 8, "block_n": 128}' \
                            nvfp4:'{"block_m": 64}' bf16:'{}'; do
                   echo "== ${run%%:*} experts, prefill tiles ${run#*:}"
                   timeout 120 python3 -m ops.bench_experts --decode 1 --prefill 8192,32768 --repeats 3 \
