@@ -56,6 +56,7 @@ def synthetic_layer(hidden: int, inter: int, experts: int, device: str, weights:
     stacks = stack(inter, hidden), stack(inter, hidden), stack(hidden, inter)
     if weights == "nvfp4":
         return stacks
+    # One expert at a time: each has its own global, and the fp32 transient stays one expert's size.
     return tuple(DenseWeight(torch.stack([w[e].dequantize(torch.bfloat16) for e in range(experts)]))
                  for w in stacks)
 
@@ -148,8 +149,8 @@ def run(args: argparse.Namespace) -> dict:
                               torch_seconds * 1e6, ((got - want).norm() / want.norm()).item(),
                               6 * ids.numel() * dims["hidden"] * dims["inter"] / seconds / 1e12))
     name = torch.cuda.get_device_name() if args.device == "cuda" else "cpu (Triton interpreter)"
-    return {"device": name, "dims": dims, "weights": args.weights, "layers": args.layers, "expert_bytes": expert_bytes, "copy_gbps": copy,
-            "cases": [vars(c) for c in cases]}
+    return {"device": name, "dims": dims, "weights": args.weights, "layers": args.layers, "expert_bytes": expert_bytes,
+            "copy_gbps": copy, "cases": [vars(c) for c in cases]}
 
 
 def _ints(text: str) -> list[int]:

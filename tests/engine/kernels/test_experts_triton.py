@@ -8,8 +8,7 @@ import triton
 import triton.language as tl
 
 from engine.experts import TorchExperts, TritonExperts
-from engine.kernels.experts import DecodeTiles, PrefillTiles, align_by_expert, moe_decode, moe_prefill
-from engine.kernels.experts import prefill
+from engine.kernels.experts import DecodeTiles, PrefillTiles, align_by_expert, moe_decode, moe_prefill, prefill
 from engine.kernels.experts.dequant import E2M1_UNIT, e2m1_values, to_code_order
 from engine.quant import quantize_fp8_block, quantize_nvfp4, unpack_e2m1
 from engine.weights import DenseWeight, Fp8BlockWeight, Nvfp4Weight
