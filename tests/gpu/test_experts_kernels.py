@@ -52,7 +52,8 @@ def check(layers: dict, layer: int, x: torch.Tensor, ids: torch.Tensor, w: torch
 
 
 @pytest.mark.parametrize("layer", [0, 1], ids=["global-per-expert", "global-per-row"])
-@pytest.mark.parametrize("tokens", [1, 2, 4, 8, 16, 64, 2048])  # 16 x 8 pairs is the last decode size
+# 16 x 8 pairs is the last decode size; 8,192 tokens (227 pairs an expert) take 128-row blocks, the weights first
+@pytest.mark.parametrize("tokens", [1, 2, 4, 8, 16, 64, 2048, 8192])
 def test_nvfp4_bf16(nvfp4_layers, tokens, layer):
     ids, w = routes(tokens, E, tokens)
     x = torch.randn(tokens, D, device="cuda", generator=torch.Generator(device="cuda").manual_seed(1)).bfloat16()
