@@ -65,7 +65,7 @@ def build_parts(config: ModelConfig, weights: LoadedWeights, options: EngineOpti
         offload.prefetch_banks = fill is None  # the fill writes host banks: no copy ahead of a layer's turn
     model = Glm5NextModel(config, weights, fill or executor)
     limits = SchedulerLimits(options.max_model_len, max(options.max_num_batched_tokens, options.max_num_seqs),
-                             options.max_waiting, options.max_prefill_tokens)
+                             options.max_waiting, plan.prefill_tokens)
     scheduler = Scheduler(slots, cache, limits, prefix)
     runner = ModelRunner(model, slots, cache, cache.pages_for(options.max_model_len), _image_embedder(config, weights))
     drafter = mtp_drafter(config, weights, options, runner, offload, fill is not None) if options.drafts_on else None

@@ -99,8 +99,10 @@ class EngineCore:
         ask for structured output. `experts`: the routed experts are still being filled in (early
         readiness); steps load the ones they need first, until the fill is complete. `plan`: the memory plan
         the weights were loaded under (none: the weights were built in memory, and it is made now)."""
-        self.config, self.options = config, options
         parts = build_parts(config, weights, options, plan, experts)
+        # the plan's prefill chunk where the options left it open: the warm-up compiles for the longest step
+        self.config = config
+        self.options = dataclasses.replace(options, max_prefill_tokens=parts.plan.prefill_tokens)
         self.plan, self.slots, self.cache, self.prefix = parts.plan, parts.slots, parts.cache, parts.prefix
         self.offload, self.expert_fill, self.model = parts.offload, parts.expert_fill, parts.model
         self.scheduler, self.runner, self.drafter = parts.scheduler, parts.runner, parts.drafter

@@ -21,6 +21,7 @@ from engine.config import ModelConfig
 from engine.model.mtp import with_mtp_cache
 from engine.options import EngineOptions
 from engine.offload.placement import slots_per_layer
+from engine.prefill_chunk import PrefillRates, chunk_tokens, log_choice, most_chunk_tokens, token_seconds
 
 log = logging.getLogger("glmflash.engine")
 
@@ -60,6 +61,8 @@ class MemoryPlan:
     most_context_tokens: int | None = None  # tokens of context (all requests together) the device's free memory
     # holds beside the other weights, the reserve and the KDA slots, every routed expert in host RAM; None: not
     # measured (a CPU)
+    prefill_tokens: int | None = None  # tokens of a step of prompts alone: the options', or under hybrid offload
+    # chosen from the link's rate and the free memory (engine/prefill_chunk.py); None: max_num_batched_tokens
 
     @property
     def latent_pages(self) -> int:
@@ -108,10 +111,12 @@ def build_caches(config: ModelConfig, options: EngineOptions, plan: MemoryPlan, 
 
 
 def plan_memory(config: ModelConfig, options: EngineOptions, device: torch.device, dtype: torch.dtype,
-                weights: WeightBytes | None = None, free_bytes: int | None = None) -> MemoryPlan:
+                weights: WeightBytes | None = None, free_bytes: int | None = None,
+                prefill_rates: PrefillRates | None = None) -> MemoryPlan:
     """The plan for these options. `weights`: what a load will bring (None: the weights are in memory already,
     and `free_bytes` what they left). `free_bytes`: the device's free memory now (measured on CUDA when not
-    given; none on the CPU)."""
+    given; none on the CPU). `prefill_rates`: the link's and the matmul's (`measured_prefill_rates`), from which
+    the prefill chunk is chosen where the options leave it open and experts stay in host RAM."""
     request_pages = options.max_num_seqs * -(-options.max_model_len // options.page_size)
 
     held = cache_config(config, options)
@@ -121,32 +126,48 @@ def plan_memory(config: ModelConfig, options: EngineOptions, device: torch.devic
             if options.prefix_cache else TierSize(0, 0)
 
     prefix_device, prefix_host = tier(options.prefix_cache_bytes), tier(options.prefix_cache_host_bytes)
-    reserve = reserve_bytes(options.largest_step, options.max_model_len)
-    plan = MemoryPlan(request_pages, prefix_device, prefix_host, 0, reserve, None, None)
+    plan = MemoryPlan(request_pages, prefix_device, prefix_host, 0, 0, None, None)
     meta = build_caches(config, options, plan, torch.device("meta"), dtype)
     caches = prefix_device.snapshots * state_bytes(held, options.page_size, dtype, options.fp8_latents) + sum(
         t.numel() * t.element_size() for cache in meta for t in vars(cache).values() if isinstance(t, torch.Tensor))
     if free_bytes is None:
         free_bytes = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else 0
-    token_bytes = page_bytes(held, options.page_size, dtype, options.fp8_latents) // options.page_size
-    most_tokens = _most_context_tokens(plan.latent_pages * options.page_size, token_bytes, caches, reserve, weights,
-                                       free_bytes)
-    budget = _expert_budget(options.moe_vram_budget, device, weights, caches, reserve, free_bytes) \
-        if config.moe_layers else None
-    slots = None
-    if budget is not None and weights is not None:
-        per_expert = max(1, weights.experts // (max(weights.expert_layers, 1) * config.n_routed_experts))
+    per_expert = 0 if weights is None else \
+        max(1, weights.experts // (max(weights.expert_layers, 1) * config.n_routed_experts))
+
+    def placement(reserve: int) -> tuple[int | None, int | None]:
+        """(device bytes, slots a layer) of routed experts beside a `reserve`."""
+        budget = _expert_budget(options.moe_vram_budget, device, weights, caches, reserve, free_bytes) \
+            if config.moe_layers else None
+        if budget is None or weights is None:
+            return budget, None
         slots = slots_per_layer(budget, per_expert, weights.expert_layers, config.n_routed_experts)
         if options.moe_vram_budget in (None, AUTO):  # what the device leaves: the bank's copy comes out of it too
             slots = slots_beside_bank(slots, budget, per_expert, weights.expert_layers, config.n_routed_experts)
+        return budget, slots
+
+    reserve = reserve_bytes(options.largest_step, options.max_model_len)
+    budget, slots = placement(reserve)
+    prefill_tokens = options.max_prefill_tokens
+    if prefill_tokens is None and prefill_rates is not None and slots is not None and \
+            slots < config.n_routed_experts:
+        room = _expert_budget(AUTO, device, weights, caches, reserve, free_bytes)  # what experts could have
+        prefill_tokens = _prefill_chunk(config, options, prefill_rates, room, config.n_routed_experts - slots,
+                                        per_expert)
+        if prefill_tokens > options.largest_step:
+            reserve = reserve_bytes(prefill_tokens, options.max_model_len)
+            budget, slots = placement(reserve)
+    token_bytes = page_bytes(held, options.page_size, dtype, options.fp8_latents) // options.page_size
+    most_tokens = _most_context_tokens(plan.latent_pages * options.page_size, token_bytes, caches, reserve, weights,
+                                       free_bytes)
     plan = MemoryPlan(request_pages, prefix_device, prefix_host, caches, reserve, budget, slots, token_bytes,
-                      most_tokens)
+                      most_tokens, prefill_tokens)
     log.info("event=memory_plan free_gib=%.2f cache_gib=%.2f reserve_gib=%.2f expert_budget_gib=%s "
              "expert_slots_per_layer=%s prefix_snapshots=%d prefix_pages=%d kv_cache_dtype=%s context_token_bytes=%d "
-             "most_context_tokens=%s", free_bytes / 2 ** 30, caches / 2 ** 30, reserve / 2 ** 30,
+             "most_context_tokens=%s prefill_tokens=%s", free_bytes / 2 ** 30, caches / 2 ** 30, reserve / 2 ** 30,
              "none" if budget is None else f"{budget / 2 ** 30:.2f}", "all" if slots is None else slots,
              prefix_device.snapshots, prefix_device.pages, options.kv_cache_dtype, token_bytes,
-             "unmeasured" if most_tokens is None else most_tokens)
+             "unmeasured" if most_tokens is None else most_tokens, prefill_tokens or options.max_num_batched_tokens)
     short = most_tokens is not None and plan.latent_pages * options.page_size > most_tokens
     if short and weights is None:  # placed already: the weights' placement decided what is left, nothing to refuse
         log.warning("event=memory_plan_short latent_tokens=%d most_context_tokens=%d reserve_gib=%.2f",
@@ -158,6 +179,20 @@ def plan_memory(config: ModelConfig, options: EngineOptions, device: torch.devic
                          f"bytes a token with kv_cache_dtype={options.kv_cache_dtype}"
                          f"{'' if options.fp8_latents else '; fp8 takes about half'}) beside the other weights")
     return plan
+
+
+def _prefill_chunk(config: ModelConfig, options: EngineOptions, rates: PrefillRates, room: int, hosted: int,
+                   per_expert: int) -> int:
+    """Tokens of a step of prompts alone under hybrid offload, `hosted` experts a layer in host RAM, `room` the
+    device bytes an automatic expert budget would have beside a decode step's reserve (engine/prefill_chunk.py)."""
+    step = options.max_num_batched_tokens
+    link = hosted * per_expert / rates.link
+    seconds = token_seconds(config, rates)
+    most = most_chunk_tokens(step, room, reserve_bytes(1, options.max_model_len) - BASE_RESERVE,
+                             options.max_model_len)
+    tokens = chunk_tokens(step, link, seconds, most)
+    log_choice(tokens, hosted, link, seconds, most, rates)
+    return tokens
 
 
 def _most_context_tokens(cached_tokens: int, token_bytes: int, caches: int, reserve: int,

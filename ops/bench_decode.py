@@ -35,8 +35,9 @@ from engine.config import ModelConfig
 from engine.model.moe import MoE
 from engine.tiny.factory import synthetic_weights, unplaced_expert_layers
 from engine.checkpoint.layout import EXPERT_KEY, EXPERT_PROJS, mtp_specs, quantized_in_release, text_specs
-from engine.memory_plan import AUTO, WeightBytes, plan_memory, reserve_bytes
+from engine.memory_plan import AUTO, MemoryPlan, WeightBytes, plan_memory, reserve_bytes
 from engine.options import EngineOptions
+from engine.prefill_chunk import PrefillRates, measured_prefill_rates
 from ops.bench_cpu_moe import read_bandwidth
 from ops.bench_engine import (FULL_LAYERS, bench_config, copy_bandwidth, device_kernels, nbytes, reference_model,
                               slice_text_config, sync, time_reference)
@@ -142,8 +143,10 @@ def main() -> None:
     parser.add_argument("--tiny", action="store_true", help="the tiny model's shapes (CPU smoke run)")
     parser.add_argument("--profile", action="store_true", help="print the top ops of one batch-1 decode step")
     parser.add_argument("--profile-prefill", type=int, help="print the top ops of a prefill of this many tokens")
-    parser.add_argument("--max-prefill-tokens", type=int, help="prefills in steps of this many tokens (a lone "
-                        "prompt's budget, decode steps keep 2,048; default: each prefill in one step)")
+    parser.add_argument("--max-prefill-tokens", type=prefill_tokens_arg, help="prefills in steps of this many "
+                        "tokens (a lone prompt's budget, decode steps keep 2,048), or 'auto' (with --expert-slots "
+                        "auto): as the memory plan chooses them from the link's and the matmul's measured rates; "
+                        "default: each prefill in one step")
     parser.add_argument("--expert-slots", help="hybrid offload: routed experts per MoE layer kept in device memory "
                         "('auto': as many as fit), the rest in pinned host RAM (default: every expert on the device)")
     parser.add_argument("--max-expert-swaps", type=int, default=4, help="hybrid: experts moved into device slots "
@@ -160,6 +163,8 @@ def main() -> None:
                         "release size: each expert still has its own memory)")
     parser.add_argument("--json", help="write the results here as JSON")
     args = parser.parse_args()
+    if args.max_prefill_tokens == AUTO and args.expert_slots != AUTO:
+        parser.error("--max-prefill-tokens auto is the memory plan's choice: it needs --expert-slots auto")
     logging.basicConfig(level=logging.INFO, format="%(message)s")  # the engine's event= lines (placement, split)
 
     device, dtype = torch.device(args.device), torch.bfloat16
@@ -183,14 +188,20 @@ def main() -> None:
     # Each prefill in one step, or with --max-prefill-tokens in steps of that many (a lone prompt's budget; steps
     # with decodes keep 2,048): the serving path's chunks of a long prompt.
     max_batched = 2048 if args.max_prefill_tokens else max(prefills + [2048])
-    slots = None
+    slots, prefill_tokens = None, None if args.max_prefill_tokens == AUTO else args.max_prefill_tokens
     if hybrid:
         memory = EngineOptions(max_num_seqs=max(batches + [1]), max_model_len=max_len,
-                               max_num_batched_tokens=max_batched, max_prefill_tokens=args.max_prefill_tokens,
+                               max_num_batched_tokens=max_batched, max_prefill_tokens=prefill_tokens,
                                prefix_cache=False)  # as the LLM below
-        slots = (auto_slots(cfg, args.format, device, memory) if args.expert_slots == "auto"
-                 else int(args.expert_slots))
+        if args.expert_slots == "auto":
+            rates = measured_prefill_rates(device) if args.max_prefill_tokens == AUTO else None
+            plan = auto_plan(cfg, args.format, device, dataclasses.replace(memory, max_prefill_tokens=None), rates)
+            slots, prefill_tokens = plan.expert_slots, plan.prefill_tokens
+        else:
+            slots = int(args.expert_slots)
         report({"expert_slots_per_layer": slots, "host_read_GBps": read_bandwidth(torch.ones((4 << 30) // 4))})
+        if prefill_tokens is not None:
+            report({"prefill_chunk_tokens": prefill_tokens})
     weights = synthetic_weights(cfg, args.format, device, dtype, expert_slots=slots, expert_variety=args.expert_variety)
     if args.routing_skew:
         skew_routing(cfg, weights, args.routing_skew)
@@ -205,7 +216,7 @@ def main() -> None:
     start = time.perf_counter()
     budget = slots * round(sizes[1]) * len(cfg.moe_layers) if hybrid else None
     llm = LLM.from_weights(cfg, weights, max_num_seqs=max(batches + [1]), max_model_len=max_len,
-                           max_num_batched_tokens=max_batched, max_prefill_tokens=args.max_prefill_tokens,
+                           max_num_batched_tokens=max_batched, max_prefill_tokens=prefill_tokens,
                            moe_vram_budget=budget,
                            max_expert_swaps=args.max_expert_swaps, prefix_cache=False,  # repeated prompts
                            pcie_expert_percent=args.pcie_percent, cpu_expert_threads=args.cpu_threads,
@@ -358,11 +369,13 @@ def ideal_hit_rate(counts: torch.Tensor, slots: int) -> float:
     return float((top / counts.float().sum(1).clamp(min=1e-9)).mean())
 
 
-def auto_slots(cfg: ModelConfig, fmt: str, device: torch.device, options: EngineOptions) -> int:
-    """Experts per MoE layer an automatic budget gives the whole model: the engine's memory plan over the weights'
-    bytes (bf16 an upper bound for the others), with 2 GiB of the free memory kept for the largest tensor the
-    synthetic build allocates beside the weights. With drafts, the MTP layer: its experts placed like the others'
-    where stored alike, else (the NVFP4 releases' FP8 blocks) whole on the device."""
+def auto_plan(cfg: ModelConfig, fmt: str, device: torch.device, options: EngineOptions,
+              prefill_rates: PrefillRates | None = None) -> MemoryPlan:
+    """The engine's memory plan of the whole model under an automatic budget (its expert slots a layer, and with
+    `prefill_rates` its prefill chunk), over the weights' bytes (bf16 an upper bound for the others), with 2 GiB
+    of the free memory kept for the largest tensor the synthetic build allocates beside the weights. With drafts,
+    the MTP layer: its experts placed like the others' where stored alike, else (the NVFP4 releases' FP8 blocks)
+    whole on the device."""
     mtp = list(mtp_specs(cfg)) if options.drafts_on else []
     mtp_placed = bool(mtp) and not unplaced_expert_layers(cfg, fmt)
     dense = sum(math.prod(spec.shape) * 2 for spec in text_specs(cfg) if not EXPERT_KEY.match(spec.name))
@@ -374,9 +387,13 @@ def auto_slots(cfg: ModelConfig, fmt: str, device: torch.device, options: Engine
     layers = len(cfg.moe_layers) + mtp_placed
     experts = 3 * per_matrix * layers * cfg.n_routed_experts
     free = torch.cuda.mem_get_info(device)[0] - (2 << 30)
-    plan = plan_memory(cfg, dataclasses.replace(options, moe_vram_budget=AUTO), device, torch.bfloat16,
-                       WeightBytes(dense + experts, experts, layers), free)
-    return plan.expert_slots
+    return plan_memory(cfg, dataclasses.replace(options, moe_vram_budget=AUTO), device, torch.bfloat16,
+                       WeightBytes(dense + experts, experts, layers), free, prefill_rates)
+
+
+def prefill_tokens_arg(value: str) -> int | str:
+    """--max-prefill-tokens: a count of tokens, or 'auto'."""
+    return AUTO if value == AUTO else int(value)
 
 
 # Ops that move data without math: where they are called from says which copy a kernel could fold in.

@@ -32,7 +32,7 @@ import torch
 from engine import LLM, SamplingParams
 from engine.options import EngineOptions
 from engine.tiny.factory import synthetic_weights, write_tiny_model
-from ops.bench_decode import auto_slots, prompts, timed, weight_bytes
+from ops.bench_decode import auto_plan, prompts, timed, weight_bytes
 from ops.bench_engine import bench_config
 
 CACHES = ("auto", "fp8")
@@ -50,8 +50,8 @@ def slice_engine(args: argparse.Namespace, kv_cache_dtype: str, dtype: torch.dty
     options = dict(kv_cache_dtype=kv_cache_dtype, **options)
     slots = None
     if args.expert_slots is not None:
-        slots = auto_slots(cfg, args.format, device, EngineOptions(**options)) if args.expert_slots == "auto" \
-            else int(args.expert_slots)
+        slots = auto_plan(cfg, args.format, device, EngineOptions(**options)).expert_slots \
+            if args.expert_slots == "auto" else int(args.expert_slots)
     weights = synthetic_weights(cfg, args.format, device, dtype, expert_slots=slots, expert_variety=args.expert_variety)
     budget = None if slots is None else slots * round(weight_bytes(cfg, weights)[1]) * len(cfg.moe_layers)
     return LLM.from_weights(cfg, weights, moe_vram_budget=budget, **options)

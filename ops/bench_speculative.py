@@ -36,7 +36,7 @@ from engine.config import ModelConfig
 from engine.mtp_drafter import DraftStats
 from engine.options import EngineOptions
 from engine.tiny.factory import synthetic_weights, unplaced_expert_layers
-from ops.bench_decode import auto_slots, prefill_tok_s, weight_bytes
+from ops.bench_decode import auto_plan, prefill_tok_s, weight_bytes
 from ops.bench_engine import bench_config, sync
 
 ACCEPTANCE = (0.5, 0.7, 0.9, 1.0)
@@ -146,7 +146,8 @@ def build_engine(args: argparse.Namespace, cfg: ModelConfig, device: torch.devic
     slots, placement = None, {}
     if args.expert_slots is not None:
         memory = EngineOptions(max_num_batched_tokens=2048, **options)
-        slots = auto_slots(cfg, args.format, device, memory) if args.expert_slots == "auto" else int(args.expert_slots)
+        slots = auto_plan(cfg, args.format, device, memory).expert_slots if args.expert_slots == "auto" else \
+            int(args.expert_slots)
         placement = {"expert_slots_per_layer": slots}
     weights = synthetic_weights(cfg, args.format, device, dtype, expert_slots=slots, expert_variety=args.expert_variety)
     budget = None

@@ -51,9 +51,10 @@ class Settings(BaseSettings):
                                         description="Tokens per forward step (decodes + prefill chunks)")
     max_prefill_tokens: int | None = Field(
         None, ge=1, validation_alias=_env("MAX_PREFILL_TOKENS"),
-        description="Tokens per step when no request is decoding (unset: MAX_NUM_BATCHED_TOKENS): under hybrid "
-                    "offload each prefill chunk brings every host expert over PCIe once, so a lone long prompt "
-                    "prefills faster in longer chunks; the reserve kept from expert slots grows with it")
+        description="Tokens per step when no request is decoding: under hybrid offload each prefill chunk brings "
+                    "every host expert over PCIe once, so a lone long prompt prefills faster in longer chunks; the "
+                    "reserve kept from expert slots grows with it (unset: under hybrid offload on a GPU chosen at "
+                    "load from the link's measured rate and the free memory, else MAX_NUM_BATCHED_TOKENS)")
     kv_cache_dtype: Literal["auto", "fp8"] = Field(
         "auto", validation_alias=_env("KV_CACHE_DTYPE"),
         description="The DSA latent cache: auto (the activations' dtype) or fp8 (e4m3 with a scale per 128 values: "
