@@ -28,7 +28,7 @@ log = logging.getLogger("glmflash.engine")
 # about 6x at the ~700 TFLOP/s a 2,048 x 4,096 x 4,096 matmul reaches).
 PREFILL_OVER_EXPERT_MATMUL = 6.0
 MOST_RESERVE_SHARE = 1 / 16  # of the experts' device memory, the most a chunk's reserve beyond a decode step's takes
-_LINK_PROBE_BYTES = 256 << 20
+_LINK_PROBE_BYTES = 64 << 20  # ~1.3 ms at 50 GB/s: long enough to time, short beside a start
 _MATMUL_PROBE = (2048, 4096, 4096)  # a chunk's rows through an expert-sized projection
 
 
