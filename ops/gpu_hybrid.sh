@@ -21,7 +21,7 @@
 # prefill-chunks: the whole model's prefill of 8,192- and 32,768-token prompts in steps of the length the memory plan
 #          chooses from the link's and the matmul's measured rates (auto), of 2,048 and of 8,192 tokens (a lone
 #          prompt's budget, --max-prefill-tokens; decode steps keep 2,048): what a longer chunk gains once the link
-#          bounds a 2,048-token one, and whether the automatic choice finds it;
+#          bounds a 2,048-token one, and whether the automatic choice finds it (CHUNKS: other lengths, e.g. "auto");
 # expert-tiles: the routed experts' prefill kernels (ops/bench_experts.py, 8,192 and 32,768 tokens: 227 and 910 pairs an
 #          expert) at the default launch shape (from 128 pairs an expert on: 128 rows, the weights first in the MMA),
 #          at the former 128-row one (the activations first, 8 warps, 2 stages), with 128 weight rows a program on 8
@@ -72,7 +72,7 @@ case "$part" in
   prefill) timeout 560 python3 -m ops.bench_decode --device cuda --expert-variety 8 --steps 4 --contexts 1024 --batches "" \
              --prefills 2048,8192 --reference-layers 0 --layers 45 --expert-slots auto --max-expert-swaps 0 \
              --profile-prefill 8192 --json "$out/prefill.json" 2>&1 | tail -120 ;;
-  prefill-chunks) for n in auto 2048 8192; do
+  prefill-chunks) for n in ${CHUNKS:-auto 2048 8192}; do
                     echo "== steps of $n tokens"
                     timeout 190 python3 -m ops.bench_decode --device cuda --expert-variety 8 --steps 4 --contexts 1024 \
                       --batches "" --prefills 8192,32768 --reference-layers 0 --layers 45 --expert-slots auto \
