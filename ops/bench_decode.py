@@ -195,7 +195,7 @@ def main() -> None:
                                prefix_cache=False)  # as the LLM below
         if args.expert_slots == "auto":
             rates = measured_prefill_rates(device) if args.max_prefill_tokens == AUTO else None
-            plan = auto_plan(cfg, args.format, device, dataclasses.replace(memory, max_prefill_tokens=None), rates)
+            plan = auto_plan(cfg, args.format, device, memory, rates)
             slots, prefill_tokens = plan.expert_slots, plan.prefill_tokens
         else:
             slots = int(args.expert_slots)
