@@ -27,7 +27,11 @@ log = logging.getLogger("glmflash.engine")
 # tokens (36,650 tok/s on an H100, ops/BENCHMARKS.md: 8.4x its experts' FLOP bound at the nominal 989 TFLOP/s,
 # about 6x at the ~700 TFLOP/s a 2,048 x 4,096 x 4,096 matmul reaches).
 PREFILL_OVER_EXPERT_MATMUL = 6.0
-MOST_RESERVE_SHARE = 1 / 16  # of the experts' device memory, the most a chunk's reserve beyond a decode step's takes
+# Of the experts' device memory, the most a chunk's reserve beyond a decode step's takes. Decode pays for it: on an
+# H200 with the whole model 1/32 is ~3.7 GiB, ~7 of ~209 expert slots a layer, ~8% more host bytes a decode step
+# (which the host's read bounds); a 4,096-token chunk then fits at the release's shapes, twice the prefill rate of
+# 2,048-token chunks at the link's bound.
+MOST_RESERVE_SHARE = 1 / 32
 _LINK_PROBE_BYTES = 64 << 20  # ~1.3 ms at 50 GB/s: long enough to time, short beside a start
 _MATMUL_PROBE = (2048, 4096, 4096)  # a chunk's rows through an expert-sized projection
 
