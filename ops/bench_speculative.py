@@ -35,6 +35,7 @@ from engine import LLM, SamplingParams, engine_core
 from engine.config import ModelConfig
 from engine.mtp_drafter import DraftStats
 from engine.options import EngineOptions
+from engine.prefill_chunk import measured_prefill_rates
 from engine.tiny.factory import synthetic_weights, unplaced_expert_layers
 from ops.bench_decode import auto_plan, prefill_tok_s, weight_bytes
 from ops.bench_engine import bench_config, sync
@@ -144,10 +145,13 @@ def build_engine(args: argparse.Namespace, cfg: ModelConfig, device: torch.devic
     options = dict(prefix_cache=False, max_num_seqs=max(args.batches), max_model_len=longest + 16,
                    speculative_tokens=max(args.drafts), measured_draft_length=False)
     slots, placement = None, {}
-    if args.expert_slots is not None:
-        memory = EngineOptions(max_num_batched_tokens=2048, **options)
-        slots = auto_plan(cfg, args.format, device, memory).expert_slots if args.expert_slots == "auto" else \
-            int(args.expert_slots)
+    if args.expert_slots == "auto":  # as a server plans it: the prefill chunk too, from the measured rates
+        plan = auto_plan(cfg, args.format, device, EngineOptions(max_num_batched_tokens=2048, **options),
+                         measured_prefill_rates(device))
+        slots, options["max_prefill_tokens"] = plan.expert_slots, plan.prefill_tokens
+        placement = {"expert_slots_per_layer": slots, "prefill_chunk_tokens": plan.prefill_tokens or 2048}
+    elif args.expert_slots is not None:
+        slots = int(args.expert_slots)
         placement = {"expert_slots_per_layer": slots}
     weights = synthetic_weights(cfg, args.format, device, dtype, expert_slots=slots, expert_variety=args.expert_variety)
     budget = None

@@ -8,7 +8,8 @@
 #        batch 1 and 4, with tok/s at forced acceptance rates (verdicts forced) (ops/bench_speculative.py);
 # whole: the same for the whole model (45 layers) under hybrid offload, the memory plan's automatic placement
 #        (the NVFP4 release's MTP layer keeps its FP8-block experts on the device), then on the same engine the
-#        prefill of an 8,192-token prompt in 2,048-token chunks (the host banks' copies a layer ahead).
+#        prefill of an 8,192-token prompt in the chunks the memory plan chooses from the measured link and matmul
+#        rates, as a server's (the host banks' copies a layer ahead).
 # PART_TIMEOUT (seconds, default 560) bounds the part, so that two parts fit one call.
 # Wheels the machine lacks: see ops/gpu_env.sh.
 set -uo pipefail
