@@ -23,10 +23,10 @@ from engine.config import ModelConfig
 log = logging.getLogger("glmflash.engine")
 
 # A layer's whole prefill (mixer, router, shared and routed experts, mHC) per token over its routed experts'
-# matmul FLOPs at the device's measured bf16 matmul rate. Calibrated on the resident 8-layer slice at 8,192
-# tokens (36,650 tok/s on an H100, ops/BENCHMARKS.md: 8.4x its experts' FLOP bound at the nominal 989 TFLOP/s,
-# about 6x at the ~700 TFLOP/s a 2,048 x 4,096 x 4,096 matmul reaches).
-PREFILL_OVER_EXPERT_MATMUL = 6.0
+# matmul FLOPs at the device's measured bf16 matmul rate. Calibrated on an H100: the resident 8-layer slice at
+# 8,192 tokens took 3.41 us a layer a token (36,650 tok/s, ops/BENCHMARKS.md), and this probe's matmul ran at
+# 551-611 TFLOP/s there: 3.41 us x 581 TFLOP/s over 402.7 MFLOP of routed experts a token = 4.9.
+PREFILL_OVER_EXPERT_MATMUL = 4.9
 # Of the experts' device memory, the most a chunk's reserve beyond a decode step's takes. Decode pays for it: on an
 # H200 with the whole model 1/32 is ~3.7 GiB, ~7 of ~209 expert slots a layer, ~8% more host bytes a decode step
 # (which the host's read bounds); a 4,096-token chunk then fits at the release's shapes, twice the prefill rate of
