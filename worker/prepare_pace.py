@@ -3,8 +3,11 @@
 A cold start writes its prepared snapshot after ready, while requests run. Unpaced, its threads (hashing, staging
 copies, the writes' page-cache churn) took the cores and the memory bandwidth that hybrid offload's CPU expert
 pass lives on, and decode fell to a fraction of its rate for as long as the write lasted. So the writing threads
-run at the lowest CPU priority, and while requests run the write goes one piece at a time at `busy_bytes_per_s`
-(0: it waits until no request runs); idle, it runs at the disk's rate.
+run under Linux's SCHED_IDLE policy (a core runs them only when nothing else wants it, and a waking expert thread
+takes the core back at once; at nice 19 they still took time slices from the pinned expert threads, and one
+delayed thread holds up the whole fork-join pass: decode ran at 0.53 of its rate during a write on an H100), and
+while requests run the write goes one piece at a time at `busy_bytes_per_s` (0: it waits until no request runs);
+idle, it runs at the disk's rate.
 """
 
 from __future__ import annotations
@@ -14,7 +17,7 @@ import threading
 import time
 from typing import Callable
 
-LOWEST_PRIORITY = 19  # the nice value of the writing threads
+LOWEST_PRIORITY = 19  # the nice value of the writing threads where SCHED_IDLE is missing
 
 
 class ServingFirst:
@@ -51,6 +54,9 @@ class ServingFirst:
             return
         self._lowered.add(thread)
         try:  # Linux: a thread id names the thread alone
-            os.setpriority(os.PRIO_PROCESS, thread, LOWEST_PRIORITY)
+            os.sched_setscheduler(thread, os.SCHED_IDLE, os.sched_param(0))
         except (OSError, AttributeError):
-            pass  # elsewhere, or not permitted: the pace alone
+            try:  # no SCHED_IDLE: the lowest nice value
+                os.setpriority(os.PRIO_PROCESS, thread, LOWEST_PRIORITY)
+            except (OSError, AttributeError):
+                pass  # elsewhere, or not permitted: the pace alone

@@ -133,7 +133,7 @@ class Settings(BaseSettings):
     prepare_busy_mb_s: float = Field(
         200.0, ge=0, validation_alias=_env("PREPARE_BUSY_MB_S"),
         description="The prepared snapshot's write after ready, while requests run: at most this many MB/s, one "
-                    "piece at a time, its threads at the lowest CPU priority (0: it waits until no request runs); "
+                    "piece at a time, its threads under SCHED_IDLE (0: it waits until no request runs); "
                     "idle, it writes at the disk's rate")
     kernel_precompile_processes: int | None = Field(
         None, ge=0, validation_alias=_env("KERNEL_PRECOMPILE_PROCESSES"),

@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import os
+import sys
 import threading
+
+import pytest
 
 from worker.prepare_pace import ServingFirst
 
@@ -19,15 +23,31 @@ class FakeTime:
         return False
 
 
+def on_a_writer_thread(write) -> None:
+    """`write()` on a thread of its own, as the snapshot's writers run (pacing lowers the calling thread's
+    scheduling class for good: not the test runner's)."""
+    errors = []
+
+    def run() -> None:
+        try:
+            write()
+        except BaseException as error:  # re-raised on the test's thread
+            errors.append(error)
+
+    writer = threading.Thread(target=run)
+    writer.start()
+    writer.join()
+    if errors:
+        raise errors[0]
+
+
 def test_idle_it_writes_unpaced_and_busy_at_the_busy_rate():
     t, busy = FakeTime(), [False]
     pace = ServingFirst(lambda: busy[0], busy_bytes_per_s=100e6, wait=t.wait, clock=t.clock)
-    for _ in range(5):
-        pace(64 << 20)
+    on_a_writer_thread(lambda: [pace(64 << 20) for _ in range(5)])
     assert t.now == 0 and pace.paced_s == 0
     busy[0] = True
-    for _ in range(10):
-        pace(50_000_000)
+    on_a_writer_thread(lambda: [pace(50_000_000) for _ in range(10)])
     assert abs(t.now - 4.5) < 1e-9  # 10 pieces of 50 MB at 100 MB/s: the first at once, each next 0.5 s on
     assert abs(pace.paced_s - 4.5) < 1e-9
 
@@ -40,9 +60,24 @@ def test_at_rate_zero_it_waits_until_no_request_runs_or_the_write_stops():
         return len(polls) < 20
 
     pace = ServingFirst(busy, busy_bytes_per_s=0, wait=t.wait, clock=t.clock)
-    pace(1 << 20)
+    on_a_writer_thread(lambda: pace(1 << 20))
     assert len(polls) == 20 and t.now > 0.5
     stop = threading.Event()
     stop.set()
     stopped = ServingFirst(lambda: True, busy_bytes_per_s=0, wait=stop.wait)
-    stopped(1 << 20)  # returns at once: the write is being stopped
+    on_a_writer_thread(lambda: stopped(1 << 20))  # returns at once: the write is being stopped
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="SCHED_IDLE is Linux's")
+def test_the_writing_threads_run_only_on_cores_nothing_else_wants():
+    """A thread that paces a piece runs under SCHED_IDLE from then on; the caller's other threads keep theirs."""
+    pace = ServingFirst(lambda: False, busy_bytes_per_s=0, wait=lambda seconds: False)
+    seen = {}
+
+    def write() -> None:
+        pace(1 << 20)
+        seen["policy"] = os.sched_getscheduler(threading.get_native_id())
+
+    on_a_writer_thread(write)
+    assert seen["policy"] == os.SCHED_IDLE
+    assert os.sched_getscheduler(threading.get_native_id()) == os.SCHED_OTHER
