@@ -12,6 +12,7 @@ from engine.experts.hybrid import HybridExperts
 from engine.experts.torch_experts import TorchExperts
 from engine.kernels.experts.gather import gather_experts_torch, gather_experts_triton, gather_plan
 from engine.offload.host_memory import host_copy
+from engine.prefill_chunk import measured_prefill_rates
 from engine.tiny.factory import write_tiny_model
 from engine.weights import map_tensors, tensor_fields
 from ops.bench_cpu_moe import D, nvfp4_stack
@@ -36,6 +37,16 @@ def test_tiny_model_hybrid_on_cuda_gives_the_same_tokens(tmp_path, fmt):
     assert [o.token_ids for o in hybrid.generate(prompts, params)] == want
     stats = hybrid.core.stats().offload
     assert stats.host_pairs > 0 and stats.device_pairs > 0 and stats.swaps > 0
+    # the load chose the prefill chunk from the measured rates (the prompts above ran in its steps)
+    assert hybrid.core.plan.prefill_tokens == hybrid.core.options.max_prefill_tokens >= 2048
+
+
+def test_the_prefill_rates_a_start_measures_are_a_links_and_a_matmuls():
+    """The pinned copy and the chunk-shaped bf16 matmul the memory plan chooses a prefill chunk from: PCIe 3-6
+    rates (4-64 GB/s) and tens to thousands of TFLOP/s, not a timer's artefact."""
+    rates = measured_prefill_rates(torch.device("cuda"))
+    assert 4e9 < rates.link < 64e9
+    assert 20e12 < rates.matmul < 3e15
 
 
 def test_a_pinned_host_bank_is_gathered_by_the_device_whole_and_in_parts():
