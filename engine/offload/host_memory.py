@@ -48,6 +48,9 @@ def host_empty(shape: tuple[int, ...] | list[int], dtype: torch.dtype, pin: bool
     registered = False
     try:
         if pin:
+            # Fault the pages in on torch's threads first: registering unpopulated memory faults and zeroes it
+            # page by page on this one thread, seconds for a release-size bank before any read can land there.
+            torch.frombuffer((ctypes.c_uint8 * nbytes).from_address(start), dtype=torch.uint8).zero_()
             status = torch.cuda.cudart().cudaHostRegister(start, nbytes, _REGISTER_PORTABLE_MAPPED)
             if int(status) != 0:
                 raise MemoryError(f"host bank of {nbytes} bytes: cudaHostRegister failed ({status})")
