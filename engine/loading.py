@@ -29,7 +29,7 @@ from engine.config import ModelConfig
 from engine.engine_core import EngineCore
 from engine.memory_plan import MemoryPlan, plan_memory
 from engine.options import EngineOptions
-from engine.prefill_chunk import PrefillRates, measured_prefill_rates
+from engine.prefill_chunk import measured_prefill_rates
 from engine.warm_up import start_warm_up
 
 __all__ = ["DTYPES", "ExpertAvailability", "LoadedModelWeights", "PreparedSnapshotError", "PreparedWrite",
@@ -61,7 +61,7 @@ def load_prepared_snapshot(prepared: Path, files: Path, device: torch.device, dt
     layers = None if _runs_mtp(options, partial) else config.num_layers  # an MTP layer nothing runs stays unread
     plan = plan_memory(config, options, device, DTYPES[dtype],
                        prepared_sizes(below_layer(read_plan(prepared).meta, layers)),
-                       prefill_rates=_rates(options, device))
+                       measure_rates=lambda: measured_prefill_rates(device))
     experts = None
     if partial:
         weights, stats, experts = open_prepared(prepared, device, workers, expert_slots=plan.expert_slots,
@@ -71,11 +71,6 @@ def load_prepared_snapshot(prepared: Path, files: Path, device: torch.device, dt
     return LoadedModelWeights(config, weights, plan, experts, stats.bytes, stats.gb_per_s)
 
 
-def _rates(options: EngineOptions, device: torch.device) -> PrefillRates | None:
-    """The rates the plan chooses a prefill chunk from, measured where it has one to choose."""
-    return measured_prefill_rates(device) if options.max_prefill_tokens is None else None
-
-
 def load_checkpoint(files: Path, device: torch.device, dtype: str, options: EngineOptions, workers: int,
                     partial: bool = False, progress: Callable[[int, int], None] | None = None) -> LoadedModelWeights:
     """The weights of a checkpoint's safetensors (any of its formats), converted as they are read;
@@ -83,7 +78,8 @@ def load_checkpoint(files: Path, device: torch.device, dtype: str, options: Engi
     config = ModelConfig.from_dir(files)
     start_warm_up(config, device, DTYPES[dtype], options.kernels_file, options.precompile_processes)
     sizes = checkpoint_sizes(files, config, mtp=_runs_mtp(options, partial))
-    plan = plan_memory(config, options, device, DTYPES[dtype], sizes, prefill_rates=_rates(options, device))
+    plan = plan_memory(config, options, device, DTYPES[dtype], sizes,
+                       measure_rates=lambda: measured_prefill_rates(device))
     read = [0]
 
     def count(done: int, total: int) -> None:

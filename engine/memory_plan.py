@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
@@ -112,11 +113,11 @@ def build_caches(config: ModelConfig, options: EngineOptions, plan: MemoryPlan, 
 
 def plan_memory(config: ModelConfig, options: EngineOptions, device: torch.device, dtype: torch.dtype,
                 weights: WeightBytes | None = None, free_bytes: int | None = None,
-                prefill_rates: PrefillRates | None = None) -> MemoryPlan:
+                measure_rates: Callable[[], PrefillRates | None] | None = None) -> MemoryPlan:
     """The plan for these options. `weights`: what a load will bring (None: the weights are in memory already,
     and `free_bytes` what they left). `free_bytes`: the device's free memory now (measured on CUDA when not
-    given; none on the CPU). `prefill_rates`: the link's and the matmul's (`measured_prefill_rates`), from which
-    the prefill chunk is chosen where the options leave it open and experts stay in host RAM."""
+    given; none on the CPU). `measure_rates()`: the link's and the matmul's (`measured_prefill_rates`), from
+    which the prefill chunk is chosen; called only where the options leave it open and experts stay in host RAM."""
     request_pages = options.max_num_seqs * -(-options.max_model_len // options.page_size)
 
     held = cache_config(config, options)
@@ -149,11 +150,11 @@ def plan_memory(config: ModelConfig, options: EngineOptions, device: torch.devic
     reserve = reserve_bytes(options.largest_step, options.max_model_len)
     budget, slots = placement(reserve)
     prefill_tokens = options.max_prefill_tokens
-    if prefill_tokens is None and prefill_rates is not None and slots is not None and \
-            slots < config.n_routed_experts:
+    hosting = slots is not None and slots < config.n_routed_experts
+    rates = measure_rates() if prefill_tokens is None and hosting and measure_rates is not None else None
+    if rates is not None:
         room = _expert_budget(AUTO, device, weights, caches, reserve, free_bytes)  # what experts could have
-        prefill_tokens = _prefill_chunk(config, options, prefill_rates, room, config.n_routed_experts - slots,
-                                        per_expert)
+        prefill_tokens = _prefill_chunk(config, options, rates, room, config.n_routed_experts - slots, per_expert)
         if prefill_tokens > options.largest_step:
             reserve = reserve_bytes(prefill_tokens, options.max_model_len)
             budget, slots = placement(reserve)

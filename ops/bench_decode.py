@@ -194,8 +194,8 @@ def main() -> None:
                                max_num_batched_tokens=max_batched, max_prefill_tokens=prefill_tokens,
                                prefix_cache=False)  # as the LLM below
         if args.expert_slots == "auto":
-            rates = measured_prefill_rates(device) if args.max_prefill_tokens == AUTO else None
-            plan = auto_plan(cfg, args.format, device, memory, rates)
+            measure = (lambda: measured_prefill_rates(device)) if args.max_prefill_tokens == AUTO else None
+            plan = auto_plan(cfg, args.format, device, memory, measure)
             slots, prefill_tokens = plan.expert_slots, plan.prefill_tokens
         else:
             slots = int(args.expert_slots)
@@ -370,9 +370,9 @@ def ideal_hit_rate(counts: torch.Tensor, slots: int) -> float:
 
 
 def auto_plan(cfg: ModelConfig, fmt: str, device: torch.device, options: EngineOptions,
-              prefill_rates: PrefillRates | None = None) -> MemoryPlan:
+              measure_rates: Callable[[], PrefillRates | None] | None = None) -> MemoryPlan:
     """The engine's memory plan of the whole model under an automatic budget (its expert slots a layer, and with
-    `prefill_rates` its prefill chunk), over the weights' bytes (bf16 an upper bound for the others), with 2 GiB
+    `measure_rates` its prefill chunk), over the weights' bytes (bf16 an upper bound for the others), with 2 GiB
     of the free memory kept for the largest tensor the synthetic build allocates beside the weights. With drafts,
     the MTP layer: its experts placed like the others' where stored alike, else (the NVFP4 releases' FP8 blocks)
     whole on the device."""
@@ -388,7 +388,7 @@ def auto_plan(cfg: ModelConfig, fmt: str, device: torch.device, options: EngineO
     experts = 3 * per_matrix * layers * cfg.n_routed_experts
     free = torch.cuda.mem_get_info(device)[0] - (2 << 30)
     return plan_memory(cfg, dataclasses.replace(options, moe_vram_budget=AUTO), device, torch.bfloat16,
-                       WeightBytes(dense + experts, experts, layers), free, prefill_rates)
+                       WeightBytes(dense + experts, experts, layers), free, measure_rates)
 
 
 def prefill_tokens_arg(value: str) -> int | str:

@@ -147,7 +147,7 @@ def build_engine(args: argparse.Namespace, cfg: ModelConfig, device: torch.devic
     slots, placement = None, {}
     if args.expert_slots == "auto":  # as a server plans it: the prefill chunk too, from the measured rates
         plan = auto_plan(cfg, args.format, device, EngineOptions(max_num_batched_tokens=2048, **options),
-                         measured_prefill_rates(device))
+                         lambda: measured_prefill_rates(device))
         slots, options["max_prefill_tokens"] = plan.expert_slots, plan.prefill_tokens
         placement = {"expert_slots_per_layer": slots, "prefill_chunk_tokens": plan.prefill_tokens or 2048}
     elif args.expert_slots is not None:

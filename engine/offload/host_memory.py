@@ -46,16 +46,16 @@ def host_empty(shape: tuple[int, ...] | list[int], dtype: torch.dtype, pin: bool
     start = (base + HUGE_PAGE - 1) // HUGE_PAGE * HUGE_PAGE
     libc.madvise(start, nbytes, _MADV_HUGEPAGE)  # advice only: without THP the pages stay 4 KiB
     registered = False
+    region = (ctypes.c_uint8 * nbytes).from_address(start)
     try:
         if pin:
             # Fault the pages in on torch's threads first: registering unpopulated memory faults and zeroes it
             # page by page on this one thread, seconds for a release-size bank before any read can land there.
-            torch.frombuffer((ctypes.c_uint8 * nbytes).from_address(start), dtype=torch.uint8).zero_()
+            torch.frombuffer(region, dtype=torch.uint8).zero_()
             status = torch.cuda.cudart().cudaHostRegister(start, nbytes, _REGISTER_PORTABLE_MAPPED)
             if int(status) != 0:
                 raise MemoryError(f"host bank of {nbytes} bytes: cudaHostRegister failed ({status})")
             registered = True
-        region = (ctypes.c_uint8 * nbytes).from_address(start)
     except BaseException:
         _release(libc, base, mapped, start, registered)
         raise

@@ -64,7 +64,7 @@ def hybrid_plan(config: ModelConfig, rates: PrefillRates | None, slots: int = 3,
     experts = PER_EXPERT * layers * config.n_routed_experts
     sizes = dataclasses.replace(SIZES, moe_vram_budget=slots * layers * PER_EXPERT, **options)
     return plan_memory(config, sizes, CPU, torch.float32, WeightBytes(1000 + experts, experts, layers), 64 << 30,
-                       prefill_rates=rates)
+                       measure_rates=lambda: rates)
 
 
 def link_for(config: ModelConfig, tokens: float, slots: int = 3) -> PrefillRates:
@@ -104,7 +104,7 @@ def test_the_auto_budget_gives_the_longer_chunks_reserve(config):
     plain = plan_memory(config, sizes, CPU, torch.float32, weights, free)
     assert 0 < plain.expert_slots < config.n_routed_experts
     rates = PrefillRates(link=1e-3, matmul=1e12)  # a link so slow that memory alone bounds the chunk
-    chosen = plan_memory(config, sizes, CPU, torch.float32, weights, free, rates)
+    chosen = plan_memory(config, sizes, CPU, torch.float32, weights, free, lambda: rates)
     most = most_chunk_tokens(STEP, plain.expert_budget, reserve_bytes(1, SIZES.max_model_len) - BASE_RESERVE,
                              SIZES.max_model_len)
     assert chosen.prefill_tokens == most == 2 * STEP  # 6 GiB / 32 over ~1 MiB a token: 191 tokens beyond a step
@@ -146,7 +146,7 @@ def test_the_engine_prefills_a_lone_prompt_in_the_chosen_chunks(tiny_dir, monkey
     per_expert = sizes.experts // (sizes.expert_layers * loaded.config.n_routed_experts)
     link = loaded.config.n_routed_experts * per_expert / (2.5 * step * token_seconds(loaded.config, rates))
     plan = plan_memory(loaded.config, options, CPU, torch.float32, sizes, 64 << 30,
-                       dataclasses.replace(rates, link=link))
+                       lambda: dataclasses.replace(rates, link=link))
     assert plan.prefill_tokens == 3 * step and plan.expert_slots == loaded.plan.expert_slots == 0
     core = EngineCore(loaded.config, loaded.weights, options, plan=plan)
     assert core.options.max_prefill_tokens == 3 * step
