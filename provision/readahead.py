@@ -6,16 +6,24 @@ the files meanwhile, in the order the load reads them: a prepared snapshot's (fa
 them, the format is the engine's), else a local source snapshot's safetensors (a cold start from the volume);
 the load's buffered reads then find those pages in memory. At most READAHEAD_BYTES and a quarter of the free
 memory. A snapshot still to be downloaded has nothing to read ahead.
+
+Linux reads at most the device's readahead window (the larger of read_ahead_kb and max_sectors_kb: 128 KiB to
+a few MiB) for one WILLNEED call and drops the rest of the range: calls of 256 MiB left 32 MiB of a 1 GiB file
+cached, and a 20 GB start read at the disk's rate after the imports as if nothing had been read ahead. So the
+advice goes ADVICE_BYTES at a time, ~130,000 calls for 16 GiB, in a process of its own: on a thread, each call
+would wait for the GIL while the main thread imports torch.
 """
 
 from __future__ import annotations
 
 import os
-import threading
+import subprocess
+import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 READAHEAD_BYTES = 16 << 30
-STEP_BYTES = 256 << 20  # one WILLNEED call: the thread can be abandoned between two
+ADVICE_BYTES = 128 << 10  # one WILLNEED call: Linux's default readahead window, the least a device reads for one
 
 
 def snapshot_files(directory: Path) -> list[tuple[Path, int]]:
@@ -43,26 +51,46 @@ def free_memory() -> int:
         return 0
 
 
-def start_readahead(files: list[tuple[Path, int]], limit: int | None = None) -> int:
-    """Read `files` ahead (at most `limit` bytes; default READAHEAD_BYTES and a quarter of the free memory) on a
-    daemon thread -> bytes asked for (0: nothing to read, or no posix_fadvise here)."""
+@dataclass
+class Readahead:
+    """A started readahead: the bytes asked for and the process asking (None: nothing to read)."""
+
+    bytes: int
+    process: subprocess.Popen | None = None
+
+    def wait(self, timeout: float | None = None) -> None:
+        """Until every call has been made (the reads they started may still be under way)."""
+        if self.process is not None:
+            self.process.wait(timeout)
+
+
+def start_readahead(files: list[tuple[Path, int]], limit: int | None = None) -> Readahead:
+    """Read `files` ahead (at most `limit` bytes; default READAHEAD_BYTES and a quarter of the free memory) from a
+    child process that ends once it has asked for every byte."""
     files = within(files, min(READAHEAD_BYTES, free_memory() // 4) if limit is None else limit)
     if not files or not hasattr(os, "posix_fadvise"):
-        return 0
-    threading.Thread(target=_advise, args=(files,), name="glmflash-readahead", daemon=True).start()
-    return sum(nbytes for _, nbytes in files)
+        return Readahead(0)
+    arguments = [str(part) for path, nbytes in files for part in (path, nbytes)]
+    process = subprocess.Popen([sys.executable, "-m", "provision.readahead", *arguments], stdin=subprocess.DEVNULL,
+                               stdout=subprocess.DEVNULL)
+    return Readahead(sum(nbytes for _, nbytes in files), process)
 
 
-def _advise(files: list[tuple[Path, int]]) -> None:
+def _advise(files: list[tuple[Path, int]], step: int = ADVICE_BYTES) -> None:
+    """WILLNEED over the leading bytes of each file, `step` bytes a call."""
     for path, nbytes in files:
         try:
             fd = os.open(path, os.O_RDONLY)
         except OSError:  # the load reports a missing file; a hint has nothing to add
             continue
         try:
-            for offset in range(0, nbytes, STEP_BYTES):
-                os.posix_fadvise(fd, offset, min(STEP_BYTES, nbytes - offset), os.POSIX_FADV_WILLNEED)
+            for offset in range(0, nbytes, step):
+                os.posix_fadvise(fd, offset, min(step, nbytes - offset), os.POSIX_FADV_WILLNEED)
         except OSError:
             pass
         finally:
             os.close(fd)
+
+
+if __name__ == "__main__":  # the child start_readahead starts: PATH BYTES pairs
+    _advise([(Path(path), int(nbytes)) for path, nbytes in zip(sys.argv[1::2], sys.argv[2::2])])

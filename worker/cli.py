@@ -45,8 +45,8 @@ def main(argv: list[str] | None = None) -> None:
     if spec:  # what the load will read first, while torch and the engine import (the kernels' seeding among them)
         files = (prepared_files(model_home(settings.cache_dir, spec, settings.model_revision) / PREPARED_DIRNAME)
                  or snapshot_files(Path(spec)))
-        logging.getLogger("glmflash.cli").info("event=readahead files=%d bytes=%d", len(files),
-                                               start_readahead(files))
+        readahead = start_readahead(files)  # a child process that ends on its own
+        logging.getLogger("glmflash.cli").info("event=readahead files=%d bytes=%d", len(files), readahead.bytes)
     triton_dir = use_compile_cache(settings.cache_dir)  # before the engine's kernels are defined
     seeded = seed_prebuilt_kernels(settings.prebuilt_kernels, triton_dir)
     logging.getLogger("glmflash.cli").info("event=compile_cache dir=%s autotuning=%s prebuilt=%s seeded=%d",

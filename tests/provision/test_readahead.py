@@ -1,5 +1,6 @@
 """Reading a prepared snapshot ahead while the process imports: which files and how much, in the load's order;
-nothing without a whole snapshot; and the page cache really holds the bytes afterwards (Linux)."""
+nothing without a whole snapshot; and the page cache really holds the bytes afterwards, also of a file far larger
+than the readahead window one WILLNEED call reads (Linux)."""
 
 from __future__ import annotations
 
@@ -43,7 +44,7 @@ def test_a_local_snapshots_shards_and_nothing_else(tmp_path):
 
 
 def test_nothing_without_a_whole_prepared_snapshot(tmp_path):
-    assert prepared_files(tmp_path / "absent") == [] and start_readahead([]) == 0
+    assert prepared_files(tmp_path / "absent") == [] and start_readahead([]).bytes == 0
     (tmp_path / "torn").mkdir()
     (tmp_path / "torn" / "plan.json").write_text("{not json")
     assert prepared_files(tmp_path / "torn") == []
@@ -71,15 +72,21 @@ def resident_pages(path) -> tuple[int, int]:
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="mincore and posix_fadvise as Linux has them")
 def test_the_files_land_in_the_page_cache(tmp_path):
     prepared(tmp_path / "prepared")
-    files = [tmp_path / "prepared" / name for name in ("b.bin", "a.bin")]
+    large = tmp_path / "large.bin"  # 48 MiB: a call for all of it would read one window (128 KiB to a few MiB)
+    with open(large, "wb") as f:
+        f.write(os.urandom(48 << 20))
+        os.fsync(f.fileno())
+    files = [tmp_path / "prepared" / name for name in ("b.bin", "a.bin")] + [large]
     for path in files:
         fd = os.open(path, os.O_RDONLY)
         os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)  # written durably: clean pages, dropped
         os.close(fd)
     if any(resident_pages(path)[0] for path in files):
         pytest.skip("this file system keeps the files in memory (tmpfs): nothing to read ahead")
-    assert start_readahead(prepared_files(tmp_path / "prepared")) == sum(os.path.getsize(path) for path in files)
+    readahead = start_readahead(prepared_files(tmp_path / "prepared") + [(large, large.stat().st_size)])
+    assert readahead.bytes == sum(os.path.getsize(path) for path in files)
+    readahead.wait(60)
     deadline = time.monotonic() + 20
     while time.monotonic() < deadline and any(r < n for r, n in map(resident_pages, files)):
         time.sleep(0.05)
-    assert [r == n for r, n in map(resident_pages, files)] == [True, True]
+    assert [r == n for r, n in map(resident_pages, files)] == [True, True, True]
