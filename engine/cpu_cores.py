@@ -15,6 +15,8 @@ from pathlib import Path
 
 import torch
 
+from engine.kernels.experts.cpu_gemv import pinned_cpus
+
 CGROUP_ROOT = Path("/sys/fs/cgroup")
 CPU_TOPOLOGY = Path("/sys/devices/system/cpu")
 
@@ -126,3 +128,17 @@ def worker_cpus(threads: int, cpus: list[int] | None = None, quota: float | None
     order = (firsts[1:] + [cpu for cpu in siblings if core[cpu] != core[cpus[0]]]
              + [cpu for cpu in siblings if core[cpu] == core[cpus[0]]])
     return order[:workers]
+
+
+def background_cpus(pinned: list[int] | None = None, cpus: list[int] | None = None) -> list[int]:
+    """The CPUs for work beside serving (the prepared snapshot's write) -> those no CPU expert worker is pinned
+    to (`pinned`, default: the pool's now), the first CPU (the caller's and the device threads') only where
+    nothing else is left; every CPU where the workers float. Such work runs at the normal priority: a thread
+    below it that takes the GIL and is then kept waiting for a core holds up the serving thread (a 2-core test:
+    the main thread stalled 1.1 s under SCHED_IDLE writers, 0.19 s at nice 19, 26 ms at normal priority)."""
+    cpus = allowed_cpus() if cpus is None else cpus
+    pinned = set(pinned_cpus() if pinned is None else pinned)
+    if not pinned:
+        return cpus
+    free = [cpu for cpu in cpus if cpu not in pinned]
+    return [cpu for cpu in free if cpu != cpus[0]] or free or cpus

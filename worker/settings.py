@@ -133,8 +133,8 @@ class Settings(BaseSettings):
     prepare_busy_mb_s: float = Field(
         200.0, ge=0, validation_alias=_env("PREPARE_BUSY_MB_S"),
         description="The prepared snapshot's write after ready, while requests run: at most this many MB/s, one "
-                    "piece at a time, its threads under SCHED_IDLE (0: it waits until no request runs); "
-                    "idle, it writes at the disk's rate")
+                    "piece at a time, its threads beside the CPU expert workers' cores (0: it waits until no request "
+                    "runs); idle, it writes at the disk's rate")
     kernel_precompile_processes: int | None = Field(
         None, ge=0, validation_alias=_env("KERNEL_PRECOMPILE_PROCESSES"),
         description="Child processes compiling the shipped GPU kernels the volume's cache lacks while the weights "

@@ -14,7 +14,7 @@ import torch
 
 from engine.experts.cpu_experts import CpuExperts
 from engine.kernels.experts import cpu_gemv
-from engine.cpu_cores import physical_cores, quota_cores, usable_cores, worker_cpus
+from engine.cpu_cores import background_cpus, physical_cores, quota_cores, usable_cores, worker_cpus
 from tests.engine.kernels.test_cpu_gemv import nvfp4_stacks
 
 
@@ -103,10 +103,12 @@ def test_pinned_workers_run_on_their_cores_and_unpin(tmp_path):
         pinned = expert_threads()
         assert pinned, "no thread named glmflash-expert: the pool did not start or name its workers"
         assert str(cpus[-1]) in pinned.values()  # worker 1
+        assert cpu_gemv.pinned_cpus() == [cpus[-1]] and cpus[-1] not in background_cpus()
     finally:
         cpu_gemv.pin_workers([])
     mask = (Path("/proc/self/status").read_text().split("Cpus_allowed_list:")[1].split()[0])
     assert set(expert_threads().values()) == {mask}
+    assert cpu_gemv.pinned_cpus() == [] and background_cpus() == cpus
     assert torch.allclose(run(0, x, ids, weights), want, rtol=1e-5, atol=1e-5)
 
 
@@ -117,3 +119,14 @@ def test_torch_threads_are_capped_at_the_usable_cores():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                          cwd=Path(__file__).parents[2]).stdout
     assert out.split() == ["(3,", "2)", "(2,", "2)", "2"]
+
+
+def test_background_work_goes_beside_the_pinned_expert_workers():
+    """Where the workers are pinned, the CPUs none of them holds, the first (the caller's) only as a last resort;
+    where they float, any CPU."""
+    cpus = list(range(16))
+    assert background_cpus(list(range(1, 15)), cpus) == [15]
+    assert background_cpus(list(range(1, 16)), cpus) == [0]
+    assert background_cpus([], cpus) == cpus
+    assert background_cpus([1, 3], [0, 1, 2, 3]) == [2]
+    assert background_cpus(cpus, cpus) == cpus  # nothing free: nowhere better to go

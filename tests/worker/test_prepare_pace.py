@@ -68,16 +68,20 @@ def test_at_rate_zero_it_waits_until_no_request_runs_or_the_write_stops():
     on_a_writer_thread(lambda: stopped(1 << 20))  # returns at once: the write is being stopped
 
 
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="SCHED_IDLE is Linux's")
-def test_the_writing_threads_run_only_on_cores_nothing_else_wants():
-    """A thread that paces a piece runs under SCHED_IDLE from then on; the caller's other threads keep theirs."""
-    pace = ServingFirst(lambda: False, busy_bytes_per_s=0, wait=lambda seconds: False)
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="thread affinity as Linux has it")
+def test_the_writing_threads_run_beside_the_expert_cores_at_the_normal_priority():
+    """A thread that paces a piece runs on the CPUs `cpus()` names from then on, under the normal policy; the
+    caller's other threads keep their CPUs."""
+    allowed = sorted(os.sched_getaffinity(0))
+    pace = ServingFirst(lambda: False, busy_bytes_per_s=0, wait=lambda seconds: False, cpus=lambda: allowed[-1:])
     seen = {}
 
     def write() -> None:
         pace(1 << 20)
+        seen["cpus"] = os.sched_getaffinity(threading.get_native_id())
         seen["policy"] = os.sched_getscheduler(threading.get_native_id())
+        seen["nice"] = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
 
     on_a_writer_thread(write)
-    assert seen["policy"] == os.SCHED_IDLE
-    assert os.sched_getscheduler(threading.get_native_id()) == os.SCHED_OTHER
+    assert seen == {"cpus": {allowed[-1]}, "policy": os.SCHED_OTHER, "nice": os.getpriority(os.PRIO_PROCESS, 0)}
+    assert sorted(os.sched_getaffinity(threading.get_native_id())) == allowed

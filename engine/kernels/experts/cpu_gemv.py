@@ -146,12 +146,21 @@ def close_doorbell(handle: int) -> None:
     _built().doorbell_close(handle)
 
 
+_pinned: list[int] = []  # the CPUs the pool's workers are pinned to (the pool is the process's)
+
+
 def pin_workers(cpus: list[int]) -> None:
     """Pins the kernels' worker threads (ids 1..len(cpus)) to these CPUs, one each, now and when started;
     an empty list unpins them."""
     lib = _built()
     table = (ctypes.c_int32 * max(len(cpus), 1))(*cpus)
     lib.pool_pin(table, len(cpus))
+    _pinned[:] = cpus
+
+
+def pinned_cpus() -> list[int]:
+    """The CPUs the workers are pinned to now; empty while they float."""
+    return list(_pinned)
 
 
 def simd_level() -> int:
