@@ -34,6 +34,7 @@ PREFILL_OVER_EXPERT_MATMUL = 4.9
 MOST_RESERVE_SHARE = 1 / 32
 _LINK_PROBE_BYTES = 64 << 20  # ~1.3 ms at 50 GB/s: long enough to time, short beside a start
 _MATMUL_PROBE = (2048, 4096, 4096)  # a chunk's rows through an expert-sized projection
+_MATMUL_WARM_CALLS = 100  # 11-90 ms at 600-78 TFLOP/s: the clocks up before the timed calls
 
 
 @dataclass(frozen=True)
@@ -44,9 +45,10 @@ class PrefillRates:
     matmul: float  # FLOP a second of a bf16 matmul of a chunk's shape
 
 
-def _best_seconds(device: torch.device, runs: int, fn) -> float:
-    """Shortest of `runs` timed calls after a warm one, the device waited for."""
-    fn()
+def _best_seconds(device: torch.device, runs: int, fn, warm: int = 1) -> float:
+    """Shortest of `runs` timed calls after `warm` untimed ones, the device waited for."""
+    for _ in range(warm):
+        fn()
     torch.cuda.synchronize(device)
     best = math.inf
     for _ in range(runs):
@@ -69,7 +71,9 @@ def measured_prefill_rates(device: torch.device) -> PrefillRates | None:
     m, n, k = _MATMUL_PROBE
     a = torch.randn(m, k, device=device, dtype=torch.bfloat16)
     b = torch.randn(n, k, device=device, dtype=torch.bfloat16)
-    matmul = 2 * m * n * k / _best_seconds(device, 5, lambda: a @ b.T)
+    # a GPU fresh from idle runs its first milliseconds at low clocks (a start measured 69-78 TFLOP/s on an H100
+    # that gives ~600 once busy): tens of milliseconds of the same matmul first
+    matmul = 2 * m * n * k / _best_seconds(device, 5, lambda: a @ b.T, warm=_MATMUL_WARM_CALLS)
     return PrefillRates(link, matmul)
 
 
