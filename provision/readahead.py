@@ -1,17 +1,18 @@
-"""The first files a start will load, read into the page cache while the process imports torch and the engine.
+"""The first files a start will load, read into the page cache from the end of the imports to the load's first read.
 
-From process start to the first read, an H200 host spent 5-7 s importing torch, CUDA and the engine with the
-disk idle (boot logs: `event=compile_cache` to the load stage). posix_fadvise(WILLNEED) has the kernel read
+Between the imports and the load's first read (the memory plan, the host banks' allocation, the kernels'
+preload: ~3 s of a fast_resume on an H100) the disk would sit idle. posix_fadvise(WILLNEED) has the kernel read
 the files meanwhile, in the order the load reads them: a prepared snapshot's (fast_resume; the caller lists
 them, the format is the engine's), else a local source snapshot's safetensors (a cold start from the volume);
 the load's buffered reads then find those pages in memory. At most READAHEAD_BYTES and a quarter of the free
-memory. A snapshot still to be downloaded has nothing to read ahead.
+memory. A snapshot still to be downloaded has nothing to read ahead. Started before the imports instead, the
+readahead slowed them more than it saved the load (an H100's cold start: listening 7 s later, the load 2.4 s
+shorter): the imports' page faults wait behind its reads.
 
 Linux reads at most the device's readahead window (the larger of read_ahead_kb and max_sectors_kb: 128 KiB to
 a few MiB) for one WILLNEED call and drops the rest of the range: calls of 256 MiB left 32 MiB of a 1 GiB file
-cached, and a 20 GB start read at the disk's rate after the imports as if nothing had been read ahead. So the
-advice goes ADVICE_BYTES at a time, ~130,000 calls for 16 GiB, in a process of its own: on a thread, each call
-would wait for the GIL while the main thread imports torch.
+cached. So the advice goes ADVICE_BYTES at a time, ~130,000 calls for 16 GiB, in a process of its own: on a
+thread, each call would wait for the GIL that the start's own threads hold.
 """
 
 from __future__ import annotations

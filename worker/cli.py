@@ -8,8 +8,6 @@ import logging
 import os
 from pathlib import Path
 
-# Nothing imported before the readahead starts may import torch (seconds of import with the disk idle):
-# tests/worker/test_cli.py checks it.
 from engine.checkpoint.prepared_store import prepared_files
 from provision.cache import PREPARED_DIRNAME, model_home
 from provision.readahead import snapshot_files, start_readahead
@@ -41,12 +39,6 @@ def main(argv: list[str] | None = None) -> None:
         overrides["s3_uri"] = overrides.pop("model")
     settings = Settings(**overrides)
     logging.basicConfig(level=settings.log_level, format="%(asctime)s level=%(levelname)s logger=%(name)s %(message)s")
-    spec = settings.model_source  # none: the embedded tiny model, nothing worth reading ahead
-    if spec:  # what the load will read first, while torch and the engine import (the kernels' seeding among them)
-        files = (prepared_files(model_home(settings.cache_dir, spec, settings.model_revision) / PREPARED_DIRNAME)
-                 or snapshot_files(Path(spec)))
-        readahead = start_readahead(files)  # a child process that ends on its own
-        logging.getLogger("glmflash.cli").info("event=readahead files=%d bytes=%d", len(files), readahead.bytes)
     triton_dir = use_compile_cache(settings.cache_dir)  # before the engine's kernels are defined
     seeded = seed_prebuilt_kernels(settings.prebuilt_kernels, triton_dir)
     logging.getLogger("glmflash.cli").info("event=compile_cache dir=%s autotuning=%s prebuilt=%s seeded=%d",
@@ -59,6 +51,15 @@ def main(argv: list[str] | None = None) -> None:
                                            quota_cores())
     from worker.serve import CannotListen, serve as run
 
+    # Once the imports are done: reading ahead beside them slowed them more than it saved the load (their page
+    # faults queued behind the readahead's reads), while from here to the load's first read (the memory plan, the
+    # host banks' allocation, the kernels' preload) the disk would sit idle.
+    spec = settings.model_source  # none: the embedded tiny model, nothing worth reading ahead
+    if spec:
+        files = (prepared_files(model_home(settings.cache_dir, spec, settings.model_revision) / PREPARED_DIRNAME)
+                 or snapshot_files(Path(spec)))
+        readahead = start_readahead(files)  # a child process that ends on its own
+        logging.getLogger("glmflash.cli").info("event=readahead files=%d bytes=%d", len(files), readahead.bytes)
     try:
         asyncio.run(run(settings))
     except CannotListen as error:
