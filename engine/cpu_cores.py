@@ -134,8 +134,9 @@ def background_cpus(pinned: list[int] | None = None, cpus: list[int] | None = No
     """The CPUs for work beside serving (the prepared snapshot's write) -> those no CPU expert worker is pinned
     to (`pinned`, default: the pool's now), the first CPU (the caller's and the device threads') only where
     nothing else is left; every CPU where the workers float. Such work runs at the normal priority: a thread
-    below it that takes the GIL and is then kept waiting for a core holds up the serving thread (a 2-core test:
-    the main thread stalled 1.1 s under SCHED_IDLE writers, 0.19 s at nice 19, 26 ms at normal priority)."""
+    below it that takes the GIL and is then kept waiting for a core holds up the serving thread (ops/
+    bench_writer_stalls on 16 cores: its longest wait 556 ms under SCHED_IDLE writers, 231 ms at nice 19, 11 ms
+    at the normal priority)."""
     cpus = allowed_cpus() if cpus is None else cpus
     pinned = set(pinned_cpus() if pinned is None else pinned)
     if not pinned:

@@ -7,7 +7,9 @@ first as the serving thread, and 8 writer threads doing what the prepared write 
 pwrite and its CRC) paced by `worker.prepare_pace.ServingFirst` as a server paces them while requests run
 (`--busy-mb-s`, GLMFLASH_PREPARE_BUSY_MB_S's default):
   none: no writers (the serving loop's own rate);
-  beside: where the server puts them now (`engine.cpu_cores.background_cpus`), at the normal priority;
+  beside: where the server puts them now (`engine.cpu_cores.background_cpus`), at the normal priority: here the
+          first CPU, the serving thread's, the last resort where every other CPU holds an expert worker (a server
+          leaves more CPUs free: CPU 15 of 16 on the H100 machine);
   idle / nice: floating under SCHED_IDLE or at nice 19, as earlier versions ran them.
 Prints the serving loop's longest gap, the time it spent in gaps over 50 ms and its loops:
   python3 -m ops.bench_writer_stalls --seconds 6 --policies none,beside,idle,nice
@@ -84,7 +86,8 @@ def main() -> None:
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as directory:
         for policy in args.policies.split(","):
-            print(" ".join(f"{k}={v}" for k, v in run(policy, args.seconds, directory, args.busy_mb_s * 1e6).items()), flush=True)
+            figures = run(policy, args.seconds, directory, args.busy_mb_s * 1e6)
+            print(" ".join(f"{k}={v}" for k, v in figures.items()), flush=True)
 
 
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-"""Reading a prepared snapshot ahead while the process imports: which files and how much, in the load's order;
+"""Reading a prepared snapshot ahead of the load: which files and how much, in the load's order;
 nothing without a whole snapshot; and the page cache really holds the bytes afterwards, also of a file far larger
 than the readahead window one WILLNEED call reads (Linux)."""
 
