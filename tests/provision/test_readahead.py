@@ -86,7 +86,10 @@ def test_the_files_land_in_the_page_cache(tmp_path):
     readahead = start_readahead(prepared_files(tmp_path / "prepared") + [(large, large.stat().st_size)])
     assert readahead.bytes == sum(os.path.getsize(path) for path in files)
     readahead.wait(60)
+    # Readahead is best effort (the kernel may drop a readahead read when the device is congested): nine tenths of
+    # each file. One call for a whole 48 MiB file would have read one window of it.
     deadline = time.monotonic() + 20
-    while time.monotonic() < deadline and any(r < n for r, n in map(resident_pages, files)):
+    while time.monotonic() < deadline and any(r < 0.9 * n for r, n in map(resident_pages, files)):
         time.sleep(0.05)
-    assert [r == n for r, n in map(resident_pages, files)] == [True, True, True]
+    shares = [round(r / n, 3) for r, n in map(resident_pages, files)]
+    assert all(share >= 0.9 for share in shares), shares
