@@ -11,6 +11,7 @@ request's state.
 
 from __future__ import annotations
 
+import logging
 import time
 from typing import Callable, TypeVar
 
@@ -20,6 +21,7 @@ from engine.cache import PagedLatents, RequestSlots
 from engine.model.batch import DecodeMeta, ForwardBatch
 from engine.model.glm5_next import Glm5NextModel
 
+log = logging.getLogger("glmflash.engine")
 T = TypeVar("T")
 Shape = tuple[int, int]  # (requests, tokens a request)
 
@@ -80,14 +82,20 @@ class StaticRows:
             self.page_table[rows:size * n].fill_(self.scratch_page)
 
 
-def capture(step: Callable[[], T], pool, device: torch.device) -> tuple[torch.cuda.CUDAGraph, T]:
+def capture(step: Callable[[], T], pool, device: torch.device,
+            warm_s: list[float] | None = None) -> tuple[torch.cuda.CUDAGraph, T]:
     """`step` captured in a CUDA graph (in `pool`) -> the graph and the step's outputs, which each replay rewrites.
-    Run twice first on a side stream, so compiling and autotuning happen outside the capture."""
+    Run twice first on a side stream, so compiling and autotuning happen outside the capture; the seconds those
+    runs took are appended to `warm_s` (what a start's first steps pay, apart from recording the graph)."""
     side = torch.cuda.Stream(device)
     side.wait_stream(torch.cuda.current_stream(device))
+    start = time.perf_counter()
     with torch.cuda.stream(side):
         for _ in range(2):
             step()
+    if warm_s is not None:
+        side.synchronize()
+        warm_s.append(time.perf_counter() - start)
     torch.cuda.current_stream(device).wait_stream(side)
     graph = torch.cuda.CUDAGraph()
     # thread_local: CUDA work other threads do meanwhile (a prepared snapshot written after ready, a
@@ -119,13 +127,18 @@ class ShapeGraphs:
         """Capture `step_of(shape, batch)` for every shape, `batch` the shape's rows of the static inputs."""
         device = self.inputs.tokens.device
         start = time.perf_counter()
-        for shape in sorted(self.shapes, key=lambda s: -s[0] * s[1]):
+        order = sorted(self.shapes, key=lambda s: -s[0] * s[1])
+        warm_s: list[float] = []
+        for shape in order:
             size, n = shape
             step = self._steps[shape] = step_of(shape, ForwardBatch(self.inputs.tokens[:size * n], [],
                                                                     self.inputs.meta(size, n)))
-            self._graphs[shape], self._outputs[shape] = capture(step, self.pool, device)
+            self._graphs[shape], self._outputs[shape] = capture(step, self.pool, device, warm_s)
         torch.cuda.synchronize(device)
         self.capture_s = time.perf_counter() - start
+        # where a slow capture goes: the eager runs before each (first launches, compiles), or the recording
+        log.info("event=graph_capture shapes=%s warm_s=%s seconds=%.2f", ",".join(f"{r}x{n}" for r, n in order),
+                 ",".join(f"{w:.2f}" for w in warm_s), self.capture_s)
 
     def holds(self, requests: int, n: int) -> bool:
         """Whether a graph runs `requests` requests of `n` tokens each."""

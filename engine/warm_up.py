@@ -88,15 +88,18 @@ def warm_up_prefills(core: EngineCore) -> None:
     start = time.perf_counter()
     longest = min(core.options.largest_step, core.options.max_model_len - 1)
     g = torch.Generator().manual_seed(0)
+    seconds = []
     with core.scheduler.prefix_cache_off():
         lengths = [longest]
         for index, length in enumerate(lengths):  # the others join once the longest has run every launcher
             prompt = torch.randint(core.config.vocab_size, (length,), generator=g).tolist()
+            begun = time.perf_counter()
             _run_to_end(core, [Sequence(f"warm-up-prefill-{index}", prompt, SamplingParams(max_tokens=1))])
+            seconds.append(time.perf_counter() - begun)
             if index == 0:
                 lengths += covering_lengths(longest, done=lengths)
-    log.info("event=prefill_warm_up lengths=%s seconds=%.1f", ",".join(map(str, lengths)),
-             time.perf_counter() - start)
+    log.info("event=prefill_warm_up lengths=%s seconds=%.1f each_s=%s", ",".join(map(str, lengths)),
+             time.perf_counter() - start, ",".join(f"{t:.2f}" for t in seconds))
 
 
 def calibrate_routing(core: EngineCore, prompts: list[list[int]]) -> int:
