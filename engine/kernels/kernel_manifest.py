@@ -31,7 +31,7 @@ import torch
 from engine.config import ModelConfig
 from engine.kernels.background import OncePerKey
 from engine.kernels.cache_keys import settle_kernel_keys
-from engine.kernels.manifest_store import merged_entries, packaged_manifest, read_manifest, resolve
+from engine.kernels.manifest_store import merged_entries, packaged_manifest, read_manifest, read_warm_up, resolve
 from engine.kernels.prebuilt import seeded_manifest
 from engine.kernels.precompile import localized, precompile, precompile_processes
 
@@ -66,6 +66,11 @@ class CompileLog:
     seconds: float = 0.0
     by_kernel: dict[str, float] = field(default_factory=dict)
     entries: dict[str, dict[str, str]] = field(default_factory=dict)  # specialization data -> entry
+    # The prefill warm-up's record ({"longest", "lengths"}): this start's, written with the manifest, and an
+    # earlier start's, read from it; whether the preload found every kernel the manifests name.
+    warmed: dict | None = None
+    earlier_warm_up: dict | None = None
+    preloaded_all: bool = False
     _started: dict[tuple[int, str], float] = field(default_factory=dict)
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
@@ -104,6 +109,15 @@ class CompileLog:
                 self._write()
         return self.summary()
 
+    def covered_prefills(self, longest: int) -> list[int] | None:
+        """The lengths an earlier start's prefill warm-up ran at this longest step, where the preload has read
+        every kernel its manifest names (what those prefills compiled among them): running them again would
+        compile nothing (an H100's fast_resume: 2.4 s of prefills, no compile). None: the warm-up must run."""
+        record = self.earlier_warm_up
+        if not self.preloaded_all or record is None or record["longest"] != longest:
+            return None
+        return list(record["lengths"])
+
     def summary(self, slowest: int = 5) -> str:
         top = sorted(self.by_kernel.items(), key=lambda item: -item[1])[:slowest]
         names = ",".join(f"{name.rsplit('.', 1)[-1]}:{seconds:.1f}" for name, seconds in top) or "none"
@@ -114,7 +128,10 @@ class CompileLog:
         try:
             self.file.parent.mkdir(parents=True, exist_ok=True)
             part = self.file.with_name(f".{self.file.name}.{os.getpid()}.part")
-            part.write_text(json.dumps({"key": self.key, "kernels": list(self.entries.values())}))
+            manifest = {"key": self.key, "kernels": list(self.entries.values())}
+            if self.warmed is not None:
+                manifest["warmed"] = self.warmed
+            part.write_text(json.dumps(manifest))
             os.replace(part, self.file)
         except OSError as exc:  # a read-only volume: the next start compiles as this one did
             log.warning("event=kernel_manifest_unwritable file=%s error=%r", self.file, exc)
@@ -208,6 +225,7 @@ def start_preload(file: Path | None, device: torch.device, dtype: torch.dtype, s
     cached, entries = manifest_entries(file, key)
     new = entries[len(cached):]
     record_compiles(file, key)
+    COMPILES.earlier_warm_up = read_warm_up(file, key)
     major, minor = torch.cuda.get_device_capability(device)
 
     def on_device() -> None:  # Triton compiles for the thread's current device
@@ -230,6 +248,7 @@ def start_preload(file: Path | None, device: torch.device, dtype: torch.dtype, s
             log.warning("event=kernel_preload_failed error=%r", exc)
             return 0, 0.0
         seconds = time.perf_counter() - start
+        COMPILES.preloaded_all = done == len(entries)
         log.info("event=kernel_preload kernels=%d of=%d cached=%d precompiled=%d seconds=%.1f", done, len(entries),
                  len(cached), compiled, seconds)
         return done, seconds

@@ -34,6 +34,22 @@ def read_manifest(file: Path, key: dict[str, str]) -> list[dict[str, str]]:
     return [e for e in manifest["kernels"] if isinstance(e, dict) and {"module", "name", "data", "source"} <= e.keys()]
 
 
+def read_warm_up(file: Path, key: dict[str, str]) -> dict | None:
+    """The prefill warm-up an earlier start recorded with its manifest under `key` ({"longest", "lengths"}), or
+    None."""
+    try:
+        manifest = json.loads(file.read_text())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(manifest, dict) or manifest.get("key") != key:
+        return None
+    warmed = manifest.get("warmed")
+    if not isinstance(warmed, dict) or not isinstance(warmed.get("longest"), int) \
+            or not isinstance(warmed.get("lengths"), list):
+        return None
+    return warmed
+
+
 def merged_entries(first: list[dict[str, str]], then: list[dict[str, str]]) -> list[dict[str, str]]:
     """`first`, then the entries of `then` for specializations `first` lacks."""
     known = {entry["data"] for entry in first}
