@@ -29,7 +29,9 @@
 #        prepared snapshot where there is one):
 #          python3 -m ops.soak --serve WORK_DIR/slice --device cuda --seconds SOAK_S --streams 32 --max-tokens 256
 # EXPERT_BUDGET_GIB runs every server in hybrid mode (GLMFLASH_MOE_VRAM_BUDGET_GIB: that many GiB of routed experts
-# on the GPU, the rest in host RAM), e.g. SLICE_GIB=20 EXPERT_BUDGET_GIB=4 bash ops/gpu_serving.sh OUT boot soak.
+# on the GPU, the rest in host RAM), e.g. SLICE_GIB=20 EXPERT_BUDGET_GIB=4 PARTIAL=0 bash ops/gpu_serving.sh OUT boot,
+# then (a call of its own: the soak takes SOAK_S + ~90 s, the boot part ~310 s with the slice and prebuilt kernels
+# made) SLICE_GIB=20 EXPERT_BUDGET_GIB=4 bash ops/gpu_serving.sh OUT soak on the same machine.
 # Any other GLMFLASH_ setting in the environment reaches every server too, e.g. GLMFLASH_MAX_PREFILL_TOKENS=8192 with
 # EXPERT_BUDGET_GIB for the long part's prompt in longer steps.
 # SLICE_GIB is 12 by default (10.6 GiB: 2 MoE layers of 288 experts), what fits beside the other parts: each
@@ -66,10 +68,11 @@ structured_args=${STRUCTURED_ARGS:---batch 1 16}
 has() { [[ " $parts " == *" $1 "* ]]; }
 
 # step CAP RESERVE LOG COMMAND...: the command under a limit of CAP seconds or the time left less RESERVE (what
-# later steps keep), whichever is less, both sized for a budget of 540 s and scaled with BUDGET_S; its output
-# goes to LOG and is printed.
+# later steps keep), whichever is less, both sized for a budget of 540 s; a larger BUDGET_S scales them up, a
+# smaller one leaves the caps (a step cut below what it needs measures nothing) and lets the later steps go short.
 step() {
-  local cap=$(($1 * budget / 540)) reserve=$(($2 * budget / 540)) log=$3; shift 3
+  local scale=$((budget > 540 ? budget : 540))
+  local cap=$(($1 * scale / 540)) reserve=$(($2 * budget / 540)) log=$3; shift 3
   local limit=$((deadline - $(date +%s) - reserve)); ((limit > cap)) && limit=$cap
   if ((limit < 20)); then echo "== skipped, ${limit}s left for: $*" | tee -a "$log"; return 124; fi
   echo "== $* (limit ${limit}s, at $(($(date +%s) - start))s)" | tee -a "$log"
@@ -143,9 +146,11 @@ if has boot; then
     step 90 $((200 + reserve_serve)) "$out/boot.log" python3 -m engine.kernels.prebuilt "$work/prebuilt" \
       && export GLMFLASH_PREBUILT_KERNELS=$work/prebuilt
   fi
-  step 200 $((80 + reserve_serve)) "$out/boot.log" \
+  # ~225 s on the 20 GB slice in hybrid mode (the prepared write alone ~100 s at the busy pace), ~150 s resident
+  partial=${PARTIAL:-1}
+  step 260 $(( $([ "$partial" = 1 ] && echo 80 || echo 0) + reserve_serve)) "$out/boot.log" \
     python3 -m ops.bench_boot --cache-dir "$cache" --model "$slice" --log-dir "$work/logs" -- --device "$device"
-  [ "${PARTIAL:-1}" = 1 ] && step 200 "$reserve_serve" "$out/boot.log" \
+  [ "$partial" = 1 ] && step 200 "$reserve_serve" "$out/boot.log" \
     python3 -m ops.bench_boot --cache-dir "$cache" --model "$slice" --ready-at partial --log-dir "$work/logs" \
       -- --device "$device"
   tar czf "$out/server-logs.tgz" -C "$work" logs  # each start's own log: its stages, event= lines, compiles
