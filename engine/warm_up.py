@@ -82,15 +82,17 @@ def warm_up_prefills(core: EngineCore) -> None:
     start, not in the first requests: the longest step, which runs every kernel launcher once, then one length
     per combination of builds it has not taken (engine/kernels/token_variants.py). Outside the prefix cache
     (which would hold back a prompt's last token, and keep random prompts); the engine is idle after, its slots
-    free. Recorded with the kernel manifest; a later start whose preload read every kernel of it, at the same
-    longest step, skips them (`CompileLog.covered_prefills`)."""
+    free. Recorded with the kernel manifest; a later start whose preload read every kernel of it, under the same
+    longest step, offload, latent cache and drafts, skips them (`CompileLog.covered_prefills`)."""
     if core.has_work:
         raise RuntimeError("the prefill warm-up needs an idle engine")
     start = time.perf_counter()
     longest = min(core.options.largest_step, core.options.max_model_len - 1)
-    covered = COMPILES.covered_prefills(longest)
+    signature = {"longest": longest, "hybrid": core.offload is not None, "kv_cache_dtype": core.options.kv_cache_dtype,
+                 "drafts": core.drafter.k if core.drafter is not None else 0}
+    covered = COMPILES.covered_prefills(signature)
     if covered is not None:
-        COMPILES.warmed = {"longest": longest, "lengths": covered}  # still true for the next start
+        COMPILES.warmed = {"signature": signature, "lengths": covered}  # still true for the next start
         log.info("event=prefill_warm_up skipped=kernels_preloaded lengths=%s", ",".join(map(str, covered)))
         return
     g = torch.Generator().manual_seed(0)
@@ -104,7 +106,7 @@ def warm_up_prefills(core: EngineCore) -> None:
             seconds.append(time.perf_counter() - begun)
             if index == 0:
                 lengths += covering_lengths(longest, done=lengths)
-    COMPILES.warmed = {"longest": longest, "lengths": lengths}
+    COMPILES.warmed = {"signature": signature, "lengths": lengths}
     log.info("event=prefill_warm_up lengths=%s seconds=%.1f each_s=%s", ",".join(map(str, lengths)),
              time.perf_counter() - start, ",".join(f"{t:.2f}" for t in seconds))
 

@@ -66,7 +66,7 @@ class CompileLog:
     seconds: float = 0.0
     by_kernel: dict[str, float] = field(default_factory=dict)
     entries: dict[str, dict[str, str]] = field(default_factory=dict)  # specialization data -> entry
-    # The prefill warm-up's record ({"longest", "lengths"}): this start's, written with the manifest, and an
+    # The prefill warm-up's record ({"signature", "lengths"}): this start's, written with the manifest, and an
     # earlier start's, read from it; whether the preload found every kernel the manifests name.
     warmed: dict | None = None
     earlier_warm_up: dict | None = None
@@ -109,12 +109,13 @@ class CompileLog:
                 self._write()
         return self.summary()
 
-    def covered_prefills(self, longest: int) -> list[int] | None:
-        """The lengths an earlier start's prefill warm-up ran at this longest step, where the preload has read
-        every kernel its manifest names (what those prefills compiled among them): running them again would
-        compile nothing (an H100's fast_resume: 2.4 s of prefills, no compile). None: the warm-up must run."""
+    def covered_prefills(self, signature: dict) -> list[int] | None:
+        """The lengths an earlier start's prefill warm-up ran under the same `signature` (what decides the kernels a
+        prefill runs: its longest step, hybrid offload, the latent cache's dtype, drafts), where the preload has read
+        every kernel its manifest names (what those prefills compiled among them): running them again would compile
+        nothing (an H100's fast_resume: 2.4 s of prefills, no compile). None: the warm-up must run."""
         record = self.earlier_warm_up
-        if not self.preloaded_all or record is None or record["longest"] != longest:
+        if not self.preloaded_all or record is None or record["signature"] != signature:
             return None
         return list(record["lengths"])
 

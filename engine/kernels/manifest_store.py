@@ -35,7 +35,7 @@ def read_manifest(file: Path, key: dict[str, str]) -> list[dict[str, str]]:
 
 
 def read_warm_up(file: Path, key: dict[str, str]) -> dict | None:
-    """The prefill warm-up an earlier start recorded with its manifest under `key` ({"longest", "lengths"}), or
+    """The prefill warm-up an earlier start recorded with its manifest under `key` ({"signature", "lengths"}), or
     None."""
     try:
         manifest = json.loads(file.read_text())
@@ -44,7 +44,7 @@ def read_warm_up(file: Path, key: dict[str, str]) -> dict | None:
     if not isinstance(manifest, dict) or manifest.get("key") != key:
         return None
     warmed = manifest.get("warmed")
-    if not isinstance(warmed, dict) or not isinstance(warmed.get("longest"), int) \
+    if not isinstance(warmed, dict) or not isinstance(warmed.get("signature"), dict) \
             or not isinstance(warmed.get("lengths"), list):
         return None
     return warmed

@@ -77,21 +77,22 @@ def test_the_prefill_warm_up_leaves_an_idle_engine_that_answers_as_a_fresh_one(t
     assert got.output_token_ids == run_together(engine(), [Sequence("fresh", ids, params)])[0].output_token_ids
 
 def test_a_start_whose_preload_covered_the_last_warm_up_skips_its_prefills(tiny_dir, caplog, monkeypatch):
-    """Where the preload read every kernel of a manifest whose start ran the prefill warm-up at the same longest
-    step, those prefills would compile nothing: none runs, and the record is kept for the next start."""
+    """Where the preload read every kernel of a manifest whose start ran the prefill warm-up under the same
+    signature, those prefills would compile nothing: none runs, and the record is kept for the next start."""
     from engine import warm_up as warm_up_module
     from engine.engine_core import EngineOptions
     from engine.kernels.kernel_manifest import CompileLog
 
     core = load_engine(tiny_dir("nvfp4-ct"), dtype="float32", options=EngineOptions(max_num_batched_tokens=128))
-    compiles = CompileLog(earlier_warm_up={"longest": 128, "lengths": [128, 29, 3]}, preloaded_all=True)
+    signature = {"longest": 128, "hybrid": False, "kv_cache_dtype": "auto", "drafts": 0}
+    compiles = CompileLog(earlier_warm_up={"signature": signature, "lengths": [128, 29, 3]}, preloaded_all=True)
     monkeypatch.setattr(warm_up_module, "COMPILES", compiles)
     steps = []
     monkeypatch.setattr(core, "step", lambda *a, **k: steps.append(1))
     with caplog.at_level("INFO", logger="glmflash.engine"):
         warm_up_prefills(core)
     assert "event=prefill_warm_up skipped=kernels_preloaded lengths=128,29,3" in caplog.text and steps == []
-    assert compiles.warmed == {"longest": 128, "lengths": [128, 29, 3]}
+    assert compiles.warmed == {"signature": signature, "lengths": [128, 29, 3]}
     compiles.preloaded_all = False  # a kernel the preload could not read: the prefills run and are recorded
     monkeypatch.undo()  # the engine's own steps again
     monkeypatch.setattr(warm_up_module, "COMPILES", compiles)
@@ -99,4 +100,4 @@ def test_a_start_whose_preload_covered_the_last_warm_up_skips_its_prefills(tiny_
     with caplog.at_level("INFO", logger="glmflash.engine"):
         warm_up_prefills(core)
     assert "event=prefill_warm_up lengths=128" in caplog.text and "skipped" not in caplog.text
-    assert compiles.warmed["longest"] == 128 and compiles.warmed["lengths"][0] == 128
+    assert compiles.warmed["signature"] == signature and compiles.warmed["lengths"][0] == 128

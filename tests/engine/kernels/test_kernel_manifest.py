@@ -60,20 +60,22 @@ def test_a_manifest_for_another_architecture_triton_dtype_or_model_or_torn_is_no
 
 def test_the_prefill_warm_up_is_kept_with_the_manifest_and_covers_a_later_start_that_preloaded_everything(tmp_path):
     """A start's prefill warm-up is written with its manifest; a later start skips it only where its preload read
-    every kernel and its longest step is the same."""
+    every kernel and what decides a prefill's kernels (longest step, offload, latent cache, drafts) is the same."""
     file = tmp_path / "kernels.json"
+    signature = {"longest": 4096, "hybrid": True, "kv_cache_dtype": "auto", "drafts": 0}
     first = CompileLog(key=KEY, file=file)
     first.after(**compile_kwargs("m", "k", "a"))
-    first.warmed = {"longest": 4096, "lengths": [4096, 3424, 29, 3]}
+    first.warmed = {"signature": signature, "lengths": [4096, 3424, 29, 3]}
     first.started()
-    assert read_warm_up(file, KEY) == {"longest": 4096, "lengths": [4096, 3424, 29, 3]}
+    assert read_warm_up(file, KEY) == {"signature": signature, "lengths": [4096, 3424, 29, 3]}
     assert read_warm_up(file, {**KEY, "dtype": "float32"}) is None and read_warm_up(tmp_path / "absent", KEY) is None
     later = CompileLog(key=KEY, file=file, earlier_warm_up=read_warm_up(file, KEY))
-    assert later.covered_prefills(4096) is None  # the preload has not read every kernel
+    assert later.covered_prefills(signature) is None  # the preload has not read every kernel
     later.preloaded_all = True
-    assert later.covered_prefills(4096) == [4096, 3424, 29, 3]
-    assert later.covered_prefills(8192) is None  # another longest step: other builds
-    assert CompileLog(key=KEY, file=file, preloaded_all=True).covered_prefills(4096) is None  # nothing recorded
+    assert later.covered_prefills(signature) == [4096, 3424, 29, 3]
+    for change in ({"longest": 8192}, {"hybrid": False}, {"kv_cache_dtype": "fp8"}, {"drafts": 2}):
+        assert later.covered_prefills({**signature, **change}) is None  # other kernels, other builds
+    assert CompileLog(key=KEY, file=file, preloaded_all=True).covered_prefills(signature) is None  # none recorded
 
 
 def test_an_unwritable_manifest_is_a_warning_and_compiles_go_on(tmp_path, caplog):
