@@ -182,9 +182,10 @@ def one_start(cache_dir: Path, flags: list[str], wait_prepared: bool, partial: b
 
 
 # What a start waits on, in its log: the events that mark the critical path, and the seconds each reports.
-PATH_EVENTS = ("readahead", "compile_cache", "listening", "memory_plan", "load_timing", "kernel_preload",
-               "warm_up_wait", "decode_graphs", "decode_probe", "prefill_warm_up", "kernel_compiles")
-EVENT_SECONDS = re.compile(r"\b(wall_s|waited_s|capture_s|seconds)=([\d.]+)")
+PATH_EVENTS = ("readahead", "compile_cache", "listening", "memory_plan", "load_timing", "prepared_load",
+               "kernel_preload", "warm_up_wait", "graph_capture", "decode_graphs", "decode_probe", "prefill_warm_up",
+               "kernel_compiles")
+EVENT_SECONDS = re.compile(r"\b(wall_s|read_s|waited_s|capture_s|seconds)=([\d.]+)")
 LOG_LINE = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) .*?\bevent=(\w+)(.*)$")
 
 
