@@ -22,14 +22,20 @@ def packaged_manifest(key: dict[str, str]) -> Path:
     return MANIFESTS / f"sm{key['capability'].replace('.', '')}-{key['dtype']}.json"
 
 
-def read_manifest(file: Path, key: dict[str, str]) -> list[dict[str, str]]:
-    """The manifest's entries when it was written under `key`; [] when absent, unreadable or for another
-    GPU architecture, Triton or dtype."""
+def _written_under(file: Path, key: dict[str, str]) -> dict | None:
+    """The manifest file's content when it was written under `key`; None when absent, unreadable or another's."""
     try:
         manifest = json.loads(file.read_text())
     except (OSError, ValueError):
-        return []
-    if not isinstance(manifest, dict) or manifest.get("key") != key or not isinstance(manifest.get("kernels"), list):
+        return None
+    return manifest if isinstance(manifest, dict) and manifest.get("key") == key else None
+
+
+def read_manifest(file: Path, key: dict[str, str]) -> list[dict[str, str]]:
+    """The manifest's entries when it was written under `key`; [] when absent, unreadable or for another
+    GPU architecture, Triton or dtype."""
+    manifest = _written_under(file, key)
+    if manifest is None or not isinstance(manifest.get("kernels"), list):
         return []
     return [e for e in manifest["kernels"] if isinstance(e, dict) and {"module", "name", "data", "source"} <= e.keys()]
 
@@ -37,13 +43,7 @@ def read_manifest(file: Path, key: dict[str, str]) -> list[dict[str, str]]:
 def read_warm_up(file: Path, key: dict[str, str]) -> dict | None:
     """The prefill warm-up an earlier start recorded with its manifest under `key` ({"signature", "lengths"}), or
     None."""
-    try:
-        manifest = json.loads(file.read_text())
-    except (OSError, ValueError):
-        return None
-    if not isinstance(manifest, dict) or manifest.get("key") != key:
-        return None
-    warmed = manifest.get("warmed")
+    warmed = (_written_under(file, key) or {}).get("warmed")
     if not isinstance(warmed, dict) or not isinstance(warmed.get("signature"), dict) \
             or not isinstance(warmed.get("lengths"), list):
         return None
